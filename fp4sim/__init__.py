@@ -1,0 +1,6 @@
+"""fp4sim: bit-exact emulation and analysis of 4-bit floating-point (NVFP4, MXFP4) LLM training numerics."""
+from .elements import decode, encode
+from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
+
+__version__ = "0.1.0"
+__all__ = ["encode", "decode", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]

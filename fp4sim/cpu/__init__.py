@@ -1,0 +1,1 @@
+"""Numba CPU kernels. Internal: call them through the public functions in :mod:`fp4sim`."""

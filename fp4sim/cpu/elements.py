@@ -1,0 +1,133 @@
+"""Element conversion kernels (float32 bits -> codes), branch-light integer arithmetic.
+
+The rounding core works on the float32 bit pattern: the significand (with its implicit bit) is shifted right
+by the distance between the input's quantum and the target format's quantum in the target binade, and the
+remainder decides the rounding. Every rule (RNE, RZ, RU, RD, SR with n random bits) is a comparison of that
+remainder, so one helper serves every format with subnormals (E2M1, E4M3, E5M2, BF16).
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from ..rng import byte_of, philox_block_for
+
+RNE, RZ, RU, RD, SR = 0, 1, 2, 3, 4
+MODES = {"rne": RNE, "rn": RNE, "rz": RZ, "ru": RU, "rp": RU, "rd": RD, "rm": RD, "sr": SR, "rs": SR}
+
+# rbits sources
+RB_NONE, RB_GIVEN, RB_PHILOX = 0, 1, 2
+
+
+@nb.njit(inline="always", cache=True)
+def round_magnitude(a, neg, mode, r, nsr, mbits, emin, bias):
+    """Magnitude code of |x| (float32 bits ``a`` without sign, finite) rounded to a format.
+
+    Branch-free (every mode's decision is computed and one is selected by loop-invariant masks, so loops
+    vectorise). Returns an int64 that may exceed the format's largest finite code: the caller decides
+    overflow. ``emin`` is the unbiased exponent of the format's smallest normal; ``r`` the SR random integer
+    (``nsr`` bits).
+    """
+    a = np.int32(a)
+    E = a >> 23
+    sig = (a & 0x7FFFFF) | (np.int32(E != 0) << 23)
+    e = max(E, np.int32(1)) - 127
+    eT = max(e, np.int32(emin))
+    s = eT - e + np.int32(23 - mbits)
+    # quantum more than 2^31 times the input's: keep only a sticky bit (every mode then decides as for the
+    # exact value, and the int32 shifts below stay in range)
+    tiny = s > 31
+    sig = np.int32(sig != 0) if tiny else sig
+    s = min(s, np.int32(31))
+    q = sig >> s
+    rem = sig - (q << s)
+    half = np.int32(1) << (s - 1)
+    inexact = rem != 0
+    up_rne = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    up_sr = ((rem >> (s - np.int32(nsr))) + np.int32(r)) >= (np.int32(1) << np.int32(nsr))
+    up = ((mode == 0) & up_rne) | ((mode == 2) & inexact & (not neg)) | ((mode == 3) & inexact & neg) | \
+         ((mode == 4) & up_sr)
+    return ((eT + np.int32(bias - 1)) << np.int32(mbits)) + q + np.int32(up)
+
+
+@nb.njit(inline="always", cache=True)
+def encode_one(u, mode, r, nsr, mbits, emin, bias, maxmag, sat, nosat_code, nan_code, sign_bit):
+    """Full code (sign included) of one float32 given as its uint32 bit pattern ``u``."""
+    u = np.uint32(u)
+    a = np.int32(u & np.uint32(0x7FFFFFFF))
+    neg = (u >> np.uint32(31)) != 0
+    sgn = np.int32(sign_bit) * np.int32(neg)
+    mag = round_magnitude(min(a, np.int32(0x7F7FFFFF)), neg, mode, r, nsr, mbits, emin, bias)
+    over = (mag > maxmag) | (a == 0x7F800000)
+    over_code = np.int32(maxmag) if (sat or mode == 4) else np.int32(nosat_code)
+    code = (over_code if over else mag) | sgn
+    return np.int32(nan_code) if a > 0x7F800000 else code
+
+
+@nb.njit(inline="always", cache=True)
+def encode_ue8m0_one(u, mode, sat):
+    """UE8M0 byte of one float32 (sign ignored), per SPEC §1.4; mode RNE/RZ/RU (RD = RZ)."""
+    a = np.int64(u) & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return np.int64(0xFF)
+    E = a >> 23
+    M = a & 0x7FFFFF
+    if E == 0:
+        if mode == 2:
+            c = np.int64(1) if a > 0x00400000 else np.int64(0)
+        elif mode == 0:
+            c = np.int64(1) if a > 0x00600000 else np.int64(0)
+        else:
+            c = np.int64(0)
+    elif E == 255:
+        c = np.int64(255)
+    elif mode == 2:
+        c = E + (np.int64(1) if M != 0 else np.int64(0))
+    elif mode == 0:
+        c = E + (np.int64(1) if (M > 0x400000) | ((M == 0x400000) & ((E & 1) == 1)) else np.int64(0))
+    else:
+        c = E
+    if c > 254:
+        return np.int64(0xFE) if sat else np.int64(0xFF)
+    return c
+
+
+CHUNK = 4096  # elements per parallel task (a multiple of 16, so Philox blocks never straddle tasks)
+
+
+@nb.njit(parallel=True, cache=True)
+def encode_kernel(xb, out, mode, rb, rb_kind, k0, k1, stream, nsr, sat,
+                  mbits, emin, bias, maxmag, nosat_code, nan_code, sign_bit, ue8m0):
+    """Encode float32 bit patterns ``xb`` (uint32, 1-D) into ``out`` (uint8/uint16).
+
+    ``rb_kind``: 0 no random bits, 1 given per element in ``rb``, 2 Philox from (k0, k1, stream).
+    """
+    n = xb.shape[0]
+    nch = (n + CHUNK - 1) // CHUNK
+    rmask = (np.int64(1) << nsr) - 1
+    for c in nb.prange(nch):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        if rb_kind == 1:
+            rsrc = rb[lo:hi]
+        else:
+            rsrc = np.zeros(CHUNK, np.uint8)
+            if rb_kind == 2:
+                for b in range(lo, hi, 16):
+                    rr = philox_block_for(b, k0, k1, stream)
+                    for t in range(b, min(b + 16, hi)):
+                        rsrc[t - lo] = byte_of(rr, t)
+        if ue8m0:
+            for i in range(lo, hi):
+                out[i] = encode_ue8m0_one(xb[i], mode, sat)
+        else:
+            for i in range(lo, hi):
+                out[i] = encode_one(xb[i], mode, np.int64(rsrc[i - lo]) & rmask, nsr, mbits, emin, bias, maxmag,
+                                    sat, nosat_code, nan_code, sign_bit)
+
+
+@nb.njit(parallel=True, cache=True)
+def decode_kernel(codes, table, out):
+    """``out[i] = table[codes[i]]`` (a gather from the format's value table)."""
+    for i in nb.prange(codes.shape[0]):
+        out[i] = table[codes[i]]

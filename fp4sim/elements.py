@@ -1,0 +1,94 @@
+"""Public element conversions: ``encode`` (float -> codes) and ``decode`` (codes -> float32).
+
+Semantics follow SPEC §1: CUDA/PTX ``.satfinite`` behaviour by default, every rounding mode, stochastic
+rounding with given or Philox-generated bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _inputs
+from .cpu import elements as _k
+from .formats import Format, get_format
+from .rng import seed_key
+
+__all__ = ["encode", "decode", "ROUNDINGS"]
+
+ROUNDINGS = ("rne", "rz", "ru", "rp", "rd", "sr")
+
+
+def kernel_params(fmt: Format) -> tuple:
+    """The integer description of a format that the encode kernels take."""
+    if fmt.has_inf:
+        nosat = fmt.inf_code
+    elif fmt.nan_code is not None:
+        nosat = fmt.nan_code
+    else:
+        nosat = fmt.max_code
+    nan = fmt.nan_code if fmt.nan_code is not None else fmt.max_code
+    return (fmt.mbits, fmt.emin, fmt.bias, fmt.max_code, nosat, nan, fmt.sign_mask)
+
+
+def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, seed=None, sr_bits: int = 8,
+           stream: int = 0, rbits_mapping: str = "te") -> np.ndarray:
+    """Encode values into ``fmt`` codes, one unpacked code per element.
+
+    Parameters
+    ----------
+    x : array of float32, float16, bfloat16 (ml_dtypes) or float64 (rounded to float32 first, RNE).
+    fmt : Format or name (``E2M1``, ``E4M3``, ``E5M2``, ``UE8M0``, ``BF16``).
+    rounding : ``"rne"`` (nearest, ties to even code), ``"rz"``, ``"ru"``/``"rp"``, ``"rd"``, ``"sr"``.
+    saturate : overflow gives +-max (True, CUDA ``.satfinite``) or the format's Inf/NaN code (False).
+        E2M1 always saturates; stochastic rounding always saturates (the hardware instruction does).
+    rbits, seed, sr_bits, stream, rbits_mapping : stochastic rounding bits (SPEC §1.3): ``rbits`` uint8 per
+        element or uint32 words (4 elements per word, byte k of word j for element 4j+k with the ``"te"``
+        mapping, byte 3-k with ``"msb_first"``), or ``seed`` for Philox4x32-10 bits; ``sr_bits`` = n.
+
+    Returns
+    -------
+    uint8 codes (uint16 for BF16) with the shape of ``x``.
+    """
+    fmt = get_format(fmt)
+    xs = _inputs.as_float32(x)
+    rounding = _inputs.check_choice(rounding, "rounding", ROUNDINGS)
+    if not isinstance(saturate, (bool, np.bool_)):
+        raise TypeError(f"saturate must be True or False, not {type(saturate).__name__}")
+    nsr = _inputs.check_int(sr_bits, "sr_bits", 1, 8)
+    stream = _inputs.check_int(stream, "stream", 0, 0xFFFFFFFF)
+    mode = _k.MODES[rounding]
+    if fmt.name == "ue8m0":
+        if mode == _k.SR:
+            raise ValueError("rounding='sr' is not defined for UE8M0 scales; use 'rz', 'rp'/'ru' or 'rne'")
+        if mode == _k.RD:
+            mode = _k.RZ  # UE8M0 ignores the sign, so rounding down is rounding toward zero
+    if mode == _k.SR and not saturate and fmt.name != "e2m1":
+        raise ValueError("saturate=False is not defined with rounding='sr': stochastic rounding is satfinite "
+                         "(as the hardware cvt.rs instruction); use saturate=True")
+    kind, per = _inputs.sr_bytes(xs.size, xs.shape, rounding, rbits, seed, nsr, rbits_mapping)
+    k0, k1 = seed_key(seed) if kind == 2 else (0, 0)
+    out = np.empty(xs.shape, dtype=fmt.code_dtype)
+    if xs.size:
+        rb = per if per is not None else np.zeros(1, np.uint8)
+        _k.encode_kernel(xs.reshape(-1).view(np.uint32), out.reshape(-1), mode, rb, kind, np.uint64(k0),
+                         np.uint64(k1), np.uint64(stream), nsr, bool(saturate), *kernel_params(fmt),
+                         fmt.name == "ue8m0")
+    return out
+
+
+def decode(codes, fmt) -> np.ndarray:
+    """float32 values of ``fmt`` codes (uint8, or uint16 for BF16), any shape."""
+    fmt = get_format(fmt)
+    if not isinstance(codes, np.ndarray):
+        raise TypeError(f"codes must be a NumPy array of {fmt.code_dtype} codes, not {type(codes).__name__}")
+    if codes.dtype.kind not in "ui":
+        raise TypeError(f"codes has dtype {codes.dtype}; codes are unsigned integers ({fmt.code_dtype})")
+    if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= fmt.n_codes):
+        raise ValueError(f"codes hold values outside 0..{fmt.n_codes - 1}, which is not a {fmt.name} code "
+                         "(packed FP4? unpack with fp4sim.layout.unpack_fp4 first)")
+    if fmt.name == "bf16":
+        return (codes.astype(np.uint32) << 16).view(np.float32)
+    c = np.ascontiguousarray(codes, dtype=np.uint8)
+    out = np.empty(c.shape, np.float32)
+    if c.size:
+        _k.decode_kernel(c.reshape(-1), fmt.values, out.reshape(-1))
+    return out

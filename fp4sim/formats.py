@@ -1,0 +1,229 @@
+"""Element formats: what each code means.
+
+A format is a frozen dataclass; every property (max, min normal, value table, ...) is derived from the few
+defining fields, so the README tables, the encoders and the tests all read the same numbers.
+
+Formats
+-------
+* ``E2M1``  -- FP4, s1 e2 m1, bias 1. No Inf, no NaN; always saturates.
+* ``E4M3``  -- OCP E4M3FN, s1 e4 m3, bias 7. No Inf; NaN = S.1111.111.
+* ``E5M2``  -- s1 e5 m2, bias 15. IEEE-like: Inf = S.11111.00, NaN = S.11111.{01,10,11}.
+* ``UE8M0`` -- unsigned power-of-two scale, code e means 2^(e-127); 0xFF is NaN; no zero.
+* ``BF16``  -- bfloat16, s1 e8 m7, bias 127, IEEE specials (16-bit codes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["Format", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16", "FORMATS", "get_format", "spec_markdown"]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point element format.
+
+    Parameters
+    ----------
+    name : str
+        Canonical lower-case name (``"e2m1"``, ``"e4m3"``, ...).
+    ebits, mbits : int
+        Exponent and mantissa field widths.
+    bias : int
+        Exponent bias.
+    signed : bool
+        Whether the format has a sign bit (UE8M0 has none).
+    ieee_specials : bool
+        True when the all-ones exponent field holds Inf (mantissa 0) and NaN (otherwise), as in IEEE-754.
+    nan_all_ones : bool
+        True when only the all-ones code (per sign) is NaN and the rest of the top binade is finite (E4M3FN).
+    subnormals : bool
+        Whether exponent field 0 encodes subnormals (False for UE8M0, where code 0 is 2^-127).
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    signed: bool = True
+    ieee_specials: bool = False
+    nan_all_ones: bool = False
+    subnormals: bool = True
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        """Total width of one code in bits."""
+        return int(self.signed) + self.ebits + self.mbits
+
+    @property
+    def n_codes(self) -> int:
+        """Number of distinct codes (2**bits)."""
+        return 1 << self.bits
+
+    @property
+    def code_dtype(self) -> np.dtype:
+        """NumPy dtype that holds one unpacked code (uint8, or uint16 for BF16)."""
+        return np.dtype(np.uint8) if self.bits <= 8 else np.dtype(np.uint16)
+
+    @property
+    def sign_mask(self) -> int:
+        return (1 << (self.bits - 1)) if self.signed else 0
+
+    # ---- special codes -----------------------------------------------------------------------------------
+    @property
+    def has_inf(self) -> bool:
+        return self.ieee_specials
+
+    @property
+    def has_nan(self) -> bool:
+        return self.ieee_specials or self.nan_all_ones or not self.signed
+
+    @property
+    def max_code(self) -> int:
+        """Code (positive) of the largest finite value."""
+        top = (1 << (self.ebits + self.mbits)) - 1  # all ones below the sign
+        if self.ieee_specials:
+            return top - (1 << self.mbits)          # exponent field all-ones is reserved
+        if self.nan_all_ones or not self.signed:
+            return top - 1                          # only the all-ones code is NaN
+        return top
+
+    @property
+    def nan_code(self) -> int | None:
+        """Canonical NaN code produced by encoders (positive sign), or None when the format has no NaN."""
+        if not self.signed:
+            return self.n_codes - 1
+        if self.nan_all_ones or self.ieee_specials:
+            return (1 << (self.ebits + self.mbits)) - 1
+        return None
+
+    @property
+    def inf_code(self) -> int | None:
+        """Code of +Inf, or None."""
+        if self.ieee_specials:
+            return ((1 << self.ebits) - 1) << self.mbits
+        return None
+
+    # ---- derived values ----------------------------------------------------------------------------------
+    @property
+    def emin(self) -> int:
+        """Unbiased exponent of the smallest normal value."""
+        return (1 - self.bias) if self.subnormals else -self.bias
+
+    @property
+    def emax(self) -> int:
+        """Unbiased exponent of the largest finite value."""
+        return (self.max_code >> self.mbits) - self.bias
+
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        return float(self.value_of(self.max_code))
+
+    @property
+    def min_normal(self) -> float:
+        return float(2.0 ** self.emin)
+
+    @property
+    def min_subnormal(self) -> float | None:
+        """Smallest positive value (None when the format has no subnormals)."""
+        return float(2.0 ** (self.emin - self.mbits)) if self.subnormals else None
+
+    @property
+    def eps(self) -> float:
+        """Distance from 1.0 to the next larger value."""
+        return float(2.0 ** -self.mbits) if self.mbits else 1.0
+
+    def value_of(self, code: int) -> float:
+        """Exact value of one code as a Python float (NaN for NaN codes, +-inf for Inf codes)."""
+        code = int(code)
+        if not 0 <= code < self.n_codes:
+            raise ValueError(f"code {code} is outside 0..{self.n_codes - 1} for {self.name}")
+        sign = -1.0 if (self.signed and code & self.sign_mask) else 1.0
+        mag = code & (self.sign_mask - 1) if self.signed else code
+        if self.nan_code is not None and mag == self.nan_code:
+            return float("nan")
+        e = mag >> self.mbits
+        m = mag & ((1 << self.mbits) - 1)
+        if self.ieee_specials and e == (1 << self.ebits) - 1:
+            return sign * float("inf") if m == 0 else float("nan")
+        if self.subnormals and e == 0:
+            return sign * m * 2.0 ** (self.emin - self.mbits)
+        return sign * (1.0 + m / (1 << self.mbits)) * 2.0 ** (e - self.bias)
+
+    @cached_property
+    def values(self) -> np.ndarray:
+        """float32 value of every code, indexed by code (length ``n_codes``)."""
+        with np.errstate(over="ignore"):
+            return np.array([self.value_of(c) for c in range(self.n_codes)], dtype=np.float32)
+
+    @property
+    def finite_values(self) -> np.ndarray:
+        """Sorted distinct finite non-negative values (float64)."""
+        v = self.values.astype(np.float64)
+        return np.unique(np.abs(v[np.isfinite(v)]))
+
+    def __repr__(self) -> str:  # short, since formats appear in many reprs
+        return f"fp4sim.{self.name.upper()}"
+
+
+E2M1 = Format("e2m1", ebits=2, mbits=1, bias=1)
+E4M3 = Format("e4m3", ebits=4, mbits=3, bias=7, nan_all_ones=True)
+E5M2 = Format("e5m2", ebits=5, mbits=2, bias=15, ieee_specials=True)
+UE8M0 = Format("ue8m0", ebits=8, mbits=0, bias=127, signed=False, subnormals=False)
+BF16 = Format("bf16", ebits=8, mbits=7, bias=127, ieee_specials=True)
+
+FORMATS: dict[str, Format] = {f.name: f for f in (E2M1, E4M3, E5M2, UE8M0, BF16)}
+_ALIASES = {"fp4": "e2m1", "float4_e2m1": "e2m1", "e4m3fn": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2",
+            "e8m0": "ue8m0", "bfloat16": "bf16"}
+
+
+def get_format(fmt: "Format | str") -> Format:
+    """Return the Format for a Format object or a name such as ``"e2m1"`` (case-insensitive)."""
+    if isinstance(fmt, Format):
+        return fmt
+    if isinstance(fmt, str):
+        key = fmt.lower()
+        key = _ALIASES.get(key, key)
+        if key in FORMATS:
+            return FORMATS[key]
+        raise ValueError(f"fmt={fmt!r} is not a known format; use one of {sorted(FORMATS)} or a Format object")
+    raise TypeError(f"fmt must be a fp4sim Format or its name, not {type(fmt).__name__}")
+
+
+def spec_markdown() -> str:
+    """Markdown tables describing every format, generated from the Format objects (used by README.md)."""
+    def num(v):
+        if v is None:
+            return "—"
+        v = float(v)
+        e = math.log2(v) if v > 0 else None
+        if e is not None and e == int(e) and abs(e) >= 4:
+            return f"2^{int(e)}"
+        return f"{v:g}"
+
+    rows = ["| format | bits | layout | bias | max finite | min normal | min subnormal | eps | Inf | NaN codes | "
+            "encode(NaN) | overflow: saturate / not |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in FORMATS.values():
+        layout = ("s1 " if f.signed else "") + f"e{f.ebits} m{f.mbits}"
+        inf = f"{f.inf_code:#x} / {f.inf_code | f.sign_mask:#x}" if f.has_inf else "none"
+        if f.nan_code is None:
+            nan = "none"
+        elif f.ieee_specials:
+            nan = f"{f.inf_code + 1:#x}–{f.nan_code:#x} (and negatives); canonical {f.nan_code:#x}"
+        elif f.signed:
+            nan = f"{f.nan_code:#x}, {f.nan_code | f.sign_mask:#x}"
+        else:
+            nan = f"{f.nan_code:#x}"
+        enc_nan = f.nan_code if f.nan_code is not None else f.max_code
+        nosat = f.inf_code if f.has_inf else (f.nan_code if f.nan_code is not None else f.max_code)
+        sign = " (sign kept)" if f.signed else ""
+        rows.append(f"| {f.name.upper()} | {f.bits} | {layout} | {f.bias} | {num(f.max)} | {num(f.min_normal)} | "
+                    f"{num(f.min_subnormal)} | {num(f.eps)} | {inf} | {nan} | {enc_nan:#x} | "
+                    f"{f.max_code:#x} / {nosat:#x}{sign} |")
+    return "\n".join(rows) + "\n"

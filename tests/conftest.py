@@ -1,0 +1,86 @@
+"""Shared fixtures: float32 bit-pattern sweeps and the CUDA host-conversion oracle."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ORACLE_SRC = Path(__file__).parent / "oracles" / "cuda_host_convert.cpp"
+
+
+def float32_sweep(per_binade: int = 1960, seed: int = 0) -> np.ndarray:
+    """>= 10^6 float32 values: every exponent field (0..255) x both signs x edge and random mantissas,
+    so subnormals, +-0, +-Inf and NaNs (several payloads) are all present."""
+    rng = np.random.default_rng(seed)
+    edge = np.array([0, 1, 2, 3, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFE, 0x7FFFFF, 0x200000, 0x600000,
+                     0x100000, 0x080000, 0x040000, 0x0C0000, 0x140000, 0x1C0000], dtype=np.uint32)
+    mant = np.concatenate([edge, rng.integers(0, 1 << 23, per_binade - edge.size, dtype=np.uint32)])
+    exps = np.arange(256, dtype=np.uint32)
+    bits = (exps[:, None] << 23) | mant[None, :]
+    bits = np.concatenate([bits.ravel(), bits.ravel() | np.uint32(0x80000000)])
+    return bits.view(np.float32)
+
+
+@pytest.fixture(scope="session")
+def sweep() -> np.ndarray:
+    x = float32_sweep()
+    assert x.size >= 10**6
+    return x
+
+
+def cuda_include_dir() -> str | None:
+    """Directory holding cuda_fp4.h, from nvcc (or CUDA_HOME / the usual install path)."""
+    cands = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        try:
+            out = subprocess.run([nvcc, "-E", "-x", "cu", "-", "-v"], input="", capture_output=True, text=True,
+                                 timeout=60).stderr
+            for line in out.splitlines():
+                if "INCLUDES=" in line:
+                    for tok in line.split('"'):
+                        if tok.startswith("-I"):
+                            cands.append(tok[2:])
+        except (OSError, subprocess.SubprocessError):
+            pass
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            cands += [os.path.join(home, "include"), os.path.join(home, "targets/x86_64-linux/include")]
+    for c in cands:
+        if os.path.exists(os.path.join(c, "cuda_fp4.h")):
+            return c
+    return None
+
+
+@pytest.fixture(scope="session")
+def cuda_convert(tmp_path_factory):
+    """A function x(float32) -> dict of code planes computed by CUDA's own host conversions."""
+    inc = cuda_include_dir()
+    if inc is None:
+        pytest.skip("no CUDA toolkit headers (cuda_fp4.h) found: install the CUDA toolkit or set CUDA_HOME")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++) found")
+    d = tmp_path_factory.mktemp("cuda_oracle")
+    exe = d / "cuda_host_convert"
+    subprocess.run([cxx, "-O2", "-std=c++17", f"-I{inc}", str(ORACLE_SRC), "-o", str(exe)], check=True)
+
+    names8 = ["e2m1_rn", "e2m1_rz", "e4m3_sat", "e4m3_nosat", "e5m2_sat", "e5m2_nosat", "e8m0_rz_sat",
+              "e8m0_rp_sat", "e8m0_rz_nosat", "e8m0_rp_nosat"]
+    names16 = ["bf16_rn", "bf16_rz", "bf16_ru", "bf16_rd"]
+
+    def run(x: np.ndarray) -> dict[str, np.ndarray]:
+        x = np.ascontiguousarray(x, dtype=np.float32).ravel()
+        n = x.size
+        (d / "in.f32").write_bytes(x.tobytes())
+        subprocess.run([str(exe), str(d / "in.f32"), str(d / "out.bin")], check=True)
+        raw = (d / "out.bin").read_bytes()
+        p8 = np.frombuffer(raw[: 10 * n], dtype=np.uint8).reshape(10, n)
+        p16 = np.frombuffer(raw[10 * n:], dtype=np.uint16).reshape(4, n)
+        return {**dict(zip(names8, p8)), **dict(zip(names16, p16))}
+
+    return run
