@@ -30,7 +30,7 @@ def kernel_params(fmt: Format) -> tuple:
 
 
 def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, seed=None, sr_bits: int = 8,
-           stream: int = 0, rbits_mapping: str = "te") -> np.ndarray:
+           stream: int = 0, rbits_mapping: str = "te", _generic: bool = False) -> np.ndarray:
     """Encode values into ``fmt`` codes, one unpacked code per element.
 
     Parameters
@@ -43,6 +43,7 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
     rbits, seed, sr_bits, stream, rbits_mapping : stochastic rounding bits (SPEC §1.3): ``rbits`` uint8 per
         element or uint32 words (4 elements per word, byte k of word j for element 4j+k with the ``"te"``
         mapping, byte 3-k with ``"msb_first"``), or ``seed`` for Philox4x32-10 bits; ``sr_bits`` = n.
+    _generic : internal, for tests: use the generic integer path for E2M1 instead of its comparison-mask path.
 
     Returns
     -------
@@ -69,9 +70,9 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
     out = np.empty(xs.shape, dtype=fmt.code_dtype)
     if xs.size:
         rb = per if per is not None else np.zeros(1, np.uint8)
-        _k.encode_kernel(xs.reshape(-1).view(np.uint32), out.reshape(-1), mode, rb, kind, np.uint64(k0),
+        _k.encode_kernel(xs.reshape(-1), xs.reshape(-1).view(np.uint32), out.reshape(-1), mode, rb, kind, np.uint64(k0),
                          np.uint64(k1), np.uint64(stream), nsr, bool(saturate), *kernel_params(fmt),
-                         fmt.name == "ue8m0")
+                         fmt.name == "ue8m0", fmt.name == "e2m1" and not _generic)
     return out
 
 

@@ -355,3 +355,16 @@ def test_errors(call, exc, words):
         return
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         call()
+
+
+@pytest.mark.parametrize("mode", MODES + ["sr"])
+def test_e2m1_fast_path_equals_generic_integer_path(sweep, mode):
+    """E2M1 has two kernels (comparison masks, used by default; integer bit arithmetic, shared with the
+    other formats): both are checked against the reference above, and against each other here."""
+    kw = {"rbits": np.random.default_rng(8).integers(0, 256, sweep.shape, dtype=np.uint8)} if mode == "sr" else {}
+    for n in ((8, 3) if mode == "sr" else (8,)):
+        if n != 8:
+            kw = {"rbits": kw["rbits"] % (1 << n), "sr_bits": n}
+        fast = fs.encode(sweep, fs.E2M1, rounding=mode, **kw)
+        gen = fs.encode(sweep, fs.E2M1, rounding=mode, _generic=True, **kw)
+        assert np.array_equal(fast, gen), _diff(fast, gen, sweep)

@@ -7,6 +7,8 @@ remainder, so one helper serves every format with subnormals (E2M1, E4M3, E5M2, 
 """
 from __future__ import annotations
 
+import math
+
 import numba as nb
 import numpy as np
 
@@ -92,12 +94,52 @@ def encode_ue8m0_one(u, mode, sat):
     return c
 
 
+# E2M1 magnitudes by code and the distance to the next code (code 7 saturates)
+E2M1_MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+E2M1_STEPS = np.array([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 0.0], dtype=np.float32)
+
+
+@nb.njit(inline="always", cache=True)
+def e2m1_rne(v):
+    """E2M1 RNE code of float32 ``v``: the count of midpoints below |v| (ties to even: ``>`` at midpoints
+    whose lower neighbour has an even code, ``>=`` elsewhere), summed in float32 so it vectorises wide."""
+    f = np.float32
+    ax = abs(v)
+    c = (f(ax > f(0.25)) + f(ax >= f(0.75)) + f(ax > f(1.25)) + f(ax >= f(1.75)) + f(ax > f(2.5))
+         + f(ax >= f(3.5)) + f(ax > f(5.0)))
+    c = c + (f(8.0) if math.copysign(f(1.0), v) < f(0.0) else f(0.0))
+    return np.int32(7) if ax != ax else np.int32(c)
+
+
+@nb.njit(inline="always", cache=True)
+def e2m1_code(v, mode, r, nsr, mags, steps):
+    """E2M1 code of a float32 ``v`` as sums of comparison masks (vectorises; no integer shifts).
+
+    Same result as :func:`encode_one` for E2M1: ties to even in RNE, satfinite, NaN -> 0x7, -0 -> 0x8.
+    """
+    f = np.float32
+    ax = abs(v)
+    rne = (np.int32(ax > f(0.25)) + np.int32(ax >= f(0.75)) + np.int32(ax > f(1.25)) + np.int32(ax >= f(1.75))
+           + np.int32(ax > f(2.5)) + np.int32(ax >= f(3.5)) + np.int32(ax > f(5.0)))
+    lo = (np.int32(ax >= f(0.5)) + np.int32(ax >= f(1.0)) + np.int32(ax >= f(1.5)) + np.int32(ax >= f(2.0))
+          + np.int32(ax >= f(3.0)) + np.int32(ax >= f(4.0)) + np.int32(ax >= f(6.0)))
+    lov = mags[lo]
+    step = steps[lo]
+    neg = math.copysign(f(1.0), v) < f(0.0)
+    inexact = (ax > lov) & (lo < 7)
+    up_sr = (ax - lov) >= f((1 << nsr) - r) * (step * f(1.0 / (1 << nsr)))
+    up = ((mode == 2) & inexact & (not neg)) | ((mode == 3) & inexact & neg) | ((mode == 4) & inexact & up_sr)
+    mag = rne if mode == 0 else lo + np.int32(up)
+    code = mag | (np.int32(neg) << 3)
+    return np.int32(7) if ax != ax else code
+
+
 CHUNK = 4096  # elements per parallel task (a multiple of 16, so Philox blocks never straddle tasks)
 
 
 @nb.njit(parallel=True, cache=True)
-def encode_kernel(xb, out, mode, rb, rb_kind, k0, k1, stream, nsr, sat,
-                  mbits, emin, bias, maxmag, nosat_code, nan_code, sign_bit, ue8m0):
+def encode_kernel(x, xb, out, mode, rb, rb_kind, k0, k1, stream, nsr, sat,
+                  mbits, emin, bias, maxmag, nosat_code, nan_code, sign_bit, ue8m0, fast_e2m1):
     """Encode float32 bit patterns ``xb`` (uint32, 1-D) into ``out`` (uint8/uint16).
 
     ``rb_kind``: 0 no random bits, 1 given per element in ``rb``, 2 Philox from (k0, k1, stream).
@@ -108,22 +150,37 @@ def encode_kernel(xb, out, mode, rb, rb_kind, k0, k1, stream, nsr, sat,
     for c in nb.prange(nch):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)
-        if rb_kind == 1:
-            rsrc = rb[lo:hi]
+        if ue8m0:
+            for i in range(lo, hi):
+                out[i] = encode_ue8m0_one(xb[i], mode, sat)
+        elif mode != 4:
+            if fast_e2m1 and mode == 0:
+                for i in range(lo, hi):
+                    out[i] = e2m1_rne(x[i])
+            elif fast_e2m1:
+                for i in range(lo, hi):
+                    out[i] = e2m1_code(x[i], mode, 0, nsr, E2M1_MAGS, E2M1_STEPS)
+            else:
+                for i in range(lo, hi):
+                    out[i] = encode_one(xb[i], mode, 0, nsr, mbits, emin, bias, maxmag, sat, nosat_code, nan_code,
+                                        sign_bit)
         else:
-            rsrc = np.zeros(CHUNK, np.uint8)
-            if rb_kind == 2:
+            if rb_kind == 1:
+                rsrc = rb[lo:hi]
+            else:
+                rsrc = np.empty(CHUNK, np.uint8)
                 for b in range(lo, hi, 16):
                     rr = philox_block_for(b, k0, k1, stream)
                     for t in range(b, min(b + 16, hi)):
                         rsrc[t - lo] = byte_of(rr, t)
-        if ue8m0:
-            for i in range(lo, hi):
-                out[i] = encode_ue8m0_one(xb[i], mode, sat)
-        else:
-            for i in range(lo, hi):
-                out[i] = encode_one(xb[i], mode, np.int64(rsrc[i - lo]) & rmask, nsr, mbits, emin, bias, maxmag,
-                                    sat, nosat_code, nan_code, sign_bit)
+            if fast_e2m1:
+                for i in range(lo, hi):
+                    out[i] = e2m1_code(x[i], mode, np.int32(rsrc[i - lo]) & np.int32(rmask), nsr, E2M1_MAGS,
+                                       E2M1_STEPS)
+            else:
+                for i in range(lo, hi):
+                    out[i] = encode_one(xb[i], mode, np.int64(rsrc[i - lo]) & rmask, nsr, mbits, emin, bias,
+                                        maxmag, sat, nosat_code, nan_code, sign_bit)
 
 
 @nb.njit(parallel=True, cache=True)
