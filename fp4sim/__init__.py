@@ -1,6 +1,11 @@
 """fp4sim: bit-exact emulation and analysis of 4-bit floating-point (NVFP4, MXFP4) LLM training numerics."""
 from .elements import decode, encode
 from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
+from .hadamard import rht
+from .qtensor import QuantizedTensor
+from .quantize import dequantize, fake_quantize, quantize
+from .schemes import SCHEMES, get_scheme
 
 __version__ = "0.1.0"
-__all__ = ["encode", "decode", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]
+__all__ = ["encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
+           "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]

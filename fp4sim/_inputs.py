@@ -25,10 +25,8 @@ def as_float32(x, name: str = "x") -> np.ndarray:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; fp4sim takes float32, float16, bfloat16 (ml_dtypes) or float64 — "
             f"convert with {name}.astype(np.float32) if the values are meant as numbers")
-    if arr.dtype == np.float64:
-        with np.errstate(over="ignore"):
-            return np.ascontiguousarray(arr, dtype=np.float32)
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # float64 beyond float32's range rounds to +-Inf, as a cast does
+        return np.asarray(arr, dtype=np.float32, order="C")  # (keeps 0-d inputs 0-d)
 
 
 def check_choice(value, name: str, choices) -> str:

@@ -1,0 +1,267 @@
+"""Block-scaled quantization kernels (NVFP4 1x16 / 16x16 in four flavours, MX, FP8 per-tensor/blockwise).
+
+All kernels take a 2-D float32 array (rows, K) with the block axis last; positions past K (and rows past R
+inside a 16x16 tile) are the zero padding of SPEC §2. Every float operation is float32 (constants are
+wrapped in np.float32) so results follow SPEC's fl(.) sequences exactly. One parallel task per row group.
+"""
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, encode_one
+
+TE, PAPER, TORCHAO, MODELOPT = 0, 1, 2, 3
+FLAVOR_IDS = {"te": TE, "paper": PAPER, "torchao": TORCHAO, "modelopt": MODELOPT}
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+R6 = np.float32(1.0) / np.float32(6.0)
+E4M3_PARAMS = (3, -6, 7, 0x7E, 0x7F, 0x7F, 0x80)  # mbits, emin, bias, maxmag, nosat, nan, sign
+
+
+@nb.njit(parallel=True, cache=True)
+def absmax_nan(x2):
+    """(max |x| with NaN ignored, whether any NaN was seen) over a 2-D array."""
+    R = x2.shape[0]
+    part = np.zeros(R, np.float32)
+    nans = np.zeros(R, np.bool_)
+    for r in nb.prange(R):
+        m = np.float32(0.0)
+        seen = False
+        for k in range(x2.shape[1]):
+            a = abs(x2[r, k])
+            m = a if a > m else m  # NaN compares false
+            seen |= a != a
+        part[r] = m
+        nans[r] = seen
+    m = np.float32(0.0)
+    for r in range(R):
+        m = part[r] if part[r] > m else m
+    return m, nans.any()
+
+
+@nb.njit(inline="always", cache=True)
+def block_amax(x2, r0, r1, k0, k1):
+    """max |x| over x2[r0:r1, k0:k1], NaN ignored."""
+    amax = np.float32(0.0)
+    for r in range(r0, r1):
+        for k in range(k0, k1):
+            a = abs(x2[r, k])
+            amax = a if a > amax else amax
+    return amax
+
+
+@nb.njit(inline="always", cache=True)
+def f32_bits(v, buf, bits):
+    buf[0] = v
+    return bits[0]
+
+
+@nb.njit(inline="always", cache=True)
+def e4m3_rne(v, buf, bits):
+    """E4M3 RNE satfinite byte of float32 ``v`` (NaN -> 0xFF: the sign torch keeps on x86's default NaN)."""
+    if v != v:
+        return np.int32(0xFF)
+    return np.int32(encode_one(f32_bits(v, buf, bits), 0, 0, 8, 3, -6, 7, 0x7E, True, 0x7F, 0x7F, 0x80))
+
+
+@nb.njit(inline="always", cache=True)
+def nvfp4_scale(amax_b, flavor, c0, c1, c2, e4m3_vals, buf, bits):
+    """(scale byte, element factor) for one block; the factor multiplies (or, for modelopt, divides) x.
+
+    c0, c1, c2 are the per-tensor float32 constants of the flavour (see :func:`nvfp4_constants`).
+    """
+    f = np.float32
+    if flavor == 0:    # te: amax_b * fl(S_enc * R6)           (c0 = fl(S_enc*R6), c1 = S_dec)
+        sf = min(amax_b * c0, FLT_MAX)
+    elif flavor == 1:  # paper: fl(amax_b / 6) * S_enc        (c0 = S_enc, c1 = S_dec)
+        sf = min((amax_b / f(6.0)) * c0, FLT_MAX)
+    elif flavor == 2:  # torchao: fl(fl(amax_b/6) / pts) clamped to [2^-6, 448]   (c0 = pts, c1 = fl(1/pts))
+        sf = (amax_b / f(6.0)) / c0
+        if sf == sf:
+            sf = min(max(sf, f(0.015625)), f(448.0))
+    else:              # modelopt: amax_b / fl(6*wsf2); 0 -> 1; clamp [2^-9, 448]   (c0 = fl(6*wsf2), c1 = wsf2)
+        sf = amax_b / c0
+        if sf == f(0.0):
+            sf = f(1.0)
+        if sf == sf:
+            sf = min(max(sf, f(0.001953125)), f(448.0))
+    byte = e4m3_rne(sf, buf, bits)
+    sval = e4m3_vals[byte]
+    if flavor <= 1:
+        fac = min(f(1.0) / (sval * c1), FLT_MAX)
+    elif flavor == 2:
+        fac = c1 / sval
+    else:
+        fac = sval * c1
+    return byte, fac
+
+
+@nb.njit(inline="always", cache=True)
+def nvfp4_elem(v, fac, flavor, mode, r, nsr):
+    """E2M1 code of one element given its block's factor, with the flavour's special-value rules."""
+    f = np.float32
+    if flavor == 3:
+        y = v / fac
+    else:
+        y = v * fac
+    c = e2m1_code(y, mode, r, nsr, E2M1_MAGS, E2M1_STEPS)
+    if v != v:
+        c = np.int32(7)                       # NaN element -> +6 (all flavours, SPEC §3.3)
+    elif flavor == 2 and fac != fac:
+        c = np.int32(0xC)                     # torchao's NaN chain of an all-zero tensor
+    elif flavor == 3 and y == np.float32(0.0):
+        c = np.int32(0)                       # modelopt: only x < 0 sets the sign, so -0 gives code 0
+    return c
+
+
+@nb.njit(parallel=True, cache=True)
+def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_vals,
+                 codes, scales, fake, do_fake):
+    """NVFP4 quantize. ``tile`` is 1 (1x16 blocks) or 16 (16x16 tiles, one scale per tile).
+
+    codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); fake: (R, K) dequantized values when do_fake,
+    where ``dq`` is fl(amax_g * fl(1/2688)) (te/paper) or the flavour's dequant constant.
+    """
+    R, K = x2.shape
+    nb_ = (K + 15) // 16
+    ngroups = (R + tile - 1) // tile
+    for g in nb.prange(ngroups):
+        buf = np.empty(1, np.float32)
+        bits = buf.view(np.uint32)
+        r0 = g * tile
+        r1 = min(r0 + tile, R)
+        for j in range(nb_):
+            k0 = j * 16
+            amax = block_amax(x2, r0, r1, k0, min(k0 + 16, K))
+            byte, fac = nvfp4_scale(amax, flavor, c0, c1, c2, e4m3_vals, buf, bits)
+            scales[g, j] = byte
+            sdq = nvfp4_dequant_factor(e4m3_vals[byte], flavor, dq, c1)
+            for r in range(r0, r1):
+                for t in range(8):
+                    ka = k0 + 2 * t
+                    kb = ka + 1
+                    va = x2[r, ka] if ka < K else np.float32(0.0)
+                    vb = x2[r, kb] if kb < K else np.float32(0.0)
+                    ra = np.int32(rb[r, ka]) if (use_rb and ka < K) else np.int32(0)
+                    rbb = np.int32(rb[r, kb]) if (use_rb and kb < K) else np.int32(0)
+                    ca = nvfp4_elem(va, fac, flavor, mode, ra, nsr)
+                    cb = nvfp4_elem(vb, fac, flavor, mode, rbb, nsr)
+                    codes[r, j * 8 + t] = np.uint8(ca | (cb << 4))
+                    if do_fake:
+                        if ka < K:
+                            fake[r, ka] = E2M1_VALUES[ca] * sdq
+                        if kb < K:
+                            fake[r, kb] = E2M1_VALUES[cb] * sdq
+
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+@nb.njit(inline="always", cache=True)
+def nvfp4_dequant_factor(sval, flavor, dq, c1):
+    """Per-block float32 factor that multiplies an E2M1 value on dequantize (SPEC §2.1 for te/paper)."""
+    if flavor <= 1:
+        return (sval * dq[0]) * dq[1]      # fl(fl(s * amax_g) * fl(1/2688))
+    return sval * dq[0]                    # torchao / modelopt: fl(s * per-tensor scale)
+
+
+# ------------------------------------------------------------------------------------------------- MX
+@nb.njit(inline="always", cache=True)
+def mx_scale_byte(amax, mode, emax, rcp, buf, bits):
+    """UE8M0 byte from a block amax (float bits), SPEC §2.2; mode 0 rceil, 1 floor, 2 ceil, 3 even."""
+    if mode == 0:
+        u = np.int64(f32_bits(amax * rcp, buf, bits))
+        a = u & 0x7FFFFFFF
+        E = a >> 23
+        M = a & 0x7FFFFF
+        if E == 0:
+            c = np.int64(1) if a > 0x00400000 else np.int64(0)
+        elif E == 255:
+            c = np.int64(255)
+        else:
+            c = E + (np.int64(1) if M != 0 else np.int64(0))
+        return min(c, np.int64(254))
+    u = np.int64(f32_bits(amax, buf, bits))
+    if amax == np.float32(0.0):
+        return np.int64(0)
+    if mode == 3:
+        u = u + (1 << 21)
+    E = (u >> 23) & 0xFF
+    e = E - 127 - emax
+    if mode == 2 and (u & 0x7FFFFF) != 0:
+        e += 1
+    return min(max(e, np.int64(-127)), np.int64(127)) + 127
+
+
+@nb.njit(parallel=True, cache=True)
+def mx_kernel(x2, rb, use_rb, mode, nsr, scale_mode, emax, rcp, pow2_enc, pow2_dec,
+              mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals,
+              codes, scales, fake, do_fake):
+    """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8."""
+    R, K = x2.shape
+    nb_ = (K + 31) // 32
+    for r in nb.prange(R):
+        buf = np.empty(1, np.float32)
+        bits = buf.view(np.uint32)
+        for j in range(nb_):
+            k0 = j * 32
+            amax = block_amax(x2, r, r + 1, k0, min(k0 + 32, K))
+            e = mx_scale_byte(amax, scale_mode, emax, rcp, buf, bits)
+            scales[r, j] = e
+            mul = pow2_enc[e]
+            dmul = pow2_dec[e]
+            for k in range(k0, k0 + 32):
+                v = x2[r, k] if k < K else np.float32(0.0)
+                rr = np.int32(rb[r, k]) if (use_rb and k < K) else np.int32(0)
+                y = v * mul
+                if is_fp4:
+                    c = e2m1_code(y, mode, rr, nsr, E2M1_MAGS, E2M1_STEPS)
+                    if k % 2 == 0:
+                        codes[r, k // 2] = np.uint8(c)
+                    else:
+                        codes[r, k // 2] |= np.uint8(c << 4)
+                else:
+                    c = encode_one(f32_bits(y, buf, bits), mode, rr, nsr, mbits, emin, bias, maxmag, True,
+                                   nosat, nanc, signbit)
+                    codes[r, k] = np.uint8(c)
+                if do_fake and k < K:
+                    fake[r, k] = elem_vals[c] * dmul
+
+
+# ------------------------------------------------------------------------------------------------- FP8
+@nb.njit(parallel=True, cache=True)
+def fp8_kernel(x2, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide,
+               mbits, emin, bias, maxmag, nosat, nanc, signbit, elem_vals, codes, scales, fake, do_fake):
+    """FP8 per-tensor (blk = K, scale given) or blockwise (tile x blk blocks, scale = fl(amax_b / max))."""
+    R, K = x2.shape
+    nbk = (K + blk - 1) // blk
+    ngroups = (R + tile - 1) // tile
+    fmax = elem_vals[maxmag]
+    for g in nb.prange(ngroups):
+        buf = np.empty(1, np.float32)
+        bits = buf.view(np.uint32)
+        r0 = g * tile
+        r1 = min(r0 + tile, R)
+        for j in range(nbk):
+            k0 = j * blk
+            k1 = min(k0 + blk, K)
+            if divide:
+                s = block_amax(x2, r0, r1, k0, k1) / fmax
+                scales[g, j] = s
+            else:
+                s = per_tensor_scale
+            for r in range(r0, r1):
+                for k in range(k0, k1):
+                    v = x2[r, k]
+                    rr = np.int32(rb[r, k]) if use_rb else np.int32(0)
+                    if divide:
+                        y = v / s if s != np.float32(0.0) else v * np.float32(0.0)
+                    else:
+                        y = v * s
+                    c = encode_one(f32_bits(y, buf, bits), mode, rr, nsr, mbits, emin, bias, maxmag, True, nosat,
+                                   nanc, signbit)
+                    codes[r, k] = np.uint8(c)
+                    if do_fake:
+                        fake[r, k] = elem_vals[c] * s if divide else elem_vals[c] * (np.float32(1.0) / s)

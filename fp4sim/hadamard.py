@@ -1,0 +1,82 @@
+"""Random Hadamard transform (SPEC §3.1): ``y = x_chunk @ (diag(s) H_d / sqrt(d))`` for every d-long chunk."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _inputs
+from .cpu.hadamard import rht_kernel
+from .rng import philox_bytes
+
+__all__ = ["rht", "hadamard_matrix", "rht_signs", "rht_matrix", "TE_SIGN_MASK"]
+
+TE_SIGN_MASK = 0xD7E8  # TransformerEngine's fixed 16-element sign vector: bit i set <=> s_i = -1
+
+
+def hadamard_matrix(d: int) -> np.ndarray:
+    """Sylvester Hadamard matrix H_d, entry (r, c) = (-1)^popcount(r & c), as float64."""
+    _check_d(d)
+    r = np.arange(d)[:, None] & np.arange(d)[None, :]
+    pop = np.zeros_like(r)
+    for b in range(8):
+        pop += (r >> b) & 1
+    return np.where(pop % 2 == 0, 1.0, -1.0)
+
+
+def _check_d(d):
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 2 or d > 128 or d & (d - 1):
+        raise ValueError(f"d={d!r} must be a power of two between 2 and 128")
+
+
+def rht_signs(d: int, signs="te") -> np.ndarray:
+    """The sign vector s (+-1.0, length d): ``"te"`` (d = 16 only), an int seed (Philox bits, stream 0:
+    s_i = -1 iff bit i%8 of byte i//8 is set), None (all +1) or an explicit array of +-1."""
+    _check_d(d)
+    if signs is None:
+        return np.ones(d)
+    if isinstance(signs, str):
+        if signs != "te":
+            raise ValueError(f"signs={signs!r}: use 'te', an integer seed, None or an array of +-1")
+        if d != 16:
+            raise ValueError(f"signs='te' is TransformerEngine's 16-element vector; d={d} needs a seed or None")
+        return np.array([-1.0 if (TE_SIGN_MASK >> i) & 1 else 1.0 for i in range(16)])
+    if isinstance(signs, (int, np.integer)) and not isinstance(signs, bool):
+        b = philox_bytes(int(signs), -(-d // 8))
+        return np.array([-1.0 if (int(b[i // 8]) >> (i % 8)) & 1 else 1.0 for i in range(d)])
+    s = np.asarray(signs, dtype=np.float64)
+    if s.shape != (d,) or not np.all(np.abs(s) == 1):
+        raise ValueError(f"signs as an array must hold {d} values, each +1 or -1")
+    return s
+
+
+def rht_matrix(d: int = 16, signs="te") -> np.ndarray:
+    """M = diag(s) H_d / sqrt(d) (float64); ``rht`` computes x_chunk @ M."""
+    return rht_signs(d, signs)[:, None] * hadamard_matrix(d) / np.sqrt(d)
+
+
+def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.ndarray:
+    """Random Hadamard transform of every contiguous d-long chunk along ``axis``.
+
+    The d signed terms are summed in float64 in index order, multiplied by float64(1/sqrt(d)) and rounded
+    once: to bfloat16 with ``out="bf16"`` (returned as float32 values that are exactly bfloat16, as
+    TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
+    The length of ``axis`` must be a multiple of d.
+    """
+    xs = _inputs.as_float32(x)
+    _check_d(d)
+    out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
+    if xs.ndim == 0:
+        raise ValueError("x is a 0-d scalar; rht needs an axis of length a multiple of d")
+    if not -xs.ndim <= axis < xs.ndim:
+        raise ValueError(f"axis={axis} is out of range for an input with {xs.ndim} dimensions")
+    K = xs.shape[axis]
+    if K % d:
+        raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
+    sh = rht_signs(d, signs)[:, None] * hadamard_matrix(d)
+    xm = np.ascontiguousarray(np.moveaxis(xs, axis, -1))
+    x2 = xm.reshape(-1, K)
+    y = np.empty(x2.shape, np.uint32)
+    if x2.size:
+        rht_kernel(x2, np.ascontiguousarray(sh), math.sqrt(1.0 / d), out == "bf16", y)
+    return np.moveaxis(y.view(np.float32).reshape(xm.shape), -1, axis)

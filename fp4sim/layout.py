@@ -1,0 +1,75 @@
+"""Storage layouts: FP4 nibble packing and the cuBLAS/CUTLASS "128x4" swizzled scale layout (SPEC §2.1)."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["pack_fp4", "unpack_fp4", "swizzle_scales", "unswizzle_scales", "swizzled_size"]
+
+
+def pack_fp4(codes: np.ndarray) -> np.ndarray:
+    """Pack 4-bit codes two per byte along the last axis: element 2i in the low nibble, 2i+1 in the high.
+
+    The last axis must have even length (pad with code 0 first).
+    """
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint8:
+        raise TypeError(f"codes must be uint8, not {codes.dtype}")
+    if codes.shape[-1] % 2:
+        raise ValueError(f"the last axis has odd length {codes.shape[-1]}; pad it with a zero code to even length")
+    if codes.size and codes.max() > 15:
+        raise ValueError("codes hold values above 15, which are not 4-bit codes")
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_fp4(packed: np.ndarray, nibble_order: str = "low_first") -> np.ndarray:
+    """Inverse of :func:`pack_fp4`; ``nibble_order="high_first"`` reads the swapped convention."""
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise TypeError(f"packed codes must be uint8, not {packed.dtype}")
+    lo, hi = packed & 0xF, packed >> 4
+    if nibble_order == "high_first":
+        lo, hi = hi, lo
+    elif nibble_order != "low_first":
+        raise ValueError("nibble_order must be 'low_first' or 'high_first'")
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    out[..., 0::2], out[..., 1::2] = lo, hi
+    return out
+
+
+def swizzled_size(rows: int, cols: int) -> int:
+    """Bytes of the swizzled layout of an R x C scale matrix (padded to multiples of 128 x 4)."""
+    return (-(-rows // 128) * 128) * (-(-cols // 4) * 4)
+
+
+def _swizzle_index(rows: int, cols: int):
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    r = np.arange(rp)[:, None]
+    c = np.arange(cp)[None, :]
+    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4, rp, cp
+
+
+def swizzle_scales(scales: np.ndarray) -> np.ndarray:
+    """Store a logical R x C scale matrix in the 128x4 swizzled layout (1-D, zero-padded).
+
+    S[r, c] goes to byte ``((r//128)*(CP//4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4``.
+    """
+    s = np.asarray(scales)
+    if s.ndim != 2:
+        raise ValueError(f"scales must be a 2-D (rows, blocks) matrix, got shape {s.shape}")
+    idx, rp, cp = _swizzle_index(*s.shape)
+    padded = np.zeros((rp, cp), s.dtype)
+    padded[: s.shape[0], : s.shape[1]] = s
+    out = np.empty(rp * cp, s.dtype)
+    out[idx.ravel()] = padded.ravel()
+    return out
+
+
+def unswizzle_scales(swizzled: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Inverse of :func:`swizzle_scales`: the logical ``rows x cols`` matrix."""
+    s = np.asarray(swizzled).reshape(-1)
+    need = swizzled_size(rows, cols)
+    if s.size != need:
+        raise ValueError(f"swizzled scales have {s.size} bytes; a {rows}x{cols} scale matrix needs {need} "
+                         f"(rows padded to a multiple of 128, columns to a multiple of 4)")
+    idx, _, _ = _swizzle_index(rows, cols)
+    return s[idx][:rows, :cols].copy()

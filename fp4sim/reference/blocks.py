@@ -1,0 +1,150 @@
+"""Reference block-scaled quantizers: SPEC §2-3 written out block by block with numpy float32 scalars
+(every ``fl(.)`` is one float32 operation) and the exact reference element encoders.
+
+Each function takes a 2-D float32 array (rows, K) with the block axis last and returns unpacked codes
+(rows, Kp) and scales; slow by design.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..formats import E2M1, E4M3, Format
+from .elements import encode_scalar, ue8m0_scalar
+
+f32 = np.float32
+FLT_MAX = f32(np.finfo(np.float32).max)
+R6 = f32(1.0) / f32(6.0)
+
+
+def _pad(x2: np.ndarray, rb, bk: int, tile: int = 1):
+    R, K = x2.shape
+    Rp, Kp = -(-R // tile) * tile, -(-K // bk) * bk
+    xp = np.zeros((Rp, Kp), np.float32)
+    xp[:R, :K] = x2
+    rp = np.zeros((Rp, Kp), np.int64)
+    if rb is not None:
+        rp[:R, :K] = rb
+    return xp, rp
+
+
+def _amax(block: np.ndarray) -> np.float32:
+    """max |x| ignoring NaN (0 if none)."""
+    a = np.abs(block[~np.isnan(block)])
+    return f32(a.max()) if a.size else f32(0.0)
+
+
+def _e4m3(v) -> int:
+    return 0xFF if np.isnan(v) else encode_scalar(float(v), E4M3, "rne", True)
+
+
+def nvfp4_ref(x2, flavor="te", tile=1, global_amax=None, rounding="rne", rb=None, n=8):
+    """Reference NVFP4: returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16) uint8)."""
+    R, K = x2.shape
+    xp, rp = _pad(x2, rb, 16, tile)
+    amax_g = _amax(x2) if global_amax is None else f32(global_amax)
+    with np.errstate(all="ignore"):
+        if flavor in ("te", "paper"):
+            s_enc = f32(1.0) if amax_g == 0 else min(f32(2688.0) / amax_g, FLT_MAX)
+            s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+            s_dec = f32(1.0) / s_enc
+        else:
+            pts = amax_g / f32(2688.0)
+    codes = np.zeros(xp.shape, np.uint8)
+    scales = np.zeros((xp.shape[0] // tile, xp.shape[1] // 16), np.uint8)
+    for g in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = xp[g * tile:(g + 1) * tile, j * 16:(j + 1) * 16]
+            amax_b = _amax(blk)
+            with np.errstate(all="ignore"):
+                if flavor == "te":
+                    s = _e4m3(min(amax_b * (s_enc * R6), FLT_MAX))
+                    enc = min(f32(1.0) / (E4M3.values[s] * s_dec), FLT_MAX)
+                elif flavor == "paper":
+                    s = _e4m3(min((amax_b / f32(6.0)) * s_enc, FLT_MAX))
+                    enc = min(f32(1.0) / (E4M3.values[s] * s_dec), FLT_MAX)
+                elif flavor == "torchao":
+                    sf = (amax_b / f32(6.0)) / pts
+                    s = _e4m3(sf if np.isnan(sf) else min(max(sf, f32(2.0**-6)), f32(448.0)))
+                    enc = (f32(1.0) / pts) / E4M3.values[s]
+                elif flavor == "modelopt":
+                    sf = amax_b / (f32(6.0) * pts)
+                    sf = f32(1.0) if sf == 0 else sf
+                    s = _e4m3(sf if np.isnan(sf) else min(max(sf, f32(2.0**-9)), f32(448.0)))
+                    den = E4M3.values[s] * pts
+                else:
+                    raise ValueError(flavor)
+            scales[g, j] = s
+            for rr in range(tile):
+                for t in range(16):
+                    r, k = g * tile + rr, j * 16 + t
+                    v = xp[r, k]
+                    with np.errstate(all="ignore"):
+                        y = v / den if flavor == "modelopt" else v * enc
+                    c = encode_scalar(float(y), E2M1, rounding, True, int(rp[r, k]), n)
+                    if np.isnan(v):
+                        c = 7
+                    elif flavor == "torchao" and np.isnan(enc):
+                        c = 0xC
+                    elif flavor == "modelopt" and y == 0:
+                        c = 0
+                    codes[r, k] = c
+    return codes[:R], scales
+
+
+def mx_scale_ref(amax: np.float32, mode: str, elem: Format) -> int:
+    """UE8M0 byte of a block amax (SPEC §2.2), from the float bits."""
+    bits = int(np.array([amax], np.float32).view(np.uint32)[0])
+    if mode == "rceil":
+        return ue8m0_scalar(float(amax * (f32(1.0) / f32(elem.max))), "rp", True)
+    if amax == 0:
+        return 0
+    if mode == "even":
+        bits += 1 << 21
+    e = ((bits >> 23) & 0xFF) - 127 - elem.emax
+    if mode == "ceil" and bits & 0x7FFFFF:
+        e += 1
+    return min(max(e, -127), 127) + 127
+
+
+def mx_ref(x2, elem: Format = E2M1, scale_mode="rceil", rounding="rne", rb=None, n=8):
+    """Reference MX: returns (codes (R, Kp) unpacked, scales (R, Kp/32) uint8)."""
+    R, K = x2.shape
+    xp, rp = _pad(x2, rb, 32)
+    codes = np.zeros(xp.shape, np.uint8)
+    scales = np.zeros((R, xp.shape[1] // 32), np.uint8)
+    for r in range(R):
+        for j in range(scales.shape[1]):
+            e = mx_scale_ref(_amax(xp[r, j * 32:(j + 1) * 32]), scale_mode, elem)
+            scales[r, j] = e
+            mul = f32(math.ldexp(1.0, 127 - e))
+            for k in range(j * 32, (j + 1) * 32):
+                codes[r, k] = encode_scalar(float(xp[r, k] * mul), elem, rounding, True, int(rp[r, k]), n)
+    return codes, scales
+
+
+def fp8_tensor_ref(x2, elem: Format = E4M3):
+    """Reference FP8 current scaling: (codes, fl(1/scale))."""
+    amax = _amax(x2)
+    scale = f32(elem.max) / amax if (amax > 0 and np.isfinite(amax)) else f32(1.0)
+    scale = min(scale, FLT_MAX)
+    codes = np.array([[encode_scalar(float(v * scale), elem, "rne", True) for v in row] for row in x2], np.uint8)
+    return codes, f32(1.0) / scale
+
+
+def fp8_blockwise_ref(x2, tile=1):
+    """Reference FP8 blockwise: (codes, float32 scales fl(amax_b/448)); a zero-amax block encodes x*0."""
+    R, K = x2.shape
+    codes = np.zeros((R, K), np.uint8)
+    scales = np.zeros((-(-R // tile), -(-K // 128)), np.float32)
+    for g in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = x2[g * tile:(g + 1) * tile, j * 128:(j + 1) * 128]
+            s = _amax(blk) / f32(448.0)
+            scales[g, j] = s
+            for (rr, kk), v in np.ndenumerate(blk):
+                with np.errstate(all="ignore"):
+                    y = v / s if s != 0 else v * f32(0.0)
+                codes[g * tile + rr, j * 128 + kk] = encode_scalar(float(y), E4M3, "rne", True)
+    return codes, scales

@@ -1,0 +1,128 @@
+"""Block-scaled tensor schemes: what a scheme is (SPEC §2-3), not how it is computed.
+
+Every scheme is a frozen dataclass; names such as ``"nvfp4"`` resolve to a default instance and keyword
+overrides (``flavor=``, ``block=``, ``scale_mode=``) make a variant with :func:`dataclasses.replace`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .formats import BF16, E2M1, E4M3, E5M2, UE8M0, Format
+
+__all__ = ["NVFP4", "MX", "FP8Tensor", "FP8Blockwise", "BF16Cast", "Scheme", "SCHEMES", "get_scheme",
+           "FLAVORS", "SCALE_MODES"]
+
+FLAVORS = ("te", "paper", "torchao", "modelopt")
+SCALE_MODES = ("rceil", "floor", "ceil", "even")
+
+
+def _check_block(block, allowed_rows, cols) -> tuple[int, int]:
+    if isinstance(block, int):
+        block = (1, block)
+    if (not isinstance(block, tuple) or len(block) != 2 or block[0] not in allowed_rows or block[1] != cols):
+        rows = " or ".join(f"({r}, {cols})" for r in allowed_rows)
+        raise ValueError(f"block={block!r} is not supported for this scheme; use {rows}")
+    return block
+
+
+@dataclass(frozen=True)
+class NVFP4:
+    """E2M1 elements, 16-element blocks (or 16x16 tiles), E4M3 block scale, FP32 tensor scale."""
+    block: tuple[int, int] = (1, 16)
+    flavor: str = "te"
+    elem: Format = E2M1
+    scale_fmt: Format = E4M3
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", _check_block(self.block, (1, 16), 16))
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor={self.flavor!r} is not an NVFP4 flavour; use one of {list(FLAVORS)}")
+
+    @property
+    def name(self) -> str:
+        return "nvfp4_2d" if self.block[0] == 16 else "nvfp4"
+
+
+@dataclass(frozen=True)
+class MX:
+    """OCP microscaling: ``elem`` elements, 32-element blocks, UE8M0 power-of-two scales."""
+    elem: Format = E2M1
+    block: tuple[int, int] = (1, 32)
+    scale_mode: str = "rceil"
+    scale_fmt: Format = UE8M0
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", _check_block(self.block, (1,), 32))
+        if self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode={self.scale_mode!r} is not an MX scale mode; use one of "
+                             f"{list(SCALE_MODES)}")
+        if self.elem not in (E2M1, E4M3, E5M2):
+            raise ValueError("MX elements must be E2M1, E4M3 or E5M2")
+
+    @property
+    def name(self) -> str:
+        return {"e2m1": "mxfp4", "e4m3": "mxfp8_e4m3", "e5m2": "mxfp8_e5m2"}[self.elem.name]
+
+
+@dataclass(frozen=True)
+class FP8Tensor:
+    """FP8 with one FP32 scale per tensor from the current amax ("current scaling")."""
+    elem: Format = E4M3
+
+    @property
+    def name(self) -> str:
+        return f"fp8_{self.elem.name}"
+
+
+@dataclass(frozen=True)
+class FP8Blockwise:
+    """E4M3 with an FP32 scale ``amax_b / 448`` per 1x128 block (activations, gradients) or 128x128 tile
+    (weights), as DeepSeek-V3's recipe."""
+    block: tuple[int, int] = (1, 128)
+    elem: Format = E4M3
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", _check_block(self.block, (1, 128), 128))
+
+    @property
+    def name(self) -> str:
+        return "fp8_blockwise"
+
+
+@dataclass(frozen=True)
+class BF16Cast:
+    """Round to bfloat16 (RNE, overflow to Inf as IEEE)."""
+    elem: Format = BF16
+
+    @property
+    def name(self) -> str:
+        return "bf16"
+
+
+Scheme = NVFP4 | MX | FP8Tensor | FP8Blockwise | BF16Cast
+
+SCHEMES: dict[str, Scheme] = {
+    "nvfp4": NVFP4(), "nvfp4_2d": NVFP4(block=(16, 16)),
+    "mxfp4": MX(E2M1), "mxfp8_e4m3": MX(E4M3), "mxfp8_e5m2": MX(E5M2),
+    "fp8_e4m3": FP8Tensor(E4M3), "fp8_e5m2": FP8Tensor(E5M2),
+    "fp8_blockwise": FP8Blockwise(), "bf16": BF16Cast(),
+}
+
+
+def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None) -> Scheme:
+    """Resolve a scheme name or object and apply keyword overrides (``None`` keeps the scheme's own)."""
+    if isinstance(scheme, str):
+        if scheme.lower() not in SCHEMES:
+            raise ValueError(f"scheme={scheme!r} is not known; use one of {sorted(SCHEMES)} or a scheme object")
+        scheme = SCHEMES[scheme.lower()]
+    elif not isinstance(scheme, (NVFP4, MX, FP8Tensor, FP8Blockwise, BF16Cast)):
+        raise TypeError(f"scheme must be a scheme name or object, not {type(scheme).__name__}")
+    changes = {}
+    for key, val in (("flavor", flavor), ("block", block), ("scale_mode", scale_mode)):
+        if val is None:
+            continue
+        if not any(f.name == key for f in dataclasses.fields(scheme)):
+            raise ValueError(f"{key}= does not apply to scheme {scheme.name!r}")
+        changes[key] = tuple(val) if key == "block" and not isinstance(val, int) else val
+    return dataclasses.replace(scheme, **changes) if changes else scheme

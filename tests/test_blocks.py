@@ -1,0 +1,333 @@
+"""Block-scaled schemes against the block-by-block reference (fp4sim.reference.blocks) and exact properties.
+
+Coverage: scheme x flavour/scale mode x rounding on randn, heavy-tailed, bf16-valued, odd-shaped and
+zero/underflow inputs; codes and scale bytes compared exactly. Peer libraries: tests/test_peers.py.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from fp4sim.layout import unpack_fp4
+from fp4sim.reference import blocks as ref
+from blockcases import cases, heavy
+
+CASES = cases()
+FLAVORS = ["te", "paper", "torchao", "modelopt"]
+
+
+def _codes(q):
+    return unpack_fp4(np.asarray(q.codes).reshape(-1, q.codes.shape[-1]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("tile", [1, 16])
+def test_nvfp4_matches_reference(case, flavor, tile):
+    x = CASES[case]
+    q = fs.quantize(x, "nvfp4", flavor=flavor, block=(tile, 16))
+    codes, scales = ref.nvfp4_ref(x, flavor, tile)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    np.testing.assert_array_equal(_codes(q), codes)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_nvfp4_sr_matches_reference_with_given_and_seeded_bits(flavor):
+    x = CASES["heavy"]
+    r = np.random.default_rng(3).integers(0, 256, x.shape, dtype=np.uint8)
+    q = fs.quantize(x, "nvfp4", flavor=flavor, rounding="sr", rbits=r)
+    codes, scales = ref.nvfp4_ref(x, flavor, 1, rounding="sr", rb=r)
+    np.testing.assert_array_equal(_codes(q), codes)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    from fp4sim.rng import philox_bytes
+    qs = fs.quantize(x, "nvfp4", flavor=flavor, rounding="sr", seed=77, stream=3)
+    codes, _ = ref.nvfp4_ref(x, flavor, 1, rounding="sr", rb=philox_bytes(77, x.size, 3).reshape(x.shape))
+    np.testing.assert_array_equal(_codes(qs), codes)
+
+
+def test_sr_seed_uses_the_original_flat_index_for_any_axis():
+    from fp4sim.rng import philox_bytes
+    x = heavy((3, 32, 5), 4)
+    q = fs.quantize(x, "nvfp4", axis=1, rounding="sr", seed=5)
+    rb = philox_bytes(5, x.size).reshape(x.shape)
+    q2 = fs.quantize(x, "nvfp4", axis=1, rounding="sr", rbits=rb)
+    np.testing.assert_array_equal(q.codes, q2.codes)
+    x2 = np.moveaxis(x, 1, -1).reshape(-1, 32)
+    codes, _ = ref.nvfp4_ref(x2, "te", 1, rounding="sr", rb=np.moveaxis(rb, 1, -1).reshape(-1, 32))
+    np.testing.assert_array_equal(_codes(q), codes)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("elem,mode", [(fs.E2M1, m) for m in ("rceil", "floor", "ceil", "even")]
+                         + [(fs.E4M3, "rceil"), (fs.E4M3, "floor"), (fs.E5M2, "rceil"), (fs.E5M2, "even")])
+def test_mx_matches_reference(case, elem, mode):
+    x = CASES[case]
+    name = {"e2m1": "mxfp4", "e4m3": "mxfp8_e4m3", "e5m2": "mxfp8_e5m2"}[elem.name]
+    q = fs.quantize(x, name, scale_mode=mode)
+    codes, scales = ref.mx_ref(x, elem, mode)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    got = _codes(q) if elem is fs.E2M1 else q.codes.reshape(codes.shape)
+    np.testing.assert_array_equal(got, codes)
+
+
+def test_mx_sr_matches_reference():
+    x = CASES["heavy"]
+    r = np.random.default_rng(6).integers(0, 256, x.shape, dtype=np.uint8)
+    for elem, name in ((fs.E2M1, "mxfp4"), (fs.E4M3, "mxfp8_e4m3")):
+        q = fs.quantize(x, name, rounding="sr", rbits=r)
+        codes, _ = ref.mx_ref(x, elem, "rceil", rounding="sr", rb=r)
+        got = _codes(q) if elem is fs.E2M1 else q.codes.reshape(codes.shape)
+        np.testing.assert_array_equal(got, codes)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_schemes_match_reference(case):
+    x = CASES[case]
+    for elem, name in ((fs.E4M3, "fp8_e4m3"), (fs.E5M2, "fp8_e5m2")):
+        q = fs.quantize(x, name)
+        codes, sinv = ref.fp8_tensor_ref(x, elem)
+        np.testing.assert_array_equal(q.codes, codes)
+        assert q.scales[0] == sinv
+    for tile in (1, 128):
+        q = fs.quantize(x, "fp8_blockwise", block=(tile, 128))
+        codes, scales = ref.fp8_blockwise_ref(x, tile)
+        np.testing.assert_array_equal(q.codes, codes)
+        np.testing.assert_array_equal(np.asarray(q.scales).reshape(scales.shape), scales)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_e4m3",
+                                    "fp8_e5m2", "fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_fake_quantize_equals_dequantize_of_quantize(scheme, axis):
+    x = heavy((3, 40, 24), 7)
+    for kw in ({}, {"rounding": "sr", "seed": 9}):
+        a = fs.fake_quantize(x, scheme, axis=axis, **kw)
+        b = fs.dequantize(fs.quantize(x, scheme, axis=axis, **kw))
+        assert a.shape == x.shape and a.dtype == np.float32
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_nvfp4_dequantize_follows_the_flavours_formula(flavor):
+    x = CASES["heavy"]
+    q = fs.quantize(x, "nvfp4", flavor=flavor)
+    vals = fs.E2M1.values[_codes(q)][:, : x.shape[1]]
+    s = np.repeat(fs.E4M3.values[q.linear_scales()], 16, axis=1)[:, : x.shape[1]]
+    g = np.float32(np.abs(x).max())
+    f32 = np.float32
+    if flavor in ("te", "paper"):   # fl(v * fl(fl(s * amax_g) * fl(1/2688)))
+        want = vals * ((s * g) * (f32(1) / f32(2688)))
+    else:                           # fl(v * fl(s * fl(amax_g / 2688)))
+        want = vals * (s * (g / f32(2688)))
+    np.testing.assert_array_equal(fs.dequantize(q), want)
+
+
+# --------------------------------------------------------------------------------------------- properties
+def test_2d_weights_quantize_identically_forward_and_backward():
+    w = heavy((48, 80), 11)
+    a = fs.dequantize(fs.quantize(w, "nvfp4_2d", axis=1))
+    b = fs.dequantize(fs.quantize(w.T.copy(), "nvfp4_2d", axis=1))
+    np.testing.assert_array_equal(a, b.T)
+    c = fs.dequantize(fs.quantize(w, "nvfp4_2d", axis=0))
+    np.testing.assert_array_equal(a, c)
+    assert not np.array_equal(a, fs.dequantize(fs.quantize(w, "nvfp4", axis=0)))  # 1x16 is not transposable
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_block_amax_element_codes_to_six_when_scale_is_normal(flavor):
+    x = heavy((32, 128), 12)
+    q = fs.quantize(x, "nvfp4", flavor=flavor)
+    codes = _codes(q).reshape(32, 8, 16)
+    s = q.linear_scales()
+    normal = (s & 0x78) != 0
+    xb = np.abs(x.reshape(32, 8, 16))
+    amax_pos = xb.argmax(-1)
+    amax_code = np.take_along_axis(codes, amax_pos[..., None], -1)[..., 0] & 7
+    assert normal.sum() > 100
+    if flavor == "torchao":  # its scales are clamped up to 2^-6: such blocks cannot reach +-6
+        clamped = s == 0x08
+        assert clamped.any() and np.all(amax_code[normal & ~clamped] == 7)
+        assert not np.all(amax_code[clamped] == 7)
+    else:
+        assert np.all(amax_code[normal] == 7)
+
+
+def test_paper_b4_example_mxfp4_loses_a_binade_nvfp4_keeps_it():
+    d = np.float32(3.0) + np.float32(2.0**-20)
+    x = np.array([[d] + [0.1] * 31], np.float32)
+    m = fs.fake_quantize(x, "mxfp4", scale_mode="rceil")
+    assert m[0, 0] == 3.0                       # rceil: scale 1, so 3+d -> 3 and codes 4, 6 go unused
+    codes = _codes(fs.quantize(x, "mxfp4"))
+    assert codes.max() <= 5
+    n = fs.fake_quantize(x[:, :16], "nvfp4")
+    assert abs(n[0, 0] - d) < abs(m[0, 0] - d)  # NVFP4's E4M3 scale keeps 3 + delta near 6
+
+
+def test_rht_is_orthogonal_and_te_signs_match_mask():
+    from fp4sim.hadamard import TE_SIGN_MASK, hadamard_matrix, rht_matrix, rht_signs
+    s = rht_signs(16, "te")
+    assert [i for i in range(16) if s[i] < 0] == [i for i in range(16) if (0xD7E8 >> i) & 1]
+    assert list(s) == [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1] and TE_SIGN_MASK == 0xD7E8
+    for d in (2, 4, 8, 16, 32, 64, 128):
+        H = hadamard_matrix(d)
+        np.testing.assert_array_equal(H @ H.T, d * np.eye(d))
+        M = rht_matrix(d, signs=7)
+        np.testing.assert_allclose(M @ M.T, np.eye(d), atol=1e-15)
+    a = heavy((8, 64), 2)
+    b = heavy((64, 8), 3).T.copy()
+    ya = fs.rht(a, 16, out="fp32")
+    yb = fs.rht(b, 16, out="fp32")  # (A M)(M^T B)^T along the shared axis = A B^T
+    np.testing.assert_allclose(ya.astype(np.float64) @ yb.T.astype(np.float64),
+                               a.astype(np.float64) @ b.T.astype(np.float64), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8, 16, 32, 128])
+@pytest.mark.parametrize("signs", ["te", 3, None])
+def test_rht_exact_against_float64_matmul(d, signs):
+    if signs == "te" and d != 16:
+        pytest.raises(ValueError, fs.rht, np.ones((2, d), np.float32), d, signs)
+        return
+    import ml_dtypes
+    from fp4sim.hadamard import rht_matrix
+    x = heavy((6, 256), d)
+    M = rht_matrix(d, signs)
+    exact = (x.astype(np.float64).reshape(6, -1, d) @ M).reshape(6, 256)  # exact: few binades per chunk
+    np.testing.assert_array_equal(fs.rht(x, d, signs, out="fp32"), exact.astype(np.float32))
+    # bf16 output is one rounding of the exact value (not float32 first): check with exact fractions
+    y = fs.rht(x, d, signs)
+    assert np.array_equal(y, y.astype(ml_dtypes.bfloat16).astype(np.float32))
+    lo = exact.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    err = np.abs(y.astype(np.float64) - exact)
+    assert np.all(err <= np.abs(lo - exact) + 1e-300)  # never worse than the double-rounded value
+
+
+def test_rht_bf16_rounds_once_at_a_double_rounding_trap():
+    # (2*mid + 2^-29) / 2 lies just above the bf16 midpoint mid = 1 + 2^-8, but rounds to mid in float32:
+    # rounding float32 first would then tie to even (1.0); rounding once goes up.
+    mid = 1.0 + 2.0**-8
+    x4 = np.zeros((1, 4), np.float32)
+    x4[0, 0] = np.float32(2 * mid)
+    x4[0, 1] = np.float32(2.0**-29)  # d=4: c = 1/2 exactly, and all four inputs add to the first output
+    y4 = fs.rht(x4, 4, None)
+    assert y4[0, 0] == np.float32(1.0 + 2.0**-7)              # once-rounded: above the tie -> up
+    assert fs.rht(x4, 4, None, out="fp32")[0, 0] == np.float32(mid)  # float32 alone lands on the tie
+
+
+def test_pack_unpack_and_swizzle_roundtrip():
+    from fp4sim.layout import pack_fp4, swizzle_scales, unswizzle_scales
+    c = np.random.default_rng(0).integers(0, 16, (5, 34), dtype=np.uint8)
+    p = pack_fp4(c)
+    assert p[0, 0] == (c[0, 0] | (c[0, 1] << 4))
+    np.testing.assert_array_equal(unpack_fp4(p), c)
+    s = np.random.default_rng(1).integers(0, 256, (130, 7), dtype=np.uint8)
+    sw = swizzle_scales(s)
+    assert sw.size == 256 * 8
+    r, col = 129, 5
+    assert sw[((r // 128) * 2 + col // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + col % 4] == s[r, col]
+    np.testing.assert_array_equal(unswizzle_scales(sw, 130, 7), s)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4"])
+def test_swizzled_quantize_dequantizes_the_same(scheme):
+    x = heavy((40, 96), 5)
+    a = fs.quantize(x, scheme)
+    b = fs.quantize(x, scheme, scale_layout="swizzled")
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.linear_scales(), b.linear_scales())
+    np.testing.assert_array_equal(fs.dequantize(a), fs.dequantize(b))
+
+
+# --------------------------------------------------------------------------------------------- edge cases
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_all_zero_tensor(flavor):
+    x = np.zeros((2, 32), np.float32)
+    x[1, 3] = -0.0
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        q = fs.quantize(x, "nvfp4", flavor=flavor)
+    codes, scales = ref.nvfp4_ref(x, flavor)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    np.testing.assert_array_equal(_codes(q), codes)
+    want_scale, want_code = {"te": (0, 0), "paper": (0, 0), "torchao": (0xFF, 0xC), "modelopt": (0xFF, 0x7)}[flavor]
+    assert np.all(q.linear_scales() == want_scale)
+    assert _codes(q)[0, 0] == want_code
+    assert (len(w) > 0) == (flavor in ("torchao", "modelopt"))
+    if flavor in ("te", "paper"):
+        assert _codes(q)[1, 3] == 8  # -0 keeps its sign
+
+
+def test_global_amax_edge_values():
+    x = heavy((4, 64), 8)
+    for g in (3e38, 1e-40, float(np.abs(x).max()) * 4):
+        for flavor in FLAVORS:
+            q = fs.quantize(x, "nvfp4", flavor=flavor, global_amax=g)
+            codes, scales = ref.nvfp4_ref(x, flavor, global_amax=g)
+            np.testing.assert_array_equal(q.linear_scales(), scales)
+            np.testing.assert_array_equal(_codes(q), codes)
+
+
+def test_nan_and_inf_inside_blocks():
+    x = heavy((2, 32), 9)
+    x[0, 3] = np.nan
+    x[1, 20] = -np.inf
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        q = fs.quantize(x, "nvfp4")
+    c = _codes(q)
+    assert c[0, 3] == 7 and c[1, 20] == 15                   # NaN -> +6; -Inf saturates to -6
+    codes, scales = ref.nvfp4_ref(x, "te")
+    np.testing.assert_array_equal(c, codes)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    with pytest.warns(RuntimeWarning, match="Inf inside an MX block"):
+        m = fs.quantize(x, "mxfp4", scale_mode="floor")
+    assert m.linear_scales()[1, 0] == 0xFD                   # Inf's exponent field: 2^126
+    with pytest.warns(RuntimeWarning):
+        assert fs.quantize(x, "mxfp4").linear_scales()[1, 0] == 0xFE
+
+
+def test_exact_ties_at_amax_six():
+    x = np.array([[6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] + [0.0] * 8], np.float32)
+    q = fs.quantize(x, "nvfp4", global_amax=6.0 * 448 / 448)
+    codes, _ = ref.nvfp4_ref(x, "te", global_amax=6.0)
+    np.testing.assert_array_equal(_codes(q), codes)
+
+
+def test_shapes_padding_and_errors():
+    x = heavy((3, 5, 17), 10)
+    q = fs.quantize(x, "nvfp4", axis=1)
+    assert q.codes.shape == (3, 17, 8) and q.scales.shape == (3, 17, 1)
+    assert fs.dequantize(q).shape == x.shape
+    q1 = fs.quantize(np.array([2.5], np.float32), "mxfp4")
+    assert fs.dequantize(q1).shape == (1,)
+    with pytest.raises(ValueError, match="length 0"):
+        fs.quantize(np.zeros((3, 0), np.float32), "nvfp4")
+    with pytest.raises(ValueError, match="no elements"):
+        fs.quantize(np.zeros((0, 16), np.float32), "nvfp4")
+    with pytest.raises(ValueError, match="0-d"):
+        fs.quantize(np.float32(1.0), "nvfp4")
+    with pytest.raises(ValueError, match="axis=2"):
+        fs.quantize(np.ones((2, 16), np.float32), "nvfp4", axis=2)
+    with pytest.raises(ValueError, match="scheme="):
+        fs.quantize(np.ones((2, 16), np.float32), "nvfp5")
+    with pytest.raises(ValueError, match="flavor="):
+        fs.quantize(np.ones((2, 16), np.float32), "nvfp4", flavor="cublas")
+    with pytest.raises(ValueError, match="scale_mode"):
+        fs.quantize(np.ones((2, 16), np.float32), "mxfp4", scale_mode="round")
+    with pytest.raises(ValueError, match="block="):
+        fs.quantize(np.ones((2, 16), np.float32), "nvfp4", block=(8, 16))
+    with pytest.raises(ValueError, match="does not apply"):
+        fs.quantize(np.ones((2, 16), np.float32), "mxfp4", flavor="te")
+    with pytest.raises(ValueError, match="global_amax"):
+        fs.quantize(np.ones((2, 16), np.float32), "nvfp4", global_amax=-1.0)
+    with pytest.raises(ValueError, match="global_amax applies"):
+        fs.quantize(np.ones((2, 16), np.float32), "mxfp4", global_amax=1.0)
+    with pytest.raises(ValueError, match="scale_layout"):
+        fs.quantize(np.ones((2, 16), np.float32), "nvfp4", scale_layout="tiled")
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        fs.dequantize(np.ones(3))
+    with pytest.raises(ValueError, match="multiple of d"):
+        fs.rht(np.ones((2, 20), np.float32), 16)
+    with pytest.raises(ValueError, match="power of two"):
+        fs.rht(np.ones((2, 24), np.float32), 12)
