@@ -5,6 +5,7 @@ from .hadamard import rht
 from .qtensor import QuantizedTensor
 from .quantize import dequantize, fake_quantize, quantize
 from .schemes import SCHEMES, get_scheme
+from . import layout
 
 __version__ = "0.1.0"
 __all__ = ["encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",

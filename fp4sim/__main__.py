@@ -1,4 +1,5 @@
-"""``python -m fp4sim``: print the element-format table and round a test tensor through every format."""
+"""``python -m fp4sim``: print the element-format table and round a test tensor through every format and
+block-scaled scheme."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,13 @@ def main(argv=None) -> int:
             zero = 100 * np.mean((y == 0) & (x != 0))
             sat = 100 * np.mean(np.abs(x) > fmt.max)
             print(f"{fmt.name:8} {rounding:9} {sqnr:9.2f} {zero:8.2f} {sat:12.2f}")
+    print("\nThe same tensor through the block-scaled schemes (quantize -> dequantize):")
+    print(f"{'scheme':14} {'SQNR dB':>9} {'zero %':>8}")
+    for scheme in ("nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "fp8_e4m3", "fp8_blockwise", "bf16"):
+        y = fs.fake_quantize(x, scheme)
+        err = float(np.mean((y - x).astype(np.float64) ** 2))
+        sqnr = 10 * np.log10(float(np.mean(x.astype(np.float64) ** 2)) / err) if err else np.inf
+        print(f"{scheme:14} {sqnr:9.2f} {100 * np.mean((y == 0) & (x != 0)):8.2f}")
     return 0
 
 

@@ -11,7 +11,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, encode_one
+from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, encode_one
 
 TE, PAPER, TORCHAO, MODELOPT = 0, 1, 2, 3
 FLAVOR_IDS = {"te": TE, "paper": PAPER, "torchao": TORCHAO, "modelopt": MODELOPT}
@@ -22,23 +22,29 @@ E4M3_PARAMS = (3, -6, 7, 0x7E, 0x7F, 0x7F, 0x80)  # mbits, emin, bias, maxmag, n
 
 @nb.njit(parallel=True, cache=True)
 def absmax_nan(x2):
-    """(max |x| with NaN ignored, whether any NaN was seen) over a 2-D array."""
-    R = x2.shape[0]
-    part = np.zeros(R, np.float32)
-    nans = np.zeros(R, np.bool_)
+    """(max |x| with NaN ignored, whether any NaN was seen) over a 2-D array.
+
+    Works on the bit patterns (|x| orders like its bits; NaN patterns are masked out), so the reduction is an
+    integer max that vectorises.
+    """
+    R, K = x2.shape
+    xb = x2.view(np.uint32)
+    part = np.zeros(R, np.uint32)
+    nans = np.zeros(R, np.uint32)
     for r in nb.prange(R):
-        m = np.float32(0.0)
-        seen = False
-        for k in range(x2.shape[1]):
-            a = abs(x2[r, k])
-            m = a if a > m else m  # NaN compares false
-            seen |= a != a
+        m = np.uint32(0)
+        nn = np.uint32(0)
+        for k in range(K):
+            a = xb[r, k] & np.uint32(0x7FFFFFFF)
+            isnan = a > np.uint32(0x7F800000)
+            m = max(m, np.uint32(0) if isnan else a)
+            nn = max(nn, np.uint32(isnan))
         part[r] = m
-        nans[r] = seen
-    m = np.float32(0.0)
-    for r in range(R):
-        m = part[r] if part[r] > m else m
-    return m, nans.any()
+        nans[r] = nn
+    mm = part.max() if R else np.uint32(0)
+    out = np.empty(1, np.uint32)
+    out[0] = mm
+    return out.view(np.float32)[0], nans.max() > 0 if R else False
 
 
 @nb.njit(inline="always", cache=True)
@@ -116,44 +122,78 @@ def nvfp4_elem(v, fac, flavor, mode, r, nsr):
     return c
 
 
+@nb.njit(inline="always", cache=True)
+def row_padded(x2, r, K, Kp, buf):
+    """Row r of x2, or its copy zero-padded to Kp in ``buf`` when K is not a multiple of the block."""
+    if K == Kp:
+        return x2[r]
+    buf[:K] = x2[r]
+    return buf
+
+
 @nb.njit(parallel=True, cache=True)
 def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_vals,
                  codes, scales, fake, do_fake):
     """NVFP4 quantize. ``tile`` is 1 (1x16 blocks) or 16 (16x16 tiles, one scale per tile).
 
     codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); fake: (R, K) dequantized values when do_fake,
-    where ``dq`` is fl(amax_g * fl(1/2688)) (te/paper) or the flavour's dequant constant.
+    where ``dq`` holds the flavour's dequantize constants. Each task handles one group of ``tile`` rows in
+    phases that vectorise: block amax (integer max over bit patterns), per-block scale (scalar), element
+    codes over the whole padded row, nibble packing.
     """
     R, K = x2.shape
-    nb_ = (K + 15) // 16
+    nbk = (K + 15) // 16
+    Kp = nbk * 16
     ngroups = (R + tile - 1) // tile
     for g in nb.prange(ngroups):
         buf = np.empty(1, np.float32)
         bits = buf.view(np.uint32)
+        xrow = np.zeros(Kp, np.float32)
+        rrow = np.zeros(Kp, np.uint8)
+        crow = np.empty(Kp, np.uint8)
+        amaxb = np.zeros(nbk, np.uint32)
+        fac = np.empty(nbk, np.float32)
+        sdq = np.empty(nbk, np.float32)
         r0 = g * tile
         r1 = min(r0 + tile, R)
-        for j in range(nb_):
-            k0 = j * 16
-            amax = block_amax(x2, r0, r1, k0, min(k0 + 16, K))
-            byte, fac = nvfp4_scale(amax, flavor, c0, c1, c2, e4m3_vals, buf, bits)
+        for r in range(r0, r1):                       # phase 1: block amax over the group's rows
+            xr = row_padded(x2, r, K, Kp, xrow)
+            xb = xr.view(np.uint32)
+            for j in range(nbk):
+                m = amaxb[j]
+                for k in range(j * 16, j * 16 + 16):
+                    a = xb[k] & np.uint32(0x7FFFFFFF)
+                    m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
+                amaxb[j] = m
+        nanfac = False
+        for j in range(nbk):                          # phase 2: scales
+            bits[0] = amaxb[j]
+            byte, f = nvfp4_scale(buf[0], flavor, c0, c1, c2, e4m3_vals, buf, bits)
             scales[g, j] = byte
-            sdq = nvfp4_dequant_factor(e4m3_vals[byte], flavor, dq, c1)
-            for r in range(r0, r1):
-                for t in range(8):
-                    ka = k0 + 2 * t
-                    kb = ka + 1
-                    va = x2[r, ka] if ka < K else np.float32(0.0)
-                    vb = x2[r, kb] if kb < K else np.float32(0.0)
-                    ra = np.int32(rb[r, ka]) if (use_rb and ka < K) else np.int32(0)
-                    rbb = np.int32(rb[r, kb]) if (use_rb and kb < K) else np.int32(0)
-                    ca = nvfp4_elem(va, fac, flavor, mode, ra, nsr)
-                    cb = nvfp4_elem(vb, fac, flavor, mode, rbb, nsr)
-                    codes[r, j * 8 + t] = np.uint8(ca | (cb << 4))
-                    if do_fake:
-                        if ka < K:
-                            fake[r, ka] = E2M1_VALUES[ca] * sdq
-                        if kb < K:
-                            fake[r, kb] = E2M1_VALUES[cb] * sdq
+            fac[j] = f
+            nanfac |= f != f
+            sdq[j] = nvfp4_dequant_factor(e4m3_vals[byte], flavor, dq, c1)
+        for r in range(r0, r1):
+            xr = row_padded(x2, r, K, Kp, xrow)
+            if use_rb:
+                rrow[:K] = rb[r]
+            if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common path first)
+                for j in range(nbk):
+                    f = fac[j]
+                    for k in range(j * 16, j * 16 + 16):
+                        crow[k] = e2m1_rne(xr[k] * f)
+            else:
+                for j in range(nbk):
+                    f = fac[j]
+                    for k in range(j * 16, j * 16 + 16):
+                        crow[k] = nvfp4_elem(xr[k], f, flavor, mode, np.int32(rrow[k]), nsr)
+            for t in range(Kp // 2):                   # phase 4: pack, element 2t in the low nibble
+                codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
+            if do_fake:
+                for j in range(nbk):
+                    f = sdq[j]
+                    for k in range(j * 16, min(j * 16 + 16, K)):
+                        fake[r, k] = E2M1_VALUES[crow[k]] * f
 
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
@@ -169,8 +209,11 @@ def nvfp4_dequant_factor(sval, flavor, dq, c1):
 
 # ------------------------------------------------------------------------------------------------- MX
 @nb.njit(inline="always", cache=True)
-def mx_scale_byte(amax, mode, emax, rcp, buf, bits):
-    """UE8M0 byte from a block amax (float bits), SPEC §2.2; mode 0 rceil, 1 floor, 2 ceil, 3 even."""
+def mx_scale_byte(amax, mode, emax, mbits, rcp, buf, bits):
+    """UE8M0 byte from a block amax (float bits), SPEC §2.2; mode 0 rceil, 1 floor, 2 ceil, 3 even.
+
+    ``even`` first rounds amax to the element's precision (adds 2^(22 - mbits) to its bits: 2^21 for E2M1).
+    """
     if mode == 0:
         u = np.int64(f32_bits(amax * rcp, buf, bits))
         a = u & 0x7FFFFFFF
@@ -187,7 +230,7 @@ def mx_scale_byte(amax, mode, emax, rcp, buf, bits):
     if amax == np.float32(0.0):
         return np.int64(0)
     if mode == 3:
-        u = u + (1 << 21)
+        u = u + (np.int64(1) << (22 - mbits))
     E = (u >> 23) & 0xFF
     e = E - 127 - emax
     if mode == 2 and (u & 0x7FFFFF) != 0:
@@ -208,7 +251,7 @@ def mx_kernel(x2, rb, use_rb, mode, nsr, scale_mode, emax, rcp, pow2_enc, pow2_d
         for j in range(nb_):
             k0 = j * 32
             amax = block_amax(x2, r, r + 1, k0, min(k0 + 32, K))
-            e = mx_scale_byte(amax, scale_mode, emax, rcp, buf, bits)
+            e = mx_scale_byte(amax, scale_mode, emax, mbits, rcp, buf, bits)
             scales[r, j] = e
             mul = pow2_enc[e]
             dmul = pow2_dec[e]

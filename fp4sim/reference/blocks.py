@@ -100,8 +100,8 @@ def mx_scale_ref(amax: np.float32, mode: str, elem: Format) -> int:
         return ue8m0_scalar(float(amax * (f32(1.0) / f32(elem.max))), "rp", True)
     if amax == 0:
         return 0
-    if mode == "even":
-        bits += 1 << 21
+    if mode == "even":  # round amax to the element's precision first (2^21 for E2M1's one mantissa bit)
+        bits += 1 << (22 - elem.mbits)
     e = ((bits >> 23) & 0xFF) - 127 - elem.emax
     if mode == "ceil" and bits & 0x7FFFFF:
         e += 1

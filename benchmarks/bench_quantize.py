@@ -1,0 +1,94 @@
+"""NVFP4 / MXFP4 quantize and fake-quantize throughput on a 4096x4096 float32 tensor, as ratios to baselines
+measured in the same run: (a) a Numba streaming kernel that reads float32 and writes uint8 (the memory-bound
+floor), (b) torchao's ``nvfp4_quantize`` eager and under ``torch.compile`` (when torch/torchao are installed).
+
+    python benchmarks/bench_quantize.py [--n 4096] [--repeat 5] [--no-torch] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numba as nb
+import numpy as np
+
+import fp4sim as fs
+
+
+@nb.njit(parallel=True, cache=True)
+def _stream(x, out):
+    for i in nb.prange(x.shape[0]):
+        out[i] = np.uint8(np.int32(x[i]) & 0xFF)
+
+
+def best(fn, repeat):
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((a.n, a.n)) * np.exp(rng.standard_normal((a.n, 1)))).astype(np.float32)
+    out = np.empty(x.size, np.uint8)
+    t_stream = best(lambda: _stream(x.reshape(-1), out), a.repeat)
+    res = {"numba_threads": nb.get_num_threads(), "n": a.n, "stream_ms": t_stream * 1e3, "rows": []}
+    torch_t = {}
+    if not a.no_torch:
+        try:
+            os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+            import torch
+            from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+            xt = torch.from_numpy(x)
+
+            def eager():
+                return nvfp4_quantize(xt, 16, per_tensor_amax_to_scale(xt.abs().amax()))
+            torch_t["torchao eager"] = best(eager, a.repeat)
+            comp = torch.compile(eager)
+            comp()  # compile outside the timing
+            torch_t["torchao compiled"] = best(comp, a.repeat)
+            res["torch_threads"] = torch.get_num_threads()
+        except Exception as e:  # noqa: BLE001 - report, do not fail a benchmark
+            print(f"torch baselines unavailable: {type(e).__name__}: {e}")
+    print(f"tensor {a.n}x{a.n} float32, numba threads {res['numba_threads']}")
+    print(f"baseline (a) numba stream f32->u8: {t_stream * 1e3:8.2f} ms")
+    for k, v in torch_t.items():
+        print(f"baseline (b) {k:20}: {v * 1e3:8.2f} ms")
+    print(f"{'op':34} {'ms':>8} {'vs stream':>10} {'vs ao eager':>12} {'vs ao compiled':>15}")
+    ops = [("quantize nvfp4", lambda: fs.quantize(x, "nvfp4")),
+           ("quantize nvfp4 torchao flavour", lambda: fs.quantize(x, "nvfp4", flavor="torchao")),
+           ("quantize nvfp4 sr (seed)", lambda: fs.quantize(x, "nvfp4", rounding="sr", seed=1)),
+           ("quantize nvfp4_2d", lambda: fs.quantize(x, "nvfp4_2d")),
+           ("quantize mxfp4", lambda: fs.quantize(x, "mxfp4")),
+           ("fake_quantize nvfp4", lambda: fs.fake_quantize(x, "nvfp4")),
+           ("fake_quantize nvfp4_2d", lambda: fs.fake_quantize(x, "nvfp4_2d")),
+           ("fake_quantize mxfp4", lambda: fs.fake_quantize(x, "mxfp4")),
+           ("dequantize nvfp4", (lambda q: lambda: fs.dequantize(q))(fs.quantize(x, "nvfp4")))]
+    for name, fn in ops:
+        t = best(fn, a.repeat)
+        row = {"op": name, "ms": t * 1e3, "vs_stream": t_stream / t}
+        for k, v in torch_t.items():
+            row["vs_" + k.replace(" ", "_")] = v / t
+        res["rows"].append(row)
+        e = f"{row.get('vs_torchao_eager', float('nan')):12.2f}"
+        c = f"{row.get('vs_torchao_compiled', float('nan')):15.2f}"
+        print(f"{name:34} {t * 1e3:8.2f} {t_stream / t:10.2f} {e} {c}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
