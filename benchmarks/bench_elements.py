@@ -9,29 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-
 import ml_dtypes
 import numba as nb
 import numpy as np
 
 import fp4sim as fs
-
-
-@nb.njit(parallel=True, cache=True)
-def _stream(x, out):
-    for i in nb.prange(x.shape[0]):
-        out[i] = np.uint8(np.int32(x[i]) & 0xFF)
-
-
-def best(fn, repeat):
-    fn()  # warm-up (compiles)
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+from _common import best, stream_f32_to_u8
 
 
 def main():
@@ -44,7 +27,7 @@ def main():
     flat = x.reshape(-1)
     out = np.empty(flat.size, np.uint8)
     gb = flat.nbytes * 1.25 / 1e9  # bytes read + written by an encoder (float32 in, uint8 out)
-    t_stream = best(lambda: _stream(flat, out), a.repeat)
+    t_stream = best(lambda: stream_f32_to_u8(flat, out), a.repeat)
     print(f"numba threads: {nb.get_num_threads()}; tensor {a.n}x{a.n} float32")
     print(f"baseline stream (f32 -> u8): {t_stream * 1e3:8.2f} ms  {gb / t_stream:6.2f} GB/s")
     rows = []

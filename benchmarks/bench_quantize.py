@@ -9,28 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-
 import numba as nb
 import numpy as np
 
 import fp4sim as fs
-
-
-@nb.njit(parallel=True, cache=True)
-def _stream(x, out):
-    for i in nb.prange(x.shape[0]):
-        out[i] = np.uint8(np.int32(x[i]) & 0xFF)
-
-
-def best(fn, repeat):
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+from _common import best, stream_f32_to_u8
 
 
 def main():
@@ -43,7 +26,7 @@ def main():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((a.n, a.n)) * np.exp(rng.standard_normal((a.n, 1)))).astype(np.float32)
     out = np.empty(x.size, np.uint8)
-    t_stream = best(lambda: _stream(x.reshape(-1), out), a.repeat)
+    t_stream = best(lambda: stream_f32_to_u8(x.reshape(-1), out), a.repeat)
     res = {"numba_threads": nb.get_num_threads(), "n": a.n, "stream_ms": t_stream * 1e3, "rows": []}
     torch_t = {}
     if not a.no_torch:

@@ -8,5 +8,5 @@ from .schemes import SCHEMES, get_scheme
 from . import layout
 
 __version__ = "0.1.0"
-__all__ = ["encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
+__all__ = ["layout", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
            "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]

@@ -10,7 +10,7 @@ from .cpu import blocks as _b
 from .cpu.elements import MODES
 from .elements import ROUNDINGS, encode, decode, kernel_params
 from .formats import E2M1, E4M3
-from .layout import pack_fp4, swizzle_scales, unpack_fp4
+from .layout import swizzle_scales, unpack_fp4
 from .qtensor import QuantizedTensor
 from .rng import philox_bytes
 from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme

@@ -10,8 +10,6 @@ import types
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from conftest import oracle_missing
 
 TE_VERSION = "2.20.2"

@@ -6,7 +6,6 @@ wrapped in np.float32) so results follow SPEC's fl(.) sequences exactly. One par
 """
 from __future__ import annotations
 
-import math
 
 import numba as nb
 import numpy as np
@@ -107,7 +106,6 @@ def nvfp4_scale(amax_b, flavor, c0, c1, c2, e4m3_vals, buf, bits):
 @nb.njit(inline="always", cache=True)
 def nvfp4_elem(v, fac, flavor, mode, r, nsr):
     """E2M1 code of one element given its block's factor, with the flavour's special-value rules."""
-    f = np.float32
     if flavor == 3:
         y = v / fac
     else:
