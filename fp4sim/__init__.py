@@ -5,8 +5,8 @@ from .hadamard import rht
 from .qtensor import QuantizedTensor
 from .quantize import dequantize, fake_quantize, quantize
 from .schemes import SCHEMES, get_scheme
-from . import layout
+from . import layout, rng
 
 __version__ = "0.1.0"
-__all__ = ["layout", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
+__all__ = ["layout", "rng", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
            "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]

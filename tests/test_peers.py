@@ -165,3 +165,31 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
+
+
+# ------------------------------------------------------------------------------------ kernel validation
+def _peer_outputs(te_ref, x):
+    """(flavour, packed codes, scale bytes) from each peer quantizer for x."""
+    torch = torch_or_skip()
+    nv = import_or_missing("torchao.prototype.mx_formats.nvfp4_tensor")
+    qt = import_or_missing("modelopt.torch.quantization.qtensor")
+    xt = torch.from_numpy(x)
+    amax = xt.abs().amax()
+    c, s = te_ref.NVFP4QuantizerRef._quantize_blockwise_reference(xt, amax, 16, 1, pow_2_scales=False, eps=0.0)
+    yield "te", c.numpy(), s.view(torch.uint8).numpy()
+    s, c = nv.nvfp4_quantize(xt, 16, nv.per_tensor_amax_to_scale(amax))
+    yield "torchao", c.numpy(), s.view(torch.uint8).numpy()
+    qo, s, _ = qt.NVFP4QTensor.quantize(xt.clone(), 16)
+    yield "modelopt", qo._quantized_data.numpy(), s.view(torch.uint8).numpy()
+
+
+def test_peer_outputs_validate_exact_under_their_flavour_and_are_named(te_ref):
+    from fp4sim.validate import compare
+    x = heavy((128, 256), 3)
+    for flavor, codes, scales in _peer_outputs(te_ref, x):
+        assert compare(x, codes, scales, "nvfp4", flavor=flavor).exact, flavor
+        other = "modelopt" if flavor != "modelopt" else "te"
+        r = compare(x, codes, scales, "nvfp4", flavor=other)
+        assert r.verdict == "mismatch" and r.diagnosis["exact_match"], flavor
+        named = r.diagnosis["best"]["label"]
+        assert named.startswith(f"flavor={flavor!r}") or (flavor == "te" and named.startswith("flavor='paper'"))

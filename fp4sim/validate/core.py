@@ -1,0 +1,258 @@
+"""``compare``: check a kernel's quantized output against the emulator, bit for bit, and explain mismatches."""
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+
+from .. import _inputs
+from ..elements import encode
+from ..formats import E2M1, E4M3
+from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
+from ..quantize import _POW2_ENC, quantize
+from ..schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
+from .report import Report
+
+_Q = sys.modules["fp4sim.quantize"]
+f32 = np.float32
+FLT_MAX = f32(np.finfo(np.float32).max)
+E2M1_TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+E2M1_MAGS = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+# ------------------------------------------------------------------------------------------ normalising
+def _as_bytes(a, name):
+    a = np.asarray(a)
+    if a.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu),
+                   np.dtype(ml_dtypes.float4_e2m1fn)):
+        a = a.view(np.uint8)
+    if a.dtype != np.uint8:
+        raise TypeError(f"{name} must hold raw bytes (uint8, or an ml_dtypes float8 array), not {a.dtype}")
+    return a
+
+
+def _codes_unpacked(codes, q, nibble_order="low_first"):
+    """The kernel's codes as (rows, Kp) unpacked (FP4) or (rows, n) (FP8)."""
+    sch = q.scheme
+    want = q.codes
+    if isinstance(sch, BF16Cast):
+        c = np.asarray(codes)
+        if c.dtype != np.uint16 and c.dtype != np.dtype(ml_dtypes.bfloat16):
+            raise TypeError(f"codes for bf16 must be uint16 (or bfloat16), not {c.dtype}")
+        c = c.view(np.uint16)
+    else:
+        c = _as_bytes(codes, "codes")
+    if c.size != want.size:
+        what = "packed FP4 codes, two per byte" if _is_fp4(sch) else "codes, one per byte"
+        raise ValueError(f"codes has {c.size} entries; {sch.name} of an input of shape {q.shape} (axis {q.axis}) "
+                         f"needs {want.size} {what}, shaped {want.shape}")
+    c = c.reshape(-1, want.shape[-1])
+    return unpack_fp4(c, nibble_order) if _is_fp4(sch) else c
+
+
+def _is_fp4(sch):
+    return isinstance(sch, NVFP4) or (isinstance(sch, MX) and sch.elem is E2M1)
+
+
+def _scales_per_row(scales, q, layout):
+    """The kernel's scale bytes as the per-row (rows, blocks) matrix, read in ``layout``."""
+    sch = q.scheme
+    s = _as_bytes(scales, "scales").reshape(-1)
+    rows = int(np.prod(q.lead, dtype=np.int64))
+    C = q.scale_rows_cols[1]
+    if layout == "swizzled":
+        need = swizzled_size(rows, C)
+        if s.size != need:
+            raise ValueError(f"swizzled scales have {s.size} bytes; {rows} rows x {C} blocks padded to multiples "
+                             f"of 128 x 4 need {need}")
+        return unswizzle_scales(s, rows, C)
+    tiles = q.scale_rows_cols[0]
+    if s.size == rows * C:
+        return s.reshape(rows, C)
+    if sch.block[0] > 1 and s.size == tiles * C:
+        return np.repeat(s.reshape(tiles, C), sch.block[0], axis=0)[:rows]
+    raise ValueError(f"scales have {s.size} bytes; expected {rows * C} ({rows} rows x {C} blocks)"
+                     + (f" or {tiles * C} (one per 16x16 tile)" if sch.block[0] > 1 else "")
+                     + " in the linear layout (or pass scale_layout='swizzled')")
+
+
+# ------------------------------------------------------------------------------------------ emulation
+def _x2_padded(q, x2):
+    bk = q.scheme.block[1]
+    Kp = -(-q.K // bk) * bk
+    xp = np.zeros((x2.shape[0], Kp), np.float32)
+    xp[:, : q.K] = x2
+    return xp
+
+
+def _scaled(xp, sch, s_rows, global_amax):
+    """(y, factor-is-NaN mask): the values each element is rounded from, given per-row scale bytes."""
+    bk = sch.block[1]
+    with np.errstate(all="ignore"):
+        if isinstance(sch, MX):
+            fac = np.repeat(_POW2_ENC[s_rows], bk, axis=1)
+            return xp * fac, np.zeros(xp.shape, bool)
+        (c0, c1, _), _ = _Q._nvfp4_constants(sch.flavor, f32(global_amax))
+        sval = np.repeat(E4M3.values[s_rows], bk, axis=1)
+        if sch.flavor in ("te", "paper"):
+            fac = np.minimum(f32(1.0) / (sval * c1), FLT_MAX)
+        elif sch.flavor == "torchao":
+            fac = c1 / sval
+        else:
+            return xp / (sval * c1), np.zeros(xp.shape, bool)
+        return xp * fac, np.isnan(fac)
+
+
+def _codes_from_scaled(y, xp, nanfac, sch, tie="even"):
+    """Element codes from scaled values, with a tie rule (even / away / zero) and the flavour's specials."""
+    elem = sch.elem
+    c = encode(y, elem)
+    if tie != "even" and elem is E2M1:
+        ay = np.abs(y)
+        at_tie = np.isin(ay, E2M1_TIES)
+        up = np.searchsorted(E2M1_MAGS, ay).astype(np.uint8)  # first magnitude >= |y|
+        mag = up if tie == "away" else up - 1
+        c = np.where(at_tie, mag | (np.signbit(y).astype(np.uint8) << 3), c).astype(np.uint8)
+    if isinstance(sch, NVFP4):
+        c = np.where(np.isnan(xp), 7, c)
+        if sch.flavor == "torchao":
+            c = np.where(nanfac & ~np.isnan(xp), 0xC, c)
+        if sch.flavor == "modelopt":
+            c = np.where(y == 0, 0, c)
+    return c.astype(np.uint8)
+
+
+# ------------------------------------------------------------------------------------------ the check
+def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | None = None,
+            scale_mode: str | None = None, block=None, global_amax=None, scale_layout: str = "linear",
+            rounding: str = "rne", rbits=None, rbits_mapping: str = "te", sr_bits: int = 8,
+            expect_tensor_amax: bool = True, max_mismatches: int = 10, diagnose: bool = True,
+            alpha: float = 1e-3) -> Report:
+    """Compare a kernel's quantized output of ``x`` with fp4sim's emulation of ``scheme``.
+
+    Parameters
+    ----------
+    x : the kernel's input (any float dtype fp4sim takes).
+    codes, scales : the kernel's outputs: codes packed two per byte for FP4 (element 2i in the low nibble)
+        with as many bytes as ``fp4sim.quantize`` writes (any shape); scale bytes (uint8 or ml_dtypes float8)
+        per row and block in the linear layout (for 16x16 NVFP4 one per tile or per row), or the 1-D cuBLAS
+        128x4 layout with ``scale_layout="swizzled"``; float32 for FP8 blockwise, the one float32 ``fl(1/scale)``
+        for FP8 per-tensor.
+    global_amax : the kernel's NVFP4 tensor amax; the emulation uses it. With ``expect_tensor_amax`` it must
+        also equal max|x| (current scaling), else that is reported as a global-scale mismatch.
+    rounding : ``"rne"`` or ``"sr"``. With ``"sr"`` and ``rbits`` (the kernel's random bits) the check is exact;
+        without them it is statistical: every code must be a neighbour of its scaled input and the
+        rounding-up frequency must match delta (a z-test at significance ``alpha``).
+    diagnose : on a mismatch, re-run the emulation under every flavour / scale mode, tie rule, nibble order
+        and scale layout and report which configuration matches or explains most.
+    """
+    sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode)
+    rounding = _inputs.check_choice(rounding, "rounding", ("rne", "sr"))
+    scale_layout = _inputs.check_choice(scale_layout, "scale_layout", ("linear", "swizzled"))
+    statistical = rounding == "sr" and rbits is None
+    kw = dict(axis=axis, global_amax=global_amax)
+    if rounding == "sr" and rbits is not None:
+        kw.update(rounding="sr", rbits=rbits, rbits_mapping=rbits_mapping, sr_bits=sr_bits)
+    q = quantize(x, sch, **kw)
+    xs = _inputs.as_float32(x)
+    x2 = np.ascontiguousarray(np.moveaxis(xs, q.axis, -1)).reshape(-1, q.K)
+    notes = []
+    gmis = False
+    if isinstance(sch, NVFP4) and global_amax is not None and expect_tensor_amax:
+        tensor_amax = f32(np.nanmax(np.abs(x2))) if x2.size else f32(0)
+        gmis = bool(f32(global_amax) != tensor_amax)
+        if gmis:
+            notes.append(f"global_amax {float(global_amax)!r} != max|x| {float(tensor_amax)!r} (pass "
+                         "expect_tensor_amax=False for delayed scaling)")
+    if isinstance(sch, (FP8Tensor, FP8Blockwise, BF16Cast)):
+        return _compare_plain(q, x2, codes, scales, sch, gmis, notes, max_mismatches)
+
+    exp_s = q.scales_per_row()
+    act_s = _scales_per_row(scales, q, scale_layout)
+    exp_c = _codes_unpacked(q.codes, q)
+    act_c = _codes_unpacked(codes, q)
+    s_bad = exp_s != act_s
+    rep = Report(sch.name, getattr(sch, "flavor", None) or getattr(sch, "scale_mode", None), "exact",
+                 int(exp_c.size), int(exp_s.size), 0, int(s_bad.sum()), gmis, notes=notes)
+    rep.scale_mismatch_examples = [dict(row=int(r), block=int(b), expected=int(exp_s[r, b]),
+                                        actual=int(act_s[r, b])) for r, b in np.argwhere(s_bad)[:max_mismatches]]
+    if statistical:
+        from .sr import sr_statistics
+        xp = _x2_padded(q, x2)
+        y, _ = _scaled(xp, sch, act_s, q.global_amax if q.global_amax is not None else 0)
+        rep.sr = sr_statistics(y, act_c, sch.elem, sr_bits, alpha)
+        ok = rep.sr["passed"] and not s_bad.any() and not gmis
+        rep.verdict = "sr_consistent" if ok else "sr_inconsistent"
+        return rep
+    c_bad = exp_c != act_c
+    rep.code_mismatches = int(c_bad.sum())
+    rep.mismatches = _examples(q, x2, exp_c, act_c, exp_s, act_s, c_bad, max_mismatches)
+    if rep.code_mismatches or rep.scale_mismatches or gmis:
+        rep.verdict = "mismatch"
+        if diagnose:
+            from .diagnose import diagnose as _diag
+            rep.diagnosis = _diag(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits)
+    return rep
+
+
+def _decode_scaled(sch, codes, s_rows, global_amax):
+    """Dequantized values of unpacked codes under per-row scale bytes."""
+    bk = sch.block[1]
+    vals = sch.elem.values[codes]
+    with np.errstate(all="ignore"):
+        if isinstance(sch, MX):
+            return vals * np.repeat(_Q._POW2_DEC[s_rows], bk, axis=1)
+        _, dq = _Q._nvfp4_constants(sch.flavor, f32(global_amax))
+        s = E4M3.values[s_rows]
+        fac = (s * dq[0]) * dq[1] if sch.flavor in ("te", "paper") else s * dq[0]
+        return vals * np.repeat(fac, bk, axis=1)
+
+
+def _examples(q, x2, exp_c, act_c, exp_s, act_s, bad, n):
+    sch = q.scheme
+    bk = sch.block[1]
+    out = []
+    idx = np.argwhere(bad)[:n]
+    if not idx.size:
+        return out
+    g = q.global_amax if q.global_amax is not None else 0
+    ev = _decode_scaled(sch, exp_c, exp_s, g)
+    av = _decode_scaled(sch, act_c, act_s, g)
+    lead = q.lead
+    for r, k in idx:
+        li = list(np.unravel_index(int(r), lead)) if lead else []
+        li.insert(q.axis, int(k))
+        out.append(dict(index=[int(i) for i in li], row=int(r), block=int(k // bk), element=int(k % bk),
+                        x=float(x2[r, k]) if k < q.K else 0.0, expected_code=int(exp_c[r, k]),
+                        actual_code=int(act_c[r, k]), expected_value=float(ev[r, k]),
+                        actual_value=float(av[r, k])))
+    return out
+
+
+def _compare_plain(q, x2, codes, scales, sch, gmis, notes, n):
+    """FP8 per-tensor / blockwise and BF16: codes (and float32 scales) compared exactly."""
+    act_c = _codes_unpacked(codes, q)
+    exp_c = np.asarray(q.codes).reshape(act_c.shape)
+    if isinstance(sch, BF16Cast):
+        exp_s = act_s = np.zeros(0, np.float32)
+    else:
+        exp_s = np.asarray(q.scales, np.float32).reshape(-1)
+        act_s = np.asarray(scales, np.float32).reshape(-1)
+        if act_s.size != exp_s.size:
+            raise ValueError(f"scales have {act_s.size} values; {sch.name} here has {exp_s.size} float32 scales")
+    s_bad = exp_s.view(np.uint32) != act_s.view(np.uint32)
+    c_bad = exp_c != act_c
+    rep = Report(sch.name, None, "exact", int(exp_c.size), int(exp_s.size), int(c_bad.sum()), int(s_bad.sum()),
+                 gmis, notes=notes)
+    vals = sch.elem.values
+    for r, k in np.argwhere(c_bad)[:n]:
+        li = list(np.unravel_index(int(r), q.lead)) if q.lead else []
+        li.insert(q.axis, int(k))
+        rep.mismatches.append(dict(index=li, row=int(r), block=int(k // max(getattr(sch, "block", (1, 1))[1], 1)),
+                                   element=int(k), x=float(x2[r, k]), expected_code=int(exp_c[r, k]),
+                                   actual_code=int(act_c[r, k]), expected_value=float(vals[exp_c[r, k]]),
+                                   actual_value=float(vals[act_c[r, k]])))
+    if c_bad.any() or s_bad.any() or gmis:
+        rep.verdict = "mismatch"
+    return rep

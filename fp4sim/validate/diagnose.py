@@ -1,0 +1,82 @@
+"""Diagnosis: which emulator configuration a kernel's output matches, or which explains most of it.
+
+Configurations: the NVFP4 flavour (te, paper, torchao, modelopt) or MX scale mode (rceil, floor, ceil, even,
+and each mode's scales one binade low or high), the E2M1 tie rule (to even, away from zero, toward zero), the
+nibble order of the packed codes and the layout the scale bytes are read in; for stochastic rounding with
+given bits, the byte mapping of uint32 random words.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from ..quantize import quantize
+from ..schemes import MX, NVFP4, FLAVORS, SCALE_MODES
+from .core import _codes_from_scaled, _codes_unpacked, _scaled, _scales_per_row, _x2_padded
+
+__all__ = ["diagnose"]
+
+
+def _scale_variants(sch):
+    """(label, scheme, binade offset) for every flavour / scale mode."""
+    if isinstance(sch, NVFP4):
+        return [(f"flavor={f!r}", dataclasses.replace(sch, flavor=f), 0) for f in FLAVORS]
+    out = []
+    for m in SCALE_MODES:
+        for off, what in ((0, ""), (-1, ", scales one binade low"), (1, ", scales one binade high")):
+            out.append((f"scale_mode={m!r}{what}", dataclasses.replace(sch, scale_mode=m), off))
+    return out
+
+
+def diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits, top=8) -> dict:
+    """Try every configuration; return {'exact_match', 'best', 'candidates'} (candidates sorted)."""
+    sch = q.scheme
+    g = q.global_amax
+    xs = np.asarray(x, dtype=np.float32)
+    x2 = np.ascontiguousarray(np.moveaxis(xs, q.axis, -1)).reshape(-1, q.K)
+    xp = _x2_padded(q, x2)
+    readings = []  # (label, actual codes unpacked, actual per-row scales)
+    for order, layout in itertools.product(("low_first", "high_first"), ("linear", "swizzled")):
+        try:
+            ac = _codes_unpacked(codes, q, order)
+            as_ = _scales_per_row(scales, q, layout)
+        except ValueError:
+            continue
+        lab = ("low nibble first" if order == "low_first" else "high nibble first (swapped nibbles)") + \
+              (f", {layout} scales" + (" (not the layout given)" if layout != scale_layout else ""))
+        readings.append((lab, ac, as_))
+    sr = rounding == "sr"
+    mappings = ("te", "msb_first") if (sr and rbits is not None and np.asarray(rbits).dtype == np.uint32) \
+        else (rbits_mapping,)
+    cands = []
+    for slab, var, off in _scale_variants(sch):
+        for mapping in mappings:
+            kw = dict(axis=q.axis, global_amax=g if isinstance(sch, NVFP4) else None)
+            if sr:
+                kw.update(rounding="sr", rbits=rbits, rbits_mapping=mapping, sr_bits=sr_bits)
+            qv = quantize(xs, var, **kw)
+            exp_s = qv.scales_per_row()
+            if off:
+                exp_s = np.clip(exp_s.astype(np.int16) + off, 0, 254).astype(np.uint8)
+            base = _codes_unpacked(qv.codes, qv)
+            ties = {"ties to even": base}
+            if off:
+                y, nanfac = _scaled(xp, var, exp_s, g or 0)
+                ties = {"ties to even": _codes_from_scaled(y, xp, nanfac, var, "even")}
+            if not sr:
+                y, nanfac = _scaled(xp, var, exp_s, g or 0)
+                for tie in ("away", "zero"):
+                    c = _codes_from_scaled(y, xp, nanfac, var, tie)
+                    if not np.array_equal(c, ties["ties to even"]):  # only where the input has exact ties
+                        ties[f"ties {'away from' if tie == 'away' else 'toward'} zero"] = c
+            for tlab, ec in ties.items():
+                for rlab, ac, as_ in readings:
+                    label = f"{slab}, {tlab}, {rlab}" + (f", rbits_mapping={mapping!r}" if len(mappings) > 1 else "")
+                    cands.append(dict(label=label, code_mismatches=int((ec != ac).sum()),
+                                      scale_mismatches=int((exp_s != as_).sum())))
+    cands.sort(key=lambda c: (c["code_mismatches"] + c["scale_mismatches"], c["scale_mismatches"]))
+    best = cands[0] if cands else None
+    return dict(exact_match=bool(best and best["code_mismatches"] == 0 and best["scale_mismatches"] == 0),
+                best=best, candidates=cands[:top])

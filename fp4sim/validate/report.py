@@ -1,0 +1,83 @@
+"""The validation report: verdict, mismatch counts, first mismatches, diagnosis, SR statistics."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Report:
+    """Outcome of :func:`fp4sim.validate.compare`.
+
+    verdict: ``"exact"`` (codes, scales and global scale identical), ``"mismatch"``, ``"sr_consistent"``
+    (stochastic rounding without the kernel's bits: every code is a neighbour of its scaled input and the
+    rounding-up frequency matches delta) or ``"sr_inconsistent"``.
+    """
+    scheme: str
+    flavor: str | None
+    verdict: str
+    n_codes: int
+    n_scales: int
+    code_mismatches: int
+    scale_mismatches: int
+    global_amax_mismatch: bool = False
+    mismatches: list = field(default_factory=list)
+    scale_mismatch_examples: list = field(default_factory=list)
+    diagnosis: dict = field(default_factory=dict)
+    sr: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.verdict == "exact"
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict in ("exact", "sr_consistent")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), indent=kw.pop("indent", 1), default=float, **kw)
+
+    def summary(self) -> str:
+        """A readable multi-line summary (what the CLI prints)."""
+        fl = f" ({self.flavor})" if self.flavor else ""
+        lines = [f"fp4sim.validate: scheme {self.scheme}{fl}: {self.verdict.upper()}",
+                 f"  codes:  {self.code_mismatches} of {self.n_codes} differ",
+                 f"  scales: {self.scale_mismatches} of {self.n_scales} differ"]
+        if self.global_amax_mismatch:
+            lines.append("  global amax: differs from the tensor's |x| max")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        if self.scale_mismatch_examples:
+            lines.append("  first scale mismatches (scale row, block: expected -> actual):")
+            for m in self.scale_mismatch_examples:
+                lines.append(f"    [{m['row']}, {m['block']}]: {m['expected']} -> {m['actual']}")
+        if self.mismatches:
+            lines.append("  first code mismatches (index in input, block, element: x, expected -> actual code "
+                         "(value)):")
+            for m in self.mismatches:
+                lines.append(f"    {tuple(m['index'])} blk {m['block']} el {m['element']}: x={m['x']:.9g} "
+                             f"{m['expected_code']:#x} ({m['expected_value']:.6g}) -> {m['actual_code']:#x} "
+                             f"({m['actual_value']:.6g})")
+        if self.sr:
+            s = self.sr
+            lines.append(f"  stochastic rounding: {s['n_inexact']} inexact elements, {s['not_neighbour']} not a "
+                         f"neighbour of the scaled input; round-up rate {s['up_rate']:.4f} vs expected "
+                         f"{s['expected_up_rate']:.4f} (z = {s['z']:.2f}, p = {s['p_value']:.3g}); relative bias "
+                         f"{s['relative_bias']:.3g}")
+            for v in s.get("findings", []):
+                lines.append(f"    -> {v}")
+        d = self.diagnosis
+        if d:
+            if d.get("exact_match"):
+                lines.append(f"  diagnosis: the output matches exactly with {d['best']['label']}")
+            elif d.get("best"):
+                b = d["best"]
+                lines.append(f"  diagnosis: no configuration matches exactly; closest is {b['label']} "
+                             f"({b['code_mismatches']} code / {b['scale_mismatches']} scale mismatches)")
+            for c in d.get("candidates", [])[:5]:
+                lines.append(f"    {c['code_mismatches']:>8} codes {c['scale_mismatches']:>6} scales   {c['label']}")
+        return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""fp4sim.validate: verdicts, diagnoses and the statistical SR check on real peer outputs and on outputs
+corrupted in the ways kernels go wrong."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from blockcases import heavy
+from fp4sim.layout import pack_fp4, swizzle_scales, unpack_fp4
+from fp4sim.validate import compare
+
+X = heavy((128, 256), 3)
+
+
+def test_exact_output_is_exact_and_a_flipped_code_is_located():
+    q = fs.quantize(X, "nvfp4")
+    assert compare(X, q.codes, q.scales, "nvfp4").verdict == "exact"
+    bad = q.codes.copy()
+    bad[5, 17] ^= 0x10                       # element (5, 35): high nibble of byte 17
+    r = compare(X, bad, q.scales, "nvfp4")
+    assert r.verdict == "mismatch" and r.code_mismatches == 1 and r.scale_mismatches == 0
+    m = r.mismatches[0]
+    assert m["index"] == [5, 35] and m["block"] == 2 and m["element"] == 3 and m["x"] == float(X[5, 35])
+    assert m["actual_code"] == m["expected_code"] ^ 1
+    assert not r.diagnosis["exact_match"] and r.diagnosis["best"]["code_mismatches"] == 1
+
+
+@pytest.mark.parametrize("flavor", ["te", "paper", "torchao", "modelopt"])
+def test_each_flavour_is_named_by_the_diagnosis(flavor):
+    q = fs.quantize(X, "nvfp4", flavor=flavor)
+    assert compare(X, q.codes, q.scales, "nvfp4", flavor=flavor).exact
+    other = "torchao" if flavor != "torchao" else "te"
+    r = compare(X, q.codes, q.scales, "nvfp4", flavor=other)
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    # te and paper agree on this input, so either may be named first for them
+    named = r.diagnosis["best"]["label"]
+    assert f"flavor={flavor!r}" in named or (flavor in ("te", "paper") and "flavor='te'" in named
+                                             or "flavor='paper'" in named)
+
+
+def test_swapped_nibbles_are_named():
+    q = fs.quantize(X, "nvfp4")
+    c = unpack_fp4(q.codes)
+    swapped = pack_fp4(np.ascontiguousarray(c.reshape(-1, 2)[:, ::-1]).reshape(c.shape))
+    r = compare(X, swapped, q.scales, "nvfp4")
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    assert "high nibble first" in r.diagnosis["best"]["label"]
+
+
+def test_scales_in_the_other_layout_are_named():
+    q = fs.quantize(X, "nvfp4")                       # 128 rows x 16 blocks: both layouts hold 2048 bytes
+    sw = swizzle_scales(q.linear_scales())
+    r = compare(X, q.codes, sw, "nvfp4")               # swizzled bytes passed as linear
+    assert r.verdict == "mismatch" and r.code_mismatches == 0 and r.scale_mismatches > 0
+    assert r.diagnosis["exact_match"] and "swizzled scales (not the layout given)" in r.diagnosis["best"]["label"]
+    assert compare(X, q.codes, sw, "nvfp4", scale_layout="swizzled").exact
+    with pytest.raises(ValueError, match="8 rows x 16 blocks .* need 2048"):  # rows pad to 128
+        compare(X[:8], fs.quantize(X[:8], "nvfp4").codes, q.scales[:8].reshape(-1), "nvfp4",
+                scale_layout="swizzled")
+
+
+def test_ties_away_from_zero_are_named():
+    # global amax 2688 makes S_enc = 1 and an amax-6 block gets scale 1.0: elements are rounded as given
+    row = np.array([6, 5, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -5, -3.5, -2.5, -1.75, -1.25, -0.75, -0.25, 1],
+                   np.float32)
+    x = np.tile(row, (16, 4))
+    q = fs.quantize(x, "nvfp4", global_amax=2688.0)
+    c = unpack_fp4(q.codes)
+    away = {0.25: 1, 0.75: 2, 1.25: 3, 1.75: 4, 2.5: 5, 3.5: 6, 5.0: 7}  # ties resolved away from zero
+    want = np.array([[away.get(abs(float(v)), c[i, j] & 7) | (8 if v < 0 else 0) for j, v in enumerate(r)]
+                     for i, r in enumerate(x)], np.uint8)
+    assert (want != c).sum() > 0
+    r = compare(x, pack_fp4(want), q.scales, "nvfp4", global_amax=2688.0, expect_tensor_amax=False)
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    assert "ties away from zero" in r.diagnosis["best"]["label"]
+    r2 = compare(x, q.codes, q.scales, "nvfp4", global_amax=2688.0)  # current scaling expected: flagged
+    assert r2.verdict == "mismatch" and r2.global_amax_mismatch and r2.code_mismatches == 0
+
+
+def test_mx_scale_one_binade_low_is_named():
+    q = fs.quantize(X, "mxfp4")
+    low = q.scales.astype(np.int16) - 1
+    assert low.min() >= 0
+    low = low.astype(np.uint8)
+    mul = np.repeat(np.float32(2.0) ** (127 - low.astype(np.float32)), 32, axis=1)
+    codes = pack_fp4(fs.encode(X * mul.astype(np.float32), fs.E2M1))   # what such a kernel writes
+    r = compare(X, codes, low, "mxfp4")
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    assert "scales one binade low" in r.diagnosis["best"]["label"]
+    assert "scale_mode='rceil'" in r.diagnosis["best"]["label"]
+
+
+def test_mx_floor_output_named_when_rceil_expected():
+    q = fs.quantize(X, "mxfp4", scale_mode="floor")
+    r = compare(X, q.codes, q.scales, "mxfp4")
+    assert r.diagnosis["exact_match"] and r.diagnosis["best"]["label"].startswith("scale_mode='floor'")
+
+
+# ---------------------------------------------------------------------------------------- stochastic
+G = heavy((512, 1024), 21)  # gradient-like, 512k elements: enough for a 1/256 bias to show
+
+
+def _sr_variants():
+    q = fs.quantize(G, "nvfp4", rounding="sr", seed=3)
+    rb = fs.rng.philox_bytes(3, G.size).reshape(G.shape)
+    return q, rb
+
+
+def test_sr_with_the_kernels_bits_is_exact_and_wrong_mapping_is_named():
+    q, rb = _sr_variants()
+    assert compare(G, q.codes, q.scales, "nvfp4", rounding="sr", rbits=rb).exact
+    words = np.random.default_rng(0).integers(0, 2**32, G.size // 4, dtype=np.uint32)
+    qm = fs.quantize(G, "nvfp4", rounding="sr", rbits=words, rbits_mapping="msb_first")
+    r = compare(G, qm.codes, qm.scales, "nvfp4", rounding="sr", rbits=words)
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    assert "rbits_mapping='msb_first'" in r.diagnosis["best"]["label"]
+
+
+def test_statistical_sr_check_passes_correct_output():
+    q, _ = _sr_variants()
+    r = compare(G, q.codes, q.scales, "nvfp4", rounding="sr")
+    assert r.verdict == "sr_consistent", r.summary()
+    assert r.sr["not_neighbour"] == 0 and r.sr["p_value"] >= 1e-3 and r.sr["n_inexact"] > 200000
+
+
+def test_statistical_sr_check_catches_off_by_one_threshold():
+    _, rb = _sr_variants()
+    biased = fs.quantize(G, "nvfp4", rounding="sr", rbits=np.maximum(rb.astype(np.int16) - 1, 0).astype(np.uint8))
+    r = compare(G, biased.codes, biased.scales, "nvfp4", rounding="sr")
+    assert r.verdict == "sr_inconsistent" and r.sr["not_neighbour"] == 0
+    assert r.sr["up_rate"] < r.sr["expected_up_rate"] and any("too rarely" in f for f in r.sr["findings"])
+
+
+def test_statistical_sr_check_names_round_down_and_doubled_step():
+    q = fs.quantize(G, "nvfp4")                                    # RNE scales; RZ codes
+    rz = fs.quantize(G, "nvfp4", rounding="rz")
+    r = compare(G, rz.codes, q.scales, "nvfp4", rounding="sr")
+    assert r.verdict == "sr_inconsistent" and any("never rounds up" in f for f in r.sr["findings"])
+    qs, _ = _sr_variants()
+    c = unpack_fp4(qs.codes)
+    down = unpack_fp4(rz.codes)
+    mag, dmag = c & 7, down & 7
+    doubled = np.where((mag > dmag) & (dmag <= 4), (dmag + 2) | (c & 8), c).astype(np.uint8)  # +2 steps
+    r2 = compare(G, pack_fp4(doubled), q.scales, "nvfp4", rounding="sr")
+    assert r2.verdict == "sr_inconsistent" and r2.sr["not_neighbour"] > 0
+    assert any("doubled" in f for f in r2.sr["findings"])
+
+
+def test_fp8_and_bad_shapes():
+    q = fs.quantize(X, "fp8_blockwise")
+    assert compare(X, q.codes, q.scales, "fp8_blockwise").exact
+    bad = q.codes.copy()
+    bad[0, 0] ^= 1
+    assert compare(X, bad, q.scales, "fp8_blockwise").code_mismatches == 1
+    q4 = fs.quantize(X, "nvfp4")
+    with pytest.raises(ValueError, match="needs 16384 packed FP4 codes"):
+        compare(X, q4.codes[:, :-1], q4.scales, "nvfp4")
+    with pytest.raises(ValueError, match="scales have"):
+        compare(X, q4.codes, q4.scales[:, :-1], "nvfp4")
+    with pytest.raises(TypeError, match="raw bytes"):
+        compare(X, q4.codes, q4.scales.astype(np.float32), "nvfp4")
+
+
+def test_cli_exit_codes_json_and_messages(tmp_path):
+    q = fs.quantize(X, "nvfp4", flavor="torchao")
+    np.save(tmp_path / "x.npy", X)
+    np.save(tmp_path / "q.npy", q.codes)
+    np.save(tmp_path / "s.npy", q.scales)
+    base = [sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4", "--input", str(tmp_path / "x.npy"),
+            "--codes", str(tmp_path / "q.npy"), "--scales", str(tmp_path / "s.npy")]
+    ok = subprocess.run(base + ["--flavor", "torchao"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "EXACT" in ok.stdout
+    mis = subprocess.run(base + ["--json", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert mis.returncode == 1 and "matches exactly with flavor='torchao'" in mis.stdout
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["verdict"] == "mismatch" and rep["diagnosis"]["exact_match"]
+    np.save(tmp_path / "short.npy", q.codes[:10])
+    bad = subprocess.run(base[:-4] + ["--codes", str(tmp_path / "short.npy"), "--scales", str(tmp_path / "s.npy")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs 16384" in bad.stderr
+    missing = subprocess.run(base[:7] + ["--codes", "nope.npy", "--scales", "x"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
