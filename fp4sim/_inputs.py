@@ -6,6 +6,8 @@ import numbers
 import ml_dtypes
 import numpy as np
 
+from ._xp import xp_of
+
 _FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -64,22 +66,23 @@ def sr_bytes(n: int, shape, rounding: str, rbits, seed, sr_bits: int, rbits_mapp
     if rbits is None:
         return 2, None
     check_choice(rbits_mapping, "rbits_mapping", ("te", "msb_first"))
-    if not isinstance(rbits, np.ndarray):
-        raise TypeError(f"rbits must be a NumPy uint8 or uint32 array, not {type(rbits).__name__}")
+    xp = xp_of(rbits)
+    if not (isinstance(rbits, np.ndarray) or xp is not np):
+        raise TypeError(f"rbits must be a NumPy (or CuPy) uint8 or uint32 array, not {type(rbits).__name__}")
     if rbits.dtype == np.uint8:
         if rbits.shape != tuple(shape):
             raise ValueError(f"rbits (uint8, one byte per element) has shape {rbits.shape}; it must match the "
                              f"input's shape {tuple(shape)}")
-        per = np.ascontiguousarray(rbits).reshape(-1)
+        per = xp.ascontiguousarray(rbits).reshape(-1)
     elif rbits.dtype == np.uint32:
         need = (n + 3) // 4
         if rbits.size != need:
             raise ValueError(f"rbits (uint32 words, 4 elements per word) has {rbits.size} words; {need} are "
                              f"needed for {n} elements")
-        b = np.ascontiguousarray(rbits, dtype="<u4").reshape(-1).view(np.uint8).reshape(-1, 4)
+        b = xp.ascontiguousarray(rbits).reshape(-1).view(np.uint8).reshape(-1, 4)  # little-endian words
         if rbits_mapping == "msb_first":
             b = b[:, ::-1]
-        per = np.ascontiguousarray(b).reshape(-1)[:n]
+        per = xp.ascontiguousarray(b).reshape(-1)[:n]
     else:
         raise TypeError(f"rbits has dtype {rbits.dtype}; use uint8 (one per element) or uint32 (4 per word)")
     if sr_bits < 8 and per.size and int(per.max()) >= (1 << sr_bits):

@@ -10,6 +10,7 @@ import numpy as np
 from . import _inputs
 from .cpu import elements as _k
 from .formats import Format, get_format
+from ._xp import is_cupy, table, xp_of
 from .rng import seed_key
 
 __all__ = ["encode", "decode", "ROUNDINGS"]
@@ -50,6 +51,9 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
     uint8 codes (uint16 for BF16) with the shape of ``x``.
     """
     fmt = get_format(fmt)
+    if is_cupy(x):
+        from .gpu import ops
+        return ops.encode(ops.backend(), x, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
     xs = _inputs.as_float32(x)
     rounding = _inputs.check_choice(rounding, "rounding", ROUNDINGS)
     if not isinstance(saturate, (bool, np.bool_)):
@@ -79,6 +83,11 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
 def decode(codes, fmt) -> np.ndarray:
     """float32 values of ``fmt`` codes (uint8, or uint16 for BF16), any shape."""
     fmt = get_format(fmt)
+    if is_cupy(codes):
+        xp = xp_of(codes)
+        if fmt.name == "bf16":
+            return (codes.astype(np.uint32) << 16).view(np.float32)
+        return table(xp, fmt.values)[codes]
     if not isinstance(codes, np.ndarray):
         raise TypeError(f"codes must be a NumPy array of {fmt.code_dtype} codes, not {type(codes).__name__}")
     if codes.dtype.kind not in "ui":

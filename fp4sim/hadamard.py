@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from . import _inputs
+from ._xp import is_cupy
 from .cpu.hadamard import rht_kernel
 from .rng import philox_bytes
 
@@ -63,6 +64,9 @@ def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.nda
     TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
     The length of ``axis`` must be a multiple of d.
     """
+    if is_cupy(x):
+        from .gpu import ops
+        return ops.rht(ops.backend(), x, d, signs, axis, out)
     xs = _inputs.as_float32(x)
     _check_d(d)
     out = _inputs.check_choice(out, "out", ("bf16", "fp32"))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._xp import xp_of
+
 __all__ = ["pack_fp4", "unpack_fp4", "swizzle_scales", "unswizzle_scales", "swizzled_size"]
 
 
@@ -11,19 +13,21 @@ def pack_fp4(codes: np.ndarray) -> np.ndarray:
 
     The last axis must have even length (pad with code 0 first).
     """
-    codes = np.asarray(codes)
+    xp = xp_of(codes)
+    codes = xp.asarray(codes)
     if codes.dtype != np.uint8:
         raise TypeError(f"codes must be uint8, not {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"the last axis has odd length {codes.shape[-1]}; pad it with a zero code to even length")
     if codes.size and codes.max() > 15:
         raise ValueError("codes hold values above 15, which are not 4-bit codes")
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)  # works on NumPy and CuPy arrays
 
 
 def unpack_fp4(packed: np.ndarray, nibble_order: str = "low_first") -> np.ndarray:
     """Inverse of :func:`pack_fp4`; ``nibble_order="high_first"`` reads the swapped convention."""
-    packed = np.asarray(packed)
+    xp = xp_of(packed)
+    packed = xp.asarray(packed)
     if packed.dtype != np.uint8:
         raise TypeError(f"packed codes must be uint8, not {packed.dtype}")
     lo, hi = packed & 0xF, packed >> 4
@@ -31,7 +35,7 @@ def unpack_fp4(packed: np.ndarray, nibble_order: str = "low_first") -> np.ndarra
         lo, hi = hi, lo
     elif nibble_order != "low_first":
         raise ValueError("nibble_order must be 'low_first' or 'high_first'")
-    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    out = xp.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
     out[..., 0::2], out[..., 1::2] = lo, hi
     return out
 
@@ -53,23 +57,25 @@ def swizzle_scales(scales: np.ndarray) -> np.ndarray:
 
     S[r, c] goes to byte ``((r//128)*(CP//4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4``.
     """
-    s = np.asarray(scales)
+    xp = xp_of(scales)
+    s = xp.asarray(scales)
     if s.ndim != 2:
         raise ValueError(f"scales must be a 2-D (rows, blocks) matrix, got shape {s.shape}")
     idx, rp, cp = _swizzle_index(*s.shape)
-    padded = np.zeros((rp, cp), s.dtype)
+    padded = xp.zeros((rp, cp), s.dtype)
     padded[: s.shape[0], : s.shape[1]] = s
-    out = np.empty(rp * cp, s.dtype)
-    out[idx.ravel()] = padded.ravel()
+    out = xp.empty(rp * cp, s.dtype)
+    out[xp.asarray(idx.ravel())] = padded.ravel()
     return out
 
 
 def unswizzle_scales(swizzled: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """Inverse of :func:`swizzle_scales`: the logical ``rows x cols`` matrix."""
-    s = np.asarray(swizzled).reshape(-1)
+    xp = xp_of(swizzled)
+    s = xp.asarray(swizzled).reshape(-1)
     need = swizzled_size(rows, cols)
     if s.size != need:
         raise ValueError(f"swizzled scales have {s.size} bytes; a {rows}x{cols} scale matrix needs {need} "
                          f"(rows padded to a multiple of 128, columns to a multiple of 4)")
     idx, _, _ = _swizzle_index(rows, cols)
-    return s[idx][:rows, :cols].copy()
+    return s[xp.asarray(idx)][:rows, :cols].copy()

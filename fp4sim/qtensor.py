@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._xp import xp_of
 from .layout import unswizzle_scales
 
 __all__ = ["QuantizedTensor"]
@@ -65,7 +66,7 @@ class QuantizedTensor:
                 per_row = unswizzle_scales(self.scales, rows, C)
                 return per_row[:: self.scheme.block[0]].copy()
             return unswizzle_scales(self.scales, R, C)
-        return np.asarray(self.scales).reshape(R, C)
+        return self.scales.reshape(R, C)
 
     def scales_per_row(self) -> np.ndarray:
         """Scales expanded to one row per tensor row, (prod(lead), blocks): for 16x16 tiles each tile's byte
@@ -73,7 +74,7 @@ class QuantizedTensor:
         s = self.linear_scales()
         if self.scheme.block[0] > 1:
             rows = int(np.prod(self.lead, dtype=np.int64))
-            s = np.repeat(s, self.scheme.block[0], axis=0)[:rows]
+            s = xp_of(s).repeat(s, self.scheme.block[0], axis=0)[:rows]
         return s
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ from .formats import E2M1, E4M3
 from .layout import swizzle_scales, unpack_fp4
 from .qtensor import QuantizedTensor
 from .rng import philox_bytes
+from ._xp import is_cupy, table, xp_of
 from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
 
 __all__ = ["quantize", "dequantize", "fake_quantize"]
@@ -158,9 +159,7 @@ def _run(x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbit
         fmt = sch.elem
         codes = np.empty((R, K), np.uint8)
         if isinstance(sch, FP8Tensor):
-            with np.errstate(divide="ignore", over="ignore"):
-                scale = f32(fmt.max) / amax_t if (amax_t > 0 and np.isfinite(amax_t)) else f32(1.0)
-            scale = f32(min(scale, np.finfo(np.float32).max))
+            scale = fp8_tensor_scale(fmt, amax_t)
             scales = np.array([f32(1.0) / scale], np.float32)
             _b.fp8_kernel(x2, p.rb, p.use_rb, p.mode, p.nsr, 1, K, scale, False, *kernel_params(fmt), fmt.values,
                           codes, np.empty((1, 1), np.float32), fake_out, fake)
@@ -172,19 +171,31 @@ def _run(x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbit
         gamax = None
     if fake:
         return p.back(fake_out)
-    lead = p.lead
-    codes = codes.reshape(lead + (codes.shape[-1],))
+    return finish(sch, codes, scales, gamax, p.lead, p.axis, p.shape, scale_layout, extras)
+
+
+def fp8_tensor_scale(fmt, amax):
+    """FP8 current scaling: fl(max / amax), 1 when amax is 0 or not finite, at most FLT_MAX."""
+    with np.errstate(divide="ignore", over="ignore"):
+        scale = f32(fmt.max) / amax if (amax > 0 and np.isfinite(amax)) else f32(1.0)
+    return f32(min(scale, np.finfo(np.float32).max))
+
+
+def finish(sch, codes, scales, gamax, lead, axis, shape, scale_layout, extras=None) -> QuantizedTensor:
+    """Wrap kernel outputs (2-D codes and scales) into a QuantizedTensor in the documented shapes/layout
+    (NumPy or CuPy arrays alike)."""
+    xp = xp_of(codes)
+    R = codes.shape[0]
+    codes = codes.reshape(tuple(lead) + (codes.shape[-1],))
     if isinstance(sch, (NVFP4, MX)):
         if scale_layout == "swizzled":
-            s2 = scales
-            if sch.block[0] > 1:
-                s2 = np.repeat(scales, sch.block[0], axis=0)[:R]
+            s2 = scales if sch.block[0] == 1 else xp.repeat(scales, sch.block[0], axis=0)[:R]
             scales = swizzle_scales(s2)
         elif sch.block[0] == 1:
-            scales = scales.reshape(lead + (scales.shape[-1],))
+            scales = scales.reshape(tuple(lead) + (scales.shape[-1],))
     elif isinstance(sch, FP8Blockwise) and sch.block[0] == 1:
-        scales = scales.reshape(lead + (scales.shape[-1],))
-    return QuantizedTensor(codes, scales, gamax, sch, p.axis, p.shape, scale_layout, extras)
+        scales = scales.reshape(tuple(lead) + (scales.shape[-1],))
+    return QuantizedTensor(codes, scales, gamax, sch, axis, shape, scale_layout, extras or {})
 
 
 def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: str | None = None,
@@ -211,6 +222,10 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
     scale_layout : ``"linear"`` (default) or ``"swizzled"`` (cuBLAS 128x4).
     return_intermediates : keep per-tensor constants in ``q.extras`` for analyses.
     """
+    if is_cupy(x):
+        from .gpu import ops
+        return ops.quantize(ops.backend(), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits,
+                            seed, stream, sr_bits, rbits_mapping, scale_layout)
     return _run(x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed, stream, sr_bits,
                 rbits_mapping, scale_layout, False, return_intermediates)
 
@@ -220,39 +235,46 @@ def fake_quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flav
                   stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te") -> np.ndarray:
     """``dequantize(quantize(x, ...))`` in one fused pass: float32 in ``x``'s shape, bit-identical to the
     two-step result."""
+    if is_cupy(x):
+        from .gpu import ops
+        return ops.quantize(ops.backend(), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits,
+                            seed, stream, sr_bits, rbits_mapping, fake=True)
     return _run(x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed, stream, sr_bits,
                 rbits_mapping, "linear", True)
 
 
 def dequantize(q: QuantizedTensor) -> np.ndarray:
-    """float32 values of a :class:`QuantizedTensor` in its original shape (SPEC §2 dequantize rules)."""
+    """float32 values of a :class:`QuantizedTensor` in its original shape (SPEC §2 dequantize rules).
+
+    NumPy in, NumPy out; a QuantizedTensor holding CuPy arrays dequantizes on its GPU.
+    """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor (from fp4sim.quantize), not {type(q).__name__}")
+    xp = xp_of(q.codes)
     sch = q.scheme
     K = q.K
     lead = q.lead
     R = int(np.prod(lead, dtype=np.int64))
-    codes = np.asarray(q.codes).reshape(R, -1)
+    codes = q.codes.reshape(R, -1)
     if isinstance(sch, BF16Cast):
         y2 = decode(codes, sch.elem)
     elif isinstance(sch, NVFP4):
-        c = unpack_fp4(codes)
-        vals = E2M1.values[c]
-        s = E4M3.values[q.scales_per_row()]
+        vals = table(xp, E2M1.values)[unpack_fp4(codes)]
+        s = table(xp, E4M3.values)[q.scales_per_row()]
         _, dq = _nvfp4_constants(sch.flavor, f32(q.global_amax))
         with np.errstate(invalid="ignore", over="ignore"):
             fac = (s * dq[0]) * dq[1] if sch.flavor in ("te", "paper") else s * dq[0]
             y2 = (vals.reshape(R, -1, 16) * fac[:, :, None]).reshape(R, -1)
     elif isinstance(sch, MX):
         c = unpack_fp4(codes) if sch.elem is E2M1 else codes
-        vals = sch.elem.values[c]
-        fac = _POW2_DEC[q.linear_scales()]
+        vals = table(xp, sch.elem.values)[c]
+        fac = table(xp, _POW2_DEC)[q.linear_scales()]
         y2 = (vals.reshape(R, -1, 32) * fac[:, :, None]).reshape(R, -1)
     elif isinstance(sch, FP8Tensor):
-        y2 = sch.elem.values[codes] * f32(q.scales.reshape(-1)[0])
+        y2 = table(xp, sch.elem.values)[codes] * q.scales.reshape(-1)[0:1]
     else:
-        s = np.asarray(q.scales, np.float32).reshape(-(-R // sch.block[0]), -1)
-        s = np.repeat(np.repeat(s, sch.block[0], axis=0)[:R], 128, axis=1)[:, :K]
-        y2 = sch.elem.values[codes] * s
-    y2 = np.ascontiguousarray(y2[:, :K], dtype=np.float32)
-    return np.moveaxis(y2.reshape(tuple(lead) + (K,)), -1, q.axis)
+        s = q.scales.reshape(-(-R // sch.block[0]), -1)
+        s = xp.repeat(xp.repeat(s, sch.block[0], axis=0)[:R], 128, axis=1)[:, :K]
+        y2 = table(xp, sch.elem.values)[codes] * s
+    y2 = xp.ascontiguousarray(y2[:, :K], dtype=np.float32)
+    return xp.moveaxis(y2.reshape(tuple(lead) + (K,)), -1, q.axis)

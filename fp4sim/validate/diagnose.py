@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 
 from ..quantize import quantize
-from ..schemes import MX, NVFP4, FLAVORS, SCALE_MODES
+from ..schemes import NVFP4, FLAVORS, SCALE_MODES
 from .core import _codes_from_scaled, _codes_unpacked, _scaled, _scales_per_row, _x2_padded
 
 __all__ = ["diagnose"]

@@ -1,0 +1,16 @@
+"""GPU backend: CUDA kernels (``kernels.cu``) compiled by CuPy's NVRTC, giving the Numba backend's bits.
+
+Importing fp4sim never imports CuPy; passing CuPy arrays to ``fp4sim.encode``, ``decode``, ``quantize``,
+``dequantize``, ``fake_quantize`` or ``rht`` runs here and returns CuPy arrays. Install with
+``pip install "fp4sim[gpu]"``.
+"""
+from __future__ import annotations
+
+
+def available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - any failure means no usable GPU
+        return False

@@ -1,0 +1,360 @@
+// fp4sim GPU kernels (compiled by CuPy/NVRTC; the same source is compiled for the host in the tests through a
+// thin shim, so every kernel's logic is checked against the Numba backend without a GPU).
+// Every fl(.) of SPEC is one IEEE float32 operation. CuPy compiles with --ftz=true, which would flush float32
+// subnormals, so float32 values are carried in double precision (exact: float32 -> float64 by its bits) and
+// every float32 operation is done in float64 and rounded back to float32 by integer code (r32): for + - * /
+// that equals the float32 operation itself, subnormal results included, because float64 keeps more than
+// 2*24 + 2 bits (double rounding is innocuous). Compile without FMA contraction (--fmad=false).
+
+#ifndef FP4SIM_HOST_SHIM
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+#endif
+
+#define FLT_MAX_F 3.40282346638528859812e+38f
+
+__device__ __forceinline__ u32 fbits(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ double dmin_py(double a, double b) { return b < a ? b : a; }  // Python min(a, b)
+__device__ __forceinline__ double dmax_py(double a, double b) { return b > a ? b : a; }
+
+// Exact float32 -> float64 from the bit pattern (no float32 instruction, so FTZ cannot touch subnormals).
+__device__ double f2d(u32 u) {
+    u32 E = (u >> 23) & 0xFFu, M = u & 0x7FFFFFu;
+    u64 sgn = (u64)(u >> 31) << 63;
+    if (E == 0) {
+        double v = (double)M * 1.4012984643248171e-45;  // M * 2^-149, exact
+        return sgn ? -v : v;
+    }
+    if (E == 255) return __longlong_as_double((long long)(sgn | 0x7FF0000000000000ull | ((u64)M << 29)));
+    return __longlong_as_double((long long)(sgn | ((u64)(E - 127 + 1023) << 52) | ((u64)M << 29)));
+}
+
+// Round a float64 to nearest-even in a binary format (mbits, emin, bias) by integer arithmetic: the code of
+// the result, IEEE overflow to infcode, NaN to nancode. For float32 (23, -126, 127) the code is its bit pattern.
+__device__ u32 round_f64(double v, int mbits, int emin, int bias, u64 maxmag, u32 infcode, u32 nancode,
+                         u32 signbit) {
+    u64 b = (u64)__double_as_longlong(v);
+    u32 sgn = (b >> 63) ? signbit : 0u;
+    u64 a = b & 0x7FFFFFFFFFFFFFFFull;
+    if (a > 0x7FF0000000000000ull) return nancode;
+    if (a == 0x7FF0000000000000ull) return infcode | sgn;
+    int E = (int)(a >> 52);
+    u64 sig = (a & 0xFFFFFFFFFFFFFull) | ((u64)(E != 0) << 52);
+    int e = (E > 1 ? E : 1) - 1023;
+    int eT = e > emin ? e : emin;
+    int s = eT - e + 52 - mbits;
+    if (s > 60) s = 60;
+    u64 q = sig >> s, rem = sig - (q << s), half = 1ull << (s - 1);
+    bool up = rem > half || (rem == half && (q & 1));
+    i64 code = (((i64)eT + bias - 1) << mbits) + (i64)q + (up ? 1 : 0);
+    if (code > (i64)maxmag) return infcode | sgn;
+    return (u32)code | sgn;
+}
+
+__device__ __forceinline__ u32 d2f_bits(double v) {
+    return round_f64(v, 23, -126, 127, 0x7F7FFFFFull, 0x7F800000u, 0x7FC00000u, 0x80000000u);
+}
+// fl(v): v rounded to float32, kept as a double
+__device__ __forceinline__ double r32(double v) { return f2d(d2f_bits(v)); }
+
+// ------------------------------------------------------------------------------------------ elements
+// Magnitude code of |x| (float32 bits a, finite) in a format with mbits/emin/bias; may exceed the max code.
+__device__ int round_magnitude(u32 a, bool neg, int mode, int r, int nsr, int mbits, int emin, int bias) {
+    int E = (int)(a >> 23);
+    i64 sig = (i64)(a & 0x7FFFFFu) | ((i64)(E != 0) << 23);
+    int e = (E > 1 ? E : 1) - 127;
+    int eT = e > emin ? e : emin;
+    int s = eT - e + 23 - mbits;
+    if (s > 40) s = 40;
+    i64 q = sig >> s;
+    i64 rem = sig - (q << s);
+    i64 half = (i64)1 << (s - 1);
+    bool inexact = rem != 0;
+    bool up;
+    if (mode == 0) up = (rem > half) || (rem == half && (q & 1));
+    else if (mode == 1) up = false;
+    else if (mode == 2) up = inexact && !neg;
+    else if (mode == 3) up = inexact && neg;
+    else up = ((rem >> (s - nsr)) + r) >= ((i64)1 << nsr);
+    return (int)((((i64)eT + bias - 1) << mbits) + q + (up ? 1 : 0));
+}
+
+__device__ int encode_one(u32 u, int mode, int r, int nsr, int mbits, int emin, int bias, int maxmag, bool sat,
+                          int nosat, int nanc, int signbit) {
+    u32 a = u & 0x7FFFFFFFu;
+    bool neg = (u >> 31) != 0;
+    if (a > 0x7F800000u) return nanc;
+    int mag = a == 0x7F800000u ? maxmag + 1 : round_magnitude(a, neg, mode, r, nsr, mbits, emin, bias);
+    int sgn = neg ? signbit : 0;
+    if (mag > maxmag) return ((sat || mode == 4) ? maxmag : nosat) | sgn;
+    return mag | sgn;
+}
+
+__device__ int encode_ue8m0(u32 u, int mode, bool sat) {
+    u32 a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return 0xFF;
+    int E = (int)(a >> 23);
+    u32 M = a & 0x7FFFFFu;
+    int c;
+    if (E == 0) c = mode == 2 ? (a > 0x00400000u) : (mode == 0 ? (a > 0x00600000u) : 0);
+    else if (E == 255) c = 255;
+    else if (mode == 2) c = E + (M != 0);
+    else if (mode == 0) c = E + ((M > 0x400000u) || (M == 0x400000u && (E & 1)));
+    else c = E;
+    if (c > 254) return sat ? 0xFE : 0xFF;
+    return c;
+}
+
+__device__ __constant__ double E2M1_MAGS[8] = {0., 0.5, 1., 1.5, 2., 3., 4., 6.};
+__device__ __constant__ double E2M1_STEPS[8] = {0.5, 0.5, 0.5, 0.5, 1., 1., 2., 0.};
+__device__ __constant__ double E2M1_VALUES[16] = {0., 0.5, 1., 1.5, 2., 3., 4., 6.,
+                                                  -0., -0.5, -1., -1.5, -2., -3., -4., -6.};
+
+// E2M1 code of a float32 value y (held in a double) in any mode (0 rne, 1 rz, 2 ru, 3 rd, 4 sr with random
+// integer r of nsr bits); NaN -> 0x7, -0 -> 0x8, satfinite.
+__device__ int e2m1_code(double y, int mode, int r, int nsr) {
+    double ax = fabs(y);
+    if (ax != ax) return 7;
+    int neg = (int)((u64)__double_as_longlong(y) >> 63);
+    int rne = (ax > 0.25) + (ax >= 0.75) + (ax > 1.25) + (ax >= 1.75) + (ax > 2.5) + (ax >= 3.5) + (ax > 5.0);
+    if (mode == 0) return rne | (neg << 3);
+    int lo = (ax >= 0.5) + (ax >= 1.0) + (ax >= 1.5) + (ax >= 2.0) + (ax >= 3.0) + (ax >= 4.0) + (ax >= 6.0);
+    double lov = E2M1_MAGS[lo];
+    bool inexact = (ax > lov) && lo < 7;
+    bool up_sr = (ax - lov) >= (double)((1 << nsr) - r) * ((double)E2M1_STEPS[lo] / (double)(1 << nsr));
+    bool up = (mode == 2 && inexact && !neg) || (mode == 3 && inexact && neg) || (mode == 4 && inexact && up_sr);
+    return (lo + up) | (neg << 3);
+}
+
+// ------------------------------------------------------------------------------------------ Philox4x32-10
+__device__ void philox(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1, u32 out[4]) {
+    for (int i = 0; i < 10; ++i) {
+        u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+    }
+    out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+}
+
+// Random bytes of elements start .. start+n-1 (SPEC §1.3); one thread per 16 elements.
+extern "C" __global__ void philox_bytes(u64 start, i64 n, u32 k0, u32 k1, u32 stream, u8* out) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    i64 lo = t * 16;
+    if (lo >= n) return;
+    u64 b = (start + (u64)lo) >> 4;
+    u32 w[4];
+    philox((u32)b, (u32)(b >> 32), stream, 0u, k0, k1, w);
+    for (i64 i = lo; i < lo + 16 && i < n; ++i) {
+        u64 gi = start + (u64)i;
+        out[i] = (u8)(w[(gi >> 2) & 3] >> (8 * (gi & 3)));
+    }
+}
+
+// ------------------------------------------------------------------------------------------ element kernels
+extern "C" __global__ void encode_elements(const float* x, u8* out, i64 n, int wide, int mode, const u8* rb,
+                                           int use_rb, int nsr, int sat, int mbits, int emin, int bias, int maxmag,
+                                           int nosat, int nanc, int signbit, int ue8m0, int e2m1) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int r = use_rb ? (int)(rb[i] & ((1 << nsr) - 1)) : 0;
+    int c;
+    if (ue8m0) c = encode_ue8m0(fbits(x[i]), mode, sat);
+    else if (e2m1) c = e2m1_code(f2d(fbits(x[i])), mode, r, nsr);
+    else c = encode_one(fbits(x[i]), mode, r, nsr, mbits, emin, bias, maxmag, sat, nosat, nanc, signbit);
+    if (wide) ((u16*)out)[i] = (u16)c;
+    else out[i] = (u8)c;
+}
+
+// max |x| over the bit patterns (NaN excluded) and a NaN flag, grid-stride, one atomic per thread.
+extern "C" __global__ void absmax_bits(const float* x, i64 n, u32* amax, u32* has_nan) {
+    u32 m = 0, nn = 0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        u32 a = fbits(x[i]) & 0x7FFFFFFFu;
+        bool isnan_ = a > 0x7F800000u;
+        m = isnan_ ? m : (a > m ? a : m);
+        nn |= isnan_;
+    }
+    atomicMax(amax, m);
+    if (nn) atomicMax(has_nan, 1u);
+}
+
+// ------------------------------------------------------------------------------------------ NVFP4
+// flavor: 0 te, 1 paper, 2 torchao, 3 modelopt. Returns the scale byte; *fac is the element factor. All
+// values are float32 numbers carried in doubles; each r32 is one float32 operation of SPEC §2.1 / §3.3.
+__device__ int nvfp4_scale(double amax_b, int flavor, double c0, double c1, const double* e4m3_vals,
+                           double* fac) {
+    const double FMAX = 3.4028234663852886e+38;
+    double sf;
+    if (flavor == 0) sf = dmin_py(r32(amax_b * c0), FMAX);
+    else if (flavor == 1) sf = dmin_py(r32(r32(amax_b / 6.0) * c0), FMAX);
+    else if (flavor == 2) {
+        sf = r32(r32(amax_b / 6.0) / c0);
+        if (sf == sf) sf = dmin_py(dmax_py(sf, 0.015625), 448.0);
+    } else {
+        sf = r32(amax_b / c0);
+        if (sf == 0.0) sf = 1.0;
+        if (sf == sf) sf = dmin_py(dmax_py(sf, 0.001953125), 448.0);
+    }
+    int byte = sf != sf ? 0xFF : encode_one(d2f_bits(sf), 0, 0, 8, 3, -6, 7, 0x7E, true, 0x7F, 0x7F, 0x80);
+    double sval = e4m3_vals[byte];
+    if (flavor <= 1) *fac = dmin_py(r32(1.0 / r32(sval * c1)), FMAX);
+    else if (flavor == 2) *fac = r32(c1 / sval);
+    else *fac = r32(sval * c1);
+    return byte;
+}
+
+__device__ int nvfp4_elem(double v, double fac, int flavor, int mode, int r, int nsr) {
+    double y = r32(flavor == 3 ? v / fac : v * fac);
+    int c = e2m1_code(y, mode, r, nsr);
+    if (v != v) c = 7;
+    else if (flavor == 2 && fac != fac) c = 0xC;
+    else if (flavor == 3 && y == 0.0) c = 0;
+    return c;
+}
+
+// One thread per (row group, 16-wide block). codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16);
+// fake: (R, K) float32 bit patterns when do_fake. c0, c1, dq0, dq1: the flavour's float32 constants (exact
+// in double); e4m3_vals: float64 table of the 256 E4M3 values.
+extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode,
+                                          int nsr, int flavor, int tile, double c0, double c1, double dq0,
+                                          double dq1, const double* e4m3_vals, u8* codes, u8* scales, u32* fake,
+                                          int do_fake) {
+    i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= ngroups * nbk) return;
+    i64 g = t / nbk, j = t % nbk;
+    i64 r0 = g * tile, r1 = r0 + tile < R ? r0 + tile : R;
+    i64 k0 = j * 16, k1 = k0 + 16 < K ? k0 + 16 : K;
+    u32 m = 0;
+    for (i64 r = r0; r < r1; ++r)
+        for (i64 k = k0; k < k1; ++k) {
+            u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
+            m = (a > 0x7F800000u || a <= m) ? m : a;
+        }
+    double fac;
+    int byte = nvfp4_scale(f2d(m), flavor, c0, c1, e4m3_vals, &fac);
+    scales[g * nbk + j] = (u8)byte;
+    double sval = e4m3_vals[byte];
+    double sdq = flavor <= 1 ? r32(r32(sval * dq0) * dq1) : r32(sval * dq0);
+    for (i64 r = r0; r < r1; ++r)
+        for (i64 p = 0; p < 8; ++p) {
+            i64 ka = k0 + 2 * p, kb = ka + 1;
+            double va = ka < K ? f2d(fbits(x[r * K + ka])) : 0.0, vb = kb < K ? f2d(fbits(x[r * K + kb])) : 0.0;
+            int ra = (use_rb && ka < K) ? rb[r * K + ka] : 0, rbb = (use_rb && kb < K) ? rb[r * K + kb] : 0;
+            int ca = nvfp4_elem(va, fac, flavor, mode, ra, nsr), cb = nvfp4_elem(vb, fac, flavor, mode, rbb, nsr);
+            codes[r * (nbk * 8) + j * 8 + p] = (u8)(ca | (cb << 4));
+            if (do_fake) {
+                if (ka < K) fake[r * K + ka] = d2f_bits(E2M1_VALUES[ca] * sdq);
+                if (kb < K) fake[r * K + kb] = d2f_bits(E2M1_VALUES[cb] * sdq);
+            }
+        }
+}
+
+// ------------------------------------------------------------------------------------------ MX
+__device__ int mx_scale_byte(u32 amax_bits, int mode, int emax, int mbits, double rcp) {
+    if (mode == 0) {
+        u32 a = d2f_bits(f2d(amax_bits) * rcp) & 0x7FFFFFFFu;
+        int E = (int)(a >> 23);
+        int c = E == 0 ? (a > 0x00400000u) : (E == 255 ? 255 : E + ((a & 0x7FFFFFu) != 0));
+        return c < 254 ? c : 254;
+    }
+    if (amax_bits == 0) return 0;
+    i64 u = (i64)amax_bits;
+    if (mode == 3) u += (i64)1 << (22 - mbits);
+    int e = (int)((u >> 23) & 0xFF) - 127 - emax;
+    if (mode == 2 && (u & 0x7FFFFF) != 0) e += 1;
+    e = e < -127 ? -127 : (e > 127 ? 127 : e);
+    return e + 127;
+}
+
+// One thread per (row, 32-wide block). FP4 codes packed (R, Kp/2), FP8 codes (R, Kp).
+extern "C" __global__ void mx_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
+                                       int scale_mode, int emax, int mbits_elem, double rcp,
+                                       const double* pow2_enc, const double* pow2_dec, int mbits, int emin, int bias,
+                                       int maxmag, int nosat, int nanc, int signbit, int is_fp4,
+                                       const double* elem_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
+    i64 nbk = (K + 31) / 32;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= R * nbk) return;
+    i64 r = t / nbk, j = t % nbk, k0 = j * 32;
+    u32 m = 0;
+    for (i64 k = k0; k < k0 + 32 && k < K; ++k) {
+        u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
+        m = (a > 0x7F800000u || a <= m) ? m : a;
+    }
+    int e = mx_scale_byte(m, scale_mode, emax, mbits_elem, rcp);
+    scales[r * nbk + j] = (u8)e;
+    double mul = pow2_enc[e], dmul = pow2_dec[e];
+    int lowc = 0;
+    for (i64 k = k0; k < k0 + 32; ++k) {
+        double v = k < K ? f2d(fbits(x[r * K + k])) : 0.0;
+        int rr = (use_rb && k < K) ? rb[r * K + k] : 0;
+        double y = r32(v * mul);
+        int c;
+        if (is_fp4) {
+            c = e2m1_code(y, mode, rr, nsr);
+            if ((k & 1) == 0) lowc = c;
+            else codes[r * (nbk * 16) + (k >> 1)] = (u8)(lowc | (c << 4));
+        } else {
+            c = encode_one(d2f_bits(y), mode, rr, nsr, mbits, emin, bias, maxmag, true, nosat, nanc, signbit);
+            codes[r * (nbk * 32) + k] = (u8)c;
+        }
+        if (do_fake && k < K) fake[r * K + k] = d2f_bits(elem_vals[c] * dmul);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ FP8
+// Per-tensor (divide = 0: y = x * scale) or blockwise (divide = 1: scale = amax_b / max per tile x blk block).
+// One thread per (row group, block).
+extern "C" __global__ void fp8_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
+                                        int tile, i64 blk, double per_tensor_scale, int divide, int mbits, int emin,
+                                        int bias, int maxmag, int nosat, int nanc, int signbit,
+                                        const double* elem_vals, u8* codes, u32* scales, u32* fake, int do_fake) {
+    i64 nbk = (K + blk - 1) / blk, ngroups = (R + tile - 1) / tile;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= ngroups * nbk) return;
+    i64 g = t / nbk, j = t % nbk;
+    i64 r0 = g * tile, r1 = r0 + tile < R ? r0 + tile : R;
+    i64 k0 = j * blk, k1 = k0 + blk < K ? k0 + blk : K;
+    double fmax_ = elem_vals[maxmag];
+    double s = per_tensor_scale;
+    if (divide) {
+        u32 m = 0;
+        for (i64 r = r0; r < r1; ++r)
+            for (i64 k = k0; k < k1; ++k) {
+                u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
+                m = (a > 0x7F800000u || a <= m) ? m : a;
+            }
+        s = r32(f2d(m) / fmax_);
+        scales[g * nbk + j] = d2f_bits(s);
+    }
+    double inv = r32(1.0 / s);
+    for (i64 r = r0; r < r1; ++r)
+        for (i64 k = k0; k < k1; ++k) {
+            double v = f2d(fbits(x[r * K + k]));
+            int rr = use_rb ? rb[r * K + k] : 0;
+            double y = r32(divide ? (s != 0.0 ? v / s : v * 0.0) : v * s);
+            int c = encode_one(d2f_bits(y), mode, rr, nsr, mbits, emin, bias, maxmag, true, nosat, nanc, signbit);
+            codes[r * K + k] = (u8)c;
+            if (do_fake) fake[r * K + k] = d2f_bits(divide ? elem_vals[c] * s : elem_vals[c] * inv);
+        }
+}
+
+// ------------------------------------------------------------------------------------------ RHT
+// One thread per output element: y[r, c0 + j] = round(scale * sum_i x[r, c0 + i] * signs_h[i, j]).
+extern "C" __global__ void rht(const float* x, i64 R, i64 K, int d, const double* signs_h, double scale,
+                               int to_bf16, u32* out) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= R * K) return;
+    i64 r = t / K, k = t % K, c0 = k - k % d;
+    int j = (int)(k % d);
+    double acc = 0.0;
+    for (int i = 0; i < d; ++i) acc += f2d(fbits(x[r * K + c0 + i])) * signs_h[i * d + j];
+    double v = acc * scale;  // rounded once, to bfloat16 or float32
+    out[t] = to_bf16 ? (round_f64(v, 7, -126, 127, 0x7F7Full, 0x7F80u, 0x7FFFu, 0x8000u) << 16) : d2f_bits(v);
+}

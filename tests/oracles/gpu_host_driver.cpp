@@ -1,0 +1,43 @@
+// Host entry points for fp4sim/gpu/kernels.cu compiled through cuda_host_shim.h (used by tests over ctypes).
+// Each host_X(threads, args...) runs kernel X for `threads` threads, exactly as the GPU launch would.
+#include "cuda_host_shim.h"
+#include "kernels.cu"
+
+#define HOST(name) extern "C" void host_##name
+
+HOST(philox_bytes)(i64 th, u64 start, i64 n, u32 k0, u32 k1, u32 stream, u8* out) {
+    host_launch(philox_bytes, th, start, n, k0, k1, stream, out);
+}
+HOST(encode_elements)(i64 th, const float* x, u8* out, i64 n, int wide, int mode, const u8* rb, int use_rb,
+                      int nsr, int sat, int mbits, int emin, int bias, int maxmag, int nosat, int nanc, int signbit,
+                      int ue8m0, int e2m1) {
+    host_launch(encode_elements, th, x, out, n, wide, mode, rb, use_rb, nsr, sat, mbits, emin, bias, maxmag, nosat,
+                nanc, signbit, ue8m0, e2m1);
+}
+HOST(absmax_bits)(i64 th, const float* x, i64 n, u32* amax, u32* has_nan) {
+    host_launch(absmax_bits, th, x, n, amax, has_nan);
+}
+HOST(nvfp4_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
+                     int flavor, int tile, double c0, double c1, double dq0, double dq1, const double* e4m3_vals,
+                     u8* codes, u8* scales, u32* fake, int do_fake) {
+    host_launch(nvfp4_quantize, th, x, R, K, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq0, dq1, e4m3_vals,
+                codes, scales, fake, do_fake);
+}
+HOST(mx_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
+                  int scale_mode, int emax, int mbits_elem, double rcp, const double* pow2_enc,
+                  const double* pow2_dec, int mbits, int emin, int bias, int maxmag, int nosat, int nanc, int signbit,
+                  int is_fp4, const double* elem_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
+    host_launch(mx_quantize, th, x, R, K, rb, use_rb, mode, nsr, scale_mode, emax, mbits_elem, rcp, pow2_enc,
+                pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals, codes, scales, fake,
+                do_fake);
+}
+HOST(fp8_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr, int tile,
+                   i64 blk, double per_tensor_scale, int divide, int mbits, int emin, int bias, int maxmag, int nosat,
+                   int nanc, int signbit, const double* elem_vals, u8* codes, u32* scales, u32* fake,
+                   int do_fake) {
+    host_launch(fp8_quantize, th, x, R, K, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide, mbits, emin,
+                bias, maxmag, nosat, nanc, signbit, elem_vals, codes, scales, fake, do_fake);
+}
+HOST(rht)(i64 th, const float* x, i64 R, i64 K, int d, const double* signs_h, double scale, int to_bf16, u32* out) {
+    host_launch(rht, th, x, R, K, d, signs_h, scale, to_bf16, out);
+}

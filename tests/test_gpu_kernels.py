@@ -1,0 +1,180 @@
+"""The CUDA kernels (fp4sim/gpu/kernels.cu) against the Numba backend, bit for bit.
+
+Every test runs twice: on the host — the same .cu source compiled with g++ through a thin shim
+(tests/oracles/cuda_host_shim.h), in every CI run — and on a real GPU through CuPy where one is present
+(marked ``gpu``; skipped cleanly otherwise). Both go through fp4sim.gpu.ops, the code the public API uses
+for CuPy arrays.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from blockcases import heavy
+from conftest import float32_sweep, oracle_missing
+from fp4sim.gpu import ops
+from fp4sim.gpu.backend import NVRTC_OPTIONS, SOURCE, HostBackend
+
+ORACLES = Path(__file__).parent / "oracles"
+
+
+@pytest.fixture(scope="session")
+def host_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        oracle_missing("no host C++ compiler (g++) to build the kernels for the host")
+    out = tmp_path_factory.mktemp("gpu_host") / "libfp4sim_kernels_host.so"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", f"-I{ORACLES}",
+                    f"-I{SOURCE.parent}", str(ORACLES / "gpu_host_driver.cpp"), "-o", str(out)], check=True)
+    return out
+
+
+class _Cupy:
+    """Adapter so a test can hand NumPy inputs to the GPU and get NumPy results back."""
+
+    def __init__(self):
+        import cupy
+        from fp4sim.gpu.backend import default_backend
+        self.cp, self.be = cupy, default_backend()
+
+    def dev(self, a):
+        return self.cp.asarray(a) if isinstance(a, np.ndarray) else a
+
+    @staticmethod
+    def host(a):
+        return a.get() if hasattr(a, "get") else a
+
+
+class _Host:
+    def __init__(self, lib):
+        self.be = HostBackend(lib)
+
+    dev = staticmethod(lambda a: a)
+    host = staticmethod(lambda a: a)
+
+
+@pytest.fixture(params=["host", pytest.param("cupy", marks=pytest.mark.gpu)], scope="module")
+def dev(request, tmp_path_factory):
+    if request.param == "cupy":
+        if not fs.gpu.available():
+            pytest.skip("no CUDA device with CuPy: the GPU run of these tests needs pip install 'fp4sim[gpu]'")
+        return _Cupy()
+    return _Host(request.getfixturevalue("host_lib"))
+
+
+def same_bits(a, b):
+    """Identical float32 bit patterns, except that NaNs only need to be NaN on both sides: the default NaN of
+    an invalid operation differs between x86 (0xFFC00000) and CUDA (0x7FFFFFFF), so dequantized NaNs (a
+    NaN-chain flavour, an Inf tensor amax) carry different payloads; codes and scale bytes never do."""
+    assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+    na, nb_ = np.isnan(a), np.isnan(b)
+    assert np.array_equal(na, nb_)
+    assert np.array_equal(a[~na].view(np.uint32), b[~nb_].view(np.uint32))
+
+
+SWEEP = float32_sweep(per_binade=200, seed=1)  # 102k patterns: every exponent, sign, subnormals, specials
+
+
+@pytest.mark.parametrize("fmt", [fs.E2M1, fs.E4M3, fs.E5M2, fs.UE8M0, fs.BF16], ids=lambda f: f.name)
+def test_encode_every_mode(dev, fmt):
+    modes = ["rne", "rz", "ru", "rd"] + (["sr"] if fmt is not fs.UE8M0 else [])
+    r = np.random.default_rng(2).integers(0, 256, SWEEP.shape, dtype=np.uint8)
+    for mode in modes:
+        for sat in ((True,) if mode == "sr" else (True, False)):
+            kw = {"rbits": r} if mode == "sr" else {}
+            want = fs.encode(SWEEP, fmt, rounding=mode, saturate=sat, **kw)
+            got = dev.host(ops.encode(dev.be, dev.dev(SWEEP), fmt, mode, sat, **{k: dev.dev(v) for k, v in kw.items()}))
+            assert np.array_equal(got, want), (fmt.name, mode, sat, np.flatnonzero(got != want)[:5])
+    want = fs.encode(SWEEP, fmt if fmt is not fs.UE8M0 else fs.E2M1, rounding="sr", seed=99, stream=5)
+    got = dev.host(ops.encode(dev.be, dev.dev(SWEEP), fmt if fmt is not fs.UE8M0 else fs.E2M1, "sr", seed=99,
+                              stream=5))
+    assert np.array_equal(got, want)
+
+
+def test_philox_bytes(dev):
+    from fp4sim.rng import philox_bytes, seed_key
+    for seed, stream, start in [(0, 0, 0), (2**64 - 1, 7, 2**36)]:
+        out = dev.dev(np.empty(1000, np.uint8))
+        k0, k1 = seed_key(seed)
+        dev.be.launch("philox_bytes", 63, np.uint64(start), np.int64(1000), np.uint32(k0), np.uint32(k1),
+                      np.uint32(stream), out)
+        assert np.array_equal(dev.host(out), philox_bytes(seed, 1000, stream, start))
+
+
+CASES = {"heavy": heavy((48, 160), 5), "odd": heavy((5, 7, 37), 6), "zeros": np.zeros((16, 32), np.float32)}
+CASES["zeros"][3, 5] = -0.0
+SPECIALS = heavy((20, 64), 7)
+SPECIALS[1, 3], SPECIALS[2, 9], SPECIALS[4, 40] = np.nan, -np.inf, 1e-40
+
+
+@pytest.mark.parametrize("scheme,kw", [
+    ("nvfp4", {}), ("nvfp4", {"flavor": "paper"}), ("nvfp4", {"flavor": "torchao"}),
+    ("nvfp4", {"flavor": "modelopt"}), ("nvfp4_2d", {}), ("nvfp4_2d", {"flavor": "torchao"}),
+    ("nvfp4", {"global_amax": 3e38}), ("nvfp4", {"scale_layout": "swizzled"}),
+    ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}), ("mxfp4", {"scale_mode": "ceil"}),
+    ("mxfp4", {"scale_mode": "even"}), ("mxfp8_e4m3", {}), ("mxfp8_e5m2", {"scale_mode": "even"}),
+    ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("fp8_blockwise", {}), ("fp8_blockwise", {"block": (128, 128)}),
+    ("bf16", {}),
+])
+@pytest.mark.parametrize("case", list(CASES) + ["specials"])
+def test_quantize_and_fake_quantize(dev, scheme, kw, case):
+    x = SPECIALS if case == "specials" else CASES[case]
+    axes = (-1, 0) if x.ndim == 2 and case == "heavy" else (-1,)
+    for axis in axes:
+        for rnd in ({}, {"rounding": "sr", "seed": 4}):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                want = fs.quantize(x, scheme, axis=axis, **kw, **rnd)
+                got = ops.quantize(dev.be, dev.dev(x), scheme, axis=axis, **kw, **rnd)
+                f_want = fs.fake_quantize(x, scheme, axis=axis, **{k: v for k, v in kw.items()
+                                                                    if k != "scale_layout"}, **rnd)
+                f_got = ops.quantize(dev.be, dev.dev(x), scheme, axis=axis, fake=True,
+                                     **{k: v for k, v in kw.items() if k != "scale_layout"}, **rnd)
+            assert np.array_equal(dev.host(got.codes), want.codes), (scheme, kw, case, axis, rnd)
+            if want.scales is not None:
+                assert np.array_equal(dev.host(got.scales).view(np.uint8), np.asarray(want.scales).view(np.uint8))
+            assert (got.global_amax is None) == (want.global_amax is None)
+            if want.global_amax is not None:
+                assert got.global_amax == want.global_amax
+            same_bits(dev.host(f_got), np.asarray(f_want))
+            same_bits(dev.host(fs.dequantize(got)), fs.dequantize(want))  # on the device for CuPy tensors
+
+
+@pytest.mark.parametrize("d", [2, 16, 32, 128])
+def test_rht(dev, d):
+    x = heavy((8, 256), d)
+    for signs in (["te"] if d == 16 else []) + [11, None]:
+        for out in ("bf16", "fp32"):
+            want = fs.rht(x, d, signs, out=out)
+            got = dev.host(ops.rht(dev.be, dev.dev(x), d, signs, out=out))
+            same_bits(got, want)
+    want = fs.rht(x.T.copy(), d, None, axis=0)
+    assert np.array_equal(dev.host(ops.rht(dev.be, dev.dev(x.T.copy()), d, None, axis=0)), want)
+
+
+def test_errors_match_the_cpu(dev):
+    with pytest.raises(TypeError, match="dtype int32"):
+        ops.encode(dev.be, dev.dev(np.arange(4, dtype=np.int32)), fs.E2M1)
+    with pytest.raises(ValueError, match="rbits="):
+        ops.encode(dev.be, dev.dev(np.ones(4, np.float32)), fs.E2M1, "sr")
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        ops.quantize(dev.be, dev.dev(np.zeros((2, 0), np.float32)), "nvfp4")
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
+def test_kernels_compile_to_cubin_with_nvcc(arch, tmp_path):
+    """Syntax and arch guards: the source builds for Hopper and Blackwell (cubin, not just PTX)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        oracle_missing("nvcc not found: install the CUDA toolkit")
+    out = tmp_path / f"k_{arch}.cubin"
+    r = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *NVRTC_OPTIONS, str(SOURCE), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 10000
