@@ -129,6 +129,16 @@ __device__ int e2m1_code(double y, int mode, int r, int nsr) {
     return (lo + up) | (neg << 3);
 }
 
+// Fast path for RNE in float32 hardware arithmetic, for factors in [2^-100, 2^100] (normal, so FTZ leaves them be).
+// FTZ cannot change a code then: the thresholds are >= 0.25,
+// so a flushed subnormal y, or y from a flushed subnormal x times a factor <= 2^100, codes as the exact value.
+__device__ __forceinline__ int e2m1_rne_f(float y) {
+    float ax = fabsf(y);
+    if (ax != ax) return 7;
+    int rne = (ax > 0.25f) + (ax >= 0.75f) + (ax > 1.25f) + (ax >= 1.75f) + (ax > 2.5f) + (ax >= 3.5f) + (ax > 5.0f);
+    return rne | (int)((fbits(y) >> 31) << 3);
+}
+
 // ------------------------------------------------------------------------------------------ Philox4x32-10
 __device__ void philox(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1, u32 out[4]) {
     for (int i = 0; i < 10; ++i) {
@@ -241,7 +251,32 @@ extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8
     scales[g * nbk + j] = (u8)byte;
     double sval = e4m3_vals[byte];
     double sdq = flavor <= 1 ? r32(r32(sval * dq0) * dq1) : r32(sval * dq0);
-    for (i64 r = r0; r < r1; ++r)
+    // Fast path: RNE, multiply flavours, factors in [2^-100, 2^100], a full aligned block (see e2m1_rne_f)
+    bool fast = mode == 0 && flavor <= 2 && fac >= 0x1p-100 && fac <= 0x1p100 && k1 - k0 == 16 && (K & 3) == 0 &&
+                (((u64)x) & 15) == 0;
+    bool fast_dq = sdq >= 0x1p-100 && sdq <= 0x1p100;
+    for (i64 r = r0; r < r1; ++r) {
+        if (fast) {
+            const float4* xv = (const float4*)(x + r * K + k0);
+            float ff = (float)fac;
+            u64 packed = 0;
+            float vals[16];
+            for (int q = 0; q < 4; ++q) {
+                float4 v4 = xv[q];
+                vals[4 * q] = v4.x; vals[4 * q + 1] = v4.y; vals[4 * q + 2] = v4.z; vals[4 * q + 3] = v4.w;
+            }
+            for (int e = 0; e < 16; ++e) {
+                int c = e2m1_rne_f(vals[e] * ff);
+                packed |= (u64)c << (4 * e);
+                if (do_fake) {
+                    i64 k = k0 + e;
+                    fake[r * K + k] = fast_dq ? fbits((float)E2M1_VALUES[c] * (float)sdq)
+                                              : d2f_bits(E2M1_VALUES[c] * sdq);
+                }
+            }
+            *(u64*)(codes + r * (nbk * 8) + j * 8) = packed;
+            continue;
+        }
         for (i64 p = 0; p < 8; ++p) {
             i64 ka = k0 + 2 * p, kb = ka + 1;
             double va = ka < K ? f2d(fbits(x[r * K + ka])) : 0.0, vb = kb < K ? f2d(fbits(x[r * K + kb])) : 0.0;
@@ -253,6 +288,7 @@ extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8
                 if (kb < K) fake[r * K + kb] = d2f_bits(E2M1_VALUES[cb] * sdq);
             }
         }
+    }
 }
 
 // ------------------------------------------------------------------------------------------ MX
@@ -290,6 +326,28 @@ extern "C" __global__ void mx_quantize(const float* x, i64 R, i64 K, const u8* r
     int e = mx_scale_byte(m, scale_mode, emax, mbits_elem, rcp);
     scales[r * nbk + j] = (u8)e;
     double mul = pow2_enc[e], dmul = pow2_dec[e];
+    if (is_fp4 && mode == 0 && mul >= 0x1p-100 && mul <= 0x1p100 && k0 + 32 <= K && (K & 3) == 0 && (((u64)x) & 15) == 0) {
+        // fast path (see e2m1_rne_f): x * 2^(127-e) in float32 hardware, 32 codes as four u32 stores
+        const float4* xv = (const float4*)(x + r * K + k0);
+        float mf = (float)mul;
+        bool fast_dq = dmul >= 0x1p-100;
+        for (int q = 0; q < 8; ++q) {
+            float4 v4 = xv[q];
+            float v[4] = {v4.x, v4.y, v4.z, v4.w};
+            u32 packed = 0;
+            for (int e4 = 0; e4 < 4; ++e4) {
+                int c = e2m1_rne_f(v[e4] * mf);
+                packed |= (u32)c << (4 * e4);
+                if (do_fake) {
+                    i64 k = k0 + 4 * q + e4;
+                    fake[r * K + k] = fast_dq ? fbits((float)E2M1_VALUES[c] * (float)dmul)
+                                              : d2f_bits(E2M1_VALUES[c] * dmul);
+                }
+            }
+            *(u16*)(codes + r * (nbk * 16) + (k0 >> 1) + 2 * q) = (u16)packed;
+        }
+        return;
+    }
     int lowc = 0;
     for (i64 k = k0; k < k0 + 32; ++k) {
         double v = k < K ? f2d(fbits(x[r * K + k])) : 0.0;

@@ -20,6 +20,7 @@ typedef long long i64;
 #define __forceinline__ inline
 
 struct dim3_ { unsigned x, y, z; };
+struct alignas(16) float4 { float x, y, z, w; };
 static dim3_ threadIdx, blockIdx, blockDim, gridDim;
 
 inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
