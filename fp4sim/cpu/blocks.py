@@ -65,10 +65,25 @@ def f32_bits(v, buf, bits):
 
 @nb.njit(inline="always", cache=True)
 def e4m3_rne(v, buf, bits):
-    """E4M3 RNE satfinite byte of float32 ``v`` (NaN -> 0xFF: the sign torch keeps on x86's default NaN)."""
+    """E4M3 RNE satfinite byte of a non-negative float32 ``v`` (NaN -> 0xFF: the sign torch keeps on x86's
+    default NaN).
+
+    Rounds with the add-and-subtract trick: C = 2^(e - 3 + 23), e the exponent of v (at least E4M3's -6),
+    has a float32 ulp equal to E4M3's quantum there, so fl(fl(v + C) - C) is v rounded to nearest-even on the
+    E4M3 grid; the code then comes from the result's bits.
+    """
     if v != v:
         return np.int32(0xFF)
-    return np.int32(encode_one(f32_bits(v, buf, bits), 0, 0, 8, 3, -6, 7, 0x7E, True, 0x7F, 0x7F, 0x80))
+    v = min(v, np.float32(480.0))            # >= 464 saturates anyway; keeps C finite
+    E = np.int32(f32_bits(v, buf, bits) >> np.uint32(23))
+    bits[0] = np.uint32((max(E, np.int32(121)) + np.int32(20)) << np.int32(23))
+    C = buf[0]
+    y = (v + C) - C
+    if y >= np.float32(0.015625):
+        code = np.int32(f32_bits(y, buf, bits) >> np.uint32(20)) - np.int32(960)
+    else:
+        code = np.int32(y * np.float32(512.0))
+    return min(code, np.int32(0x7E))
 
 
 @nb.njit(inline="always", cache=True)
@@ -170,7 +185,8 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_v
             scales[g, j] = byte
             fac[j] = f
             nanfac |= f != f
-            sdq[j] = nvfp4_dequant_factor(e4m3_vals[byte], flavor, dq, c1)
+            if do_fake:
+                sdq[j] = nvfp4_dequant_factor(e4m3_vals[byte], flavor, dq, c1)
         for r in range(r0, r1):
             xr = row_padded(x2, r, K, Kp, xrow)
             if use_rb:
