@@ -115,8 +115,8 @@ def _run(x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbit
         raise ValueError(f"scale_layout='swizzled' applies to NVFP4 and MX schemes, not {sch.name!r}")
     p = _Prepared(x, axis, rounding, rbits, seed, sr_bits, stream, rbits_mapping)
     g = _check_global_amax(global_amax)
-    if g is not None and not isinstance(sch, NVFP4):
-        raise ValueError(f"global_amax applies to NVFP4 schemes only, not {sch.name!r}")
+    if g is not None and not isinstance(sch, (NVFP4, FP8Tensor)):
+        raise ValueError(f"global_amax applies to NVFP4 and FP8 per-tensor schemes only, not {sch.name!r}")
     x2, R, K = p.x2, p.R, p.K
     fake_out = np.empty((R, K) if fake else (1, 1), np.float32)
     extras = {}
@@ -159,7 +159,7 @@ def _run(x, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbit
         fmt = sch.elem
         codes = np.empty((R, K), np.uint8)
         if isinstance(sch, FP8Tensor):
-            scale = fp8_tensor_scale(fmt, amax_t)
+            scale = fp8_tensor_scale(fmt, amax_t if g is None else g)
             scales = np.array([f32(1.0) / scale], np.float32)
             _b.fp8_kernel(x2, p.rb, p.use_rb, p.mode, p.nsr, 1, K, scale, False, *kernel_params(fmt), fmt.values,
                           codes, np.empty((1, 1), np.float32), fake_out, fake)
@@ -218,7 +218,8 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
     flavor : NVFP4 flavour ``"te"`` (default), ``"paper"``, ``"torchao"``, ``"modelopt"`` (SPEC §3.3).
     block : ``(1, 16)`` or ``(16, 16)`` for NVFP4; ``(1, 128)`` or ``(128, 128)`` for FP8 blockwise.
     scale_mode : MX scale rounding ``"rceil"`` (default), ``"floor"``, ``"ceil"``, ``"even"`` (SPEC §2.2).
-    global_amax : NVFP4's tensor amax override (delayed scaling, post-RHT amax).
+    global_amax : the tensor amax override of NVFP4 and FP8 per-tensor scaling (delayed scaling, post-RHT amax,
+        or the amax of a whole tensor quantized in row chunks).
     scale_layout : ``"linear"`` (default) or ``"swizzled"`` (cuBLAS 128x4).
     return_intermediates : keep per-tensor constants in ``q.extras`` for analyses.
     """

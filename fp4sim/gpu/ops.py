@@ -110,8 +110,8 @@ def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, sc
     mode = MODES[rounding]
     per = _sr_bits(be, xs.shape, xs.size, rounding, rbits, seed, nsr, stream, rbits_mapping)
     g = _check_global_amax(global_amax)
-    if g is not None and not isinstance(sch, NVFP4):
-        raise ValueError(f"global_amax applies to NVFP4 schemes only, not {sch.name!r}")
+    if g is not None and not isinstance(sch, (NVFP4, FP8Tensor)):
+        raise ValueError(f"global_amax applies to NVFP4 and FP8 per-tensor schemes only, not {sch.name!r}")
     to2d = lambda a: xp.ascontiguousarray(xp.moveaxis(a, ax, -1)).reshape(-1, K)  # noqa: E731
     x2 = to2d(xs)
     R = x2.shape[0]
@@ -155,7 +155,7 @@ def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, sc
         fmt = sch.elem
         codes = xp.empty((R, K), np.uint8)
         if isinstance(sch, FP8Tensor):
-            scale = fp8_tensor_scale(fmt, amax_t)
+            scale = fp8_tensor_scale(fmt, amax_t if g is None else g)
             dummy = xp.empty(1, np.uint32)
             be.launch("fp8_quantize", R * -(-K // 128), x2, i64(R), i64(K), rb, use_rb, i32(mode), i32(nsr), i32(1),
                       i64(128), f64(scale), i32(0), *[i32(v) for v in kernel_params(fmt)], d64(fmt.values), codes,

@@ -1,0 +1,144 @@
+"""Running the analysis over a dump and assembling the xarray Dataset."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+
+import numpy as np
+import xarray as xr
+
+from .inputs import Source, TensorError, discover, load
+from .metrics import DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics
+from .studies import RHT_SCHEMES, RHT_SIGNS, gradient_bias, hadamard_effect, outliers, wgrad_gemm
+
+OUTLIER_VARS = ("kurtosis", "max_over_rms", "n_outlier_rows", "n_outlier_cols", "nvfp4_rel_mse",
+                "nvfp4_rel_mse_without_outlier_cols", "outlier_block_err_share", "outlier_block_frac")
+BIAS_VARS = ("grad_bias_rne", "grad_bias_sr", "grad_bias_sr_expected", "grad_bias_rne_sample", "grad_shrink_rne",
+             "grad_shrink_sr", "grad_shrink_sr_expected")
+WGRAD_VARS = ("wgrad_bias_rne", "wgrad_bias_sr", "wgrad_rel_err_rne", "wgrad_rel_err_sr_one_seed",
+              "wgrad_rel_err_sr_mean", "wgrad_rel_var_sr")
+
+
+def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard: bool = True,
+                   chunk_elems: int = 1 << 22) -> dict:
+    """Everything about one tensor (a plain dict, so it can travel back from a Dask worker)."""
+    x = load(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {}}
+        for spec in schemes:
+            if src.role in spec.roles:
+                m, ch, sh = scheme_metrics(x, spec, src.role, seed, chunk_elems)
+                res["schemes"][spec.label] = {"metrics": m, "code_hist": ch.tolist(), "scale_hist": sh.tolist()}
+        res["outliers"] = outliers(x)
+        if hadamard:
+            dims, err, kur = hadamard_effect(x, seed)
+            res["rht"] = {"dims": list(dims), "rel_mse": err.tolist(), "kurtosis": kur.tolist()}
+        if src.role == "gradient":
+            res["bias"] = gradient_bias(x, seed)
+    return res
+
+
+def _progress(i, n, name, t0, quiet):
+    if not quiet:
+        el = time.time() - t0
+        print(f"\r[{i}/{n}] {el:6.1f}s {name[:60]:60}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+
+def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: bool = True, dask: bool = False,
+            scheduler: str | None = None, chunk_elems: int = 1 << 22, quiet: bool = False) -> xr.Dataset:
+    """Analyse every tensor under ``paths``; returns the Dataset (``ds.attrs['skipped']`` lists what was not
+    analysed and why, as JSON)."""
+    specs = DEFAULT_SCHEMES if schemes is None else tuple(SCHEMES_BY_LABEL[s] if isinstance(s, str) else s
+                                                          for s in schemes)
+    sources, problems, meta = discover(paths, role_overrides)
+    results, skipped = [], [{"tensor": p, "reason": r} for p, r in problems]
+    t0 = time.time()
+    if dask or scheduler:
+        from dask.distributed import Client, LocalCluster, as_completed
+        client = Client(scheduler) if scheduler else Client(LocalCluster(n_workers=2, threads_per_worker=1,
+                                                                          processes=True, dashboard_address=None))
+        try:
+            futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, pure=False): s
+                    for s in sources}
+            for i, f in enumerate(as_completed(futs), 1):
+                s = futs[f]
+                try:
+                    results.append(f.result())
+                except TensorError as e:
+                    skipped.append({"tensor": s.name, "reason": str(e)})
+                _progress(i, len(sources), s.name, t0, quiet)
+        finally:
+            client.close()
+    else:
+        for i, s in enumerate(sources, 1):
+            try:
+                results.append(analyze_tensor(s, specs, seed, hadamard, chunk_elems))
+            except TensorError as e:
+                skipped.append({"tensor": s.name, "reason": str(e)})
+            _progress(i, len(sources), s.name, t0, quiet)
+    order = {s.name: i for i, s in enumerate(sources)}
+    results.sort(key=lambda r: order[r["name"]])
+    pairs = []
+    byname = {r["name"]: r for r in results}
+    for pname, (a, g) in meta.get("pairs", {}).items():
+        if a in byname and g in byname:
+            try:
+                pairs.append({"pair": pname, **wgrad_gemm(load(_src(sources, a)), load(_src(sources, g)))})
+            except (TensorError, ValueError) as e:
+                skipped.append({"tensor": pname, "reason": f"weight-gradient GEMM: {e}"})
+    return to_dataset(results, pairs, specs, skipped, meta)
+
+
+def _src(sources, name):
+    return next(s for s in sources if s.name == name)
+
+
+def to_dataset(results, pairs, specs, skipped, meta) -> xr.Dataset:
+    names = [r["name"] for r in results]
+    labels = [s.label for s in specs]
+    nt, ns = len(names), len(labels)
+    data = {m: np.full((nt, ns), np.nan) for m in SCALAR_METRICS}
+    code_hist = np.zeros((nt, ns, 16), np.int64)
+    scale_hist = np.zeros((nt, ns, 256), np.int64)
+    for i, r in enumerate(results):
+        for j, lab in enumerate(labels):
+            if lab in r["schemes"]:
+                for m, v in r["schemes"][lab]["metrics"].items():
+                    data[m][i, j] = v
+                code_hist[i, j] = r["schemes"][lab]["code_hist"]
+                scale_hist[i, j] = r["schemes"][lab]["scale_hist"]
+    ds = xr.Dataset(
+        {m: (("tensor", "scheme"), v) for m, v in data.items()},
+        coords={"tensor": names, "scheme": labels, "code": np.arange(16), "scale_byte": np.arange(256),
+                "role": ("tensor", [r["role"] for r in results]),
+                "numel": ("tensor", [r["numel"] for r in results])})
+    ds["code_hist"] = (("tensor", "scheme", "code"), code_hist)
+    ds["scale_hist"] = (("tensor", "scheme", "scale_byte"), scale_hist)
+    for v in OUTLIER_VARS:
+        ds[v] = ("tensor", [float(r["outliers"][v]) for r in results])
+    for v in BIAS_VARS:
+        ds[v] = ("tensor", [float(r.get("bias", {}).get(v, np.nan)) for r in results])
+    if results and "rht" in results[0]:
+        dims = results[0]["rht"]["dims"]
+        ds = ds.assign_coords(rht_d=dims, rht_signs=list(RHT_SIGNS), rht_scheme=list(RHT_SCHEMES))
+        ds["rht_rel_mse"] = (("tensor", "rht_d", "rht_signs", "rht_scheme"),
+                             np.array([r["rht"]["rel_mse"] for r in results], float))
+        ds["rht_kurtosis"] = (("tensor", "rht_d", "rht_signs"), np.array([r["rht"]["kurtosis"] for r in results],
+                                                                          float))
+    if pairs:
+        ds = ds.assign_coords(pair=[p["pair"] for p in pairs])
+        for v in WGRAD_VARS:
+            ds[v] = ("pair", [p[v] for p in pairs])
+    for v, desc in (("sqnr_db", "signal-to-quantization-noise ratio, dB"), ("rel_mse", "MSE / mean(x^2)"),
+                    ("underflow_frac", "share of nonzero elements that quantize to 0"),
+                    ("frac_blocks_amax_max", "share of blocks whose amax element codes to +-6 (FP4)"),
+                    ("binades_per_block", "mean count of E2M1 binades used per block (FP4)"),
+                    ("worst1pct_block_err_share", "share of squared error in the worst 1% of blocks")):
+        ds[v].attrs["description"] = desc
+    ds.attrs["skipped"] = json.dumps(skipped)
+    ds.attrs["sources"] = json.dumps(meta.get("sources", {}))
+    ds.attrs["producer"] = "fp4sim.analyze"
+    return ds

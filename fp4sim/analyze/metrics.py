@@ -1,0 +1,155 @@
+"""Quantization-error metrics of one tensor under one scheme, computed in row chunks.
+
+The tensor is viewed as (rows, K) with K its last axis (the block axis). Rows are processed in chunks of at
+most ``chunk_elems`` elements (a multiple of 128 rows, so 16x16 and 128x128 tiles never straddle chunks);
+tensor-wide scales use the whole tensor's amax (``global_amax``), so the result equals quantizing the tensor
+in one piece. Gradients are rounded stochastically (Philox, the chunk index as the stream).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import dequantize, quantize
+from ..formats import E4M3
+from ..layout import unpack_fp4
+
+SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err", "underflow_frac",
+                  "saturation_frac", "zero_code_frac", "frac_blocks_amax_max", "binades_per_block", "scale_std",
+                  "scale_min", "scale_max", "n_scale_subnormal", "n_scale_zero", "block_err_p50", "block_err_p90",
+                  "block_err_p99", "worst1pct_block_err_share")
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """One column of the analysis: a label, the fp4sim scheme and its options, and which roles it applies to."""
+    label: str
+    scheme: str
+    kwargs: dict = field(default_factory=dict)
+    roles: tuple = ("weight", "activation", "gradient")
+    fp4: bool = False
+    block: int = 1
+
+    def options(self, role: str) -> dict:
+        kw = dict(self.kwargs)
+        if self.scheme == "fp8_blockwise" and role == "weight":
+            kw["block"] = (128, 128)
+        return kw
+
+
+DEFAULT_SCHEMES = (
+    SchemeSpec("nvfp4", "nvfp4", fp4=True, block=16),
+    SchemeSpec("nvfp4_2d", "nvfp4_2d", roles=("weight",), fp4=True, block=16),
+    SchemeSpec("mxfp4_rceil", "mxfp4", {"scale_mode": "rceil"}, fp4=True, block=32),
+    SchemeSpec("mxfp4_floor", "mxfp4", {"scale_mode": "floor"}, fp4=True, block=32),
+    SchemeSpec("mxfp8_e4m3", "mxfp8_e4m3", block=32),
+    SchemeSpec("fp8_blockwise", "fp8_blockwise", block=128),
+    SchemeSpec("fp8_e4m3", "fp8_e4m3", block=1),
+    SchemeSpec("bf16", "bf16", block=1),
+)
+SCHEMES_BY_LABEL = {s.label: s for s in DEFAULT_SCHEMES}
+
+
+def as_rows(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
+
+
+def chunks(x2: np.ndarray, chunk_elems: int):
+    step = max(128, (chunk_elems // max(x2.shape[1], 1)) // 128 * 128)
+    for i, r0 in enumerate(range(0, x2.shape[0], step)):
+        yield i, x2[r0:r0 + step]
+
+
+def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int):
+    kw = spec.options(role)
+    if spec.scheme in ("nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2"):
+        kw["global_amax"] = amax
+    if role == "gradient" and spec.fp4:
+        kw.update(rounding="sr", seed=seed, stream=stream)
+    return quantize(c, spec.scheme, **kw)
+
+
+def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22):
+    """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``."""
+    x2 = as_rows(x)
+    amax = np.float32(np.nanmax(np.abs(x2))) if x2.size else np.float32(0)
+    acc = dict(sx2=0.0, se2=0.0, se=0.0, max_err=0.0, nz=0, under=0, sat=0, zero=0, n=0, bm_err=0.0, bm_n=0,
+               nblk=0, blk_max=0, binades=0.0)
+    code_hist = np.zeros(16, np.int64)
+    scale_hist = np.zeros(256, np.int64)
+    scale_vals, blk_errs = [], []
+    for i, c in chunks(x2, chunk_elems):
+        q = quantize_chunk(c, spec, role, amax, seed, i)
+        y = dequantize(q).astype(np.float64)
+        c64 = c.astype(np.float64)
+        fin = np.isfinite(c64)
+        err = np.where(fin, y - c64, 0.0)
+        acc["sx2"] += float(np.sum(c64[fin] ** 2))
+        acc["se2"] += float(np.sum(err ** 2))
+        acc["max_err"] = max(acc["max_err"], float(np.max(np.abs(err))) if err.size else 0.0)
+        nzm = (c64 != 0) & fin
+        acc["nz"] += int(nzm.sum())
+        acc["under"] += int((nzm & (y == 0)).sum())
+        acc["n"] += c.size
+        B = spec.block if spec.block > 1 else c.shape[1]
+        K = c.shape[1]
+        Kp = -(-K // B) * B
+        pad = lambda a: np.pad(a, ((0, 0), (0, Kp - K)))  # noqa: E731
+        eb = pad(err ** 2).reshape(c.shape[0], -1, B).sum(-1)
+        blk_errs.append(eb.ravel())
+        xa = pad(np.where(fin, np.abs(c64), 0)).reshape(c.shape[0], -1, B)
+        ya = pad(np.abs(y)).reshape(c.shape[0], -1, B)
+        arg = xa.argmax(-1)
+        xm = np.take_along_axis(xa, arg[..., None], -1)[..., 0]
+        ym = np.take_along_axis(ya, arg[..., None], -1)[..., 0]
+        ok = xm > 0
+        acc["bm_err"] += float(np.sum(np.abs(ym[ok] - xm[ok]) / xm[ok]))
+        acc["bm_n"] += int(ok.sum())
+        if spec.fp4:
+            codes = unpack_fp4(q.codes.reshape(c.shape[0], -1))
+            code_hist += np.bincount(codes[:, :K].ravel(), minlength=16)
+            mag = codes & 7
+            acc["zero"] += int((mag[:, :K] == 0).sum())
+            acc["sat"] += int(((mag[:, :K] == 7) & (np.abs(c64) > np.abs(y) * (1 + 1e-7)) & fin).sum())
+            mb = mag.reshape(c.shape[0], -1, B)
+            acc["nblk"] += int(ok.sum())
+            acc["blk_max"] += int(((mb.max(-1) == 7) & ok).sum())
+            binade = np.where(mb >= 2, mb >> 1, np.where(mb == 1, 0, -1))
+            used = sum((binade == b).any(-1).astype(np.int64) for b in range(4))
+            acc["binades"] += float(used[ok].sum())
+            s = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+            scale_hist += np.bincount(np.asarray(s).ravel(), minlength=256)
+            if spec.scheme.startswith("nvfp4"):
+                scale_vals.append(E4M3.values[s].ravel())
+            else:
+                scale_vals.append(np.exp2(s.astype(np.float64).ravel() - 127))
+        else:
+            acc["zero"] += int(((y == 0) & fin).sum())
+    mse = acc["se2"] / max(acc["n"], 1)
+    ms = acc["sx2"] / max(acc["n"], 1)
+    be = np.concatenate(blk_errs) if blk_errs else np.zeros(1)
+    top = np.sort(be)[::-1][: max(1, be.size // 100)]
+    out = dict(mse=mse, rel_mse=mse / ms if ms else np.nan,
+               sqnr_db=10 * np.log10(ms / mse) if mse > 0 and ms > 0 else np.inf,
+               max_abs_err=acc["max_err"], blockmax_rel_err=acc["bm_err"] / max(acc["bm_n"], 1),
+               underflow_frac=acc["under"] / max(acc["nz"], 1), saturation_frac=acc["sat"] / max(acc["n"], 1),
+               zero_code_frac=acc["zero"] / max(acc["n"], 1),
+               frac_blocks_amax_max=acc["blk_max"] / acc["nblk"] if acc["nblk"] else np.nan,
+               binades_per_block=acc["binades"] / acc["nblk"] if acc["nblk"] else np.nan,
+               block_err_p50=float(np.percentile(be, 50)), block_err_p90=float(np.percentile(be, 90)),
+               block_err_p99=float(np.percentile(be, 99)),
+               worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0)
+    if scale_vals:
+        sv = np.concatenate(scale_vals)
+        out.update(scale_std=float(np.std(sv)), scale_min=float(sv.min()), scale_max=float(sv.max()))
+        if spec.scheme.startswith("nvfp4"):
+            out.update(n_scale_subnormal=int(scale_hist[1:8].sum()), n_scale_zero=int(scale_hist[0]))
+        else:
+            out.update(n_scale_subnormal=0, n_scale_zero=0)
+    else:
+        out.update(scale_std=np.nan, scale_min=np.nan, scale_max=np.nan, n_scale_subnormal=np.nan,
+                   n_scale_zero=np.nan)
+    if not spec.fp4:
+        code_hist[:] = 0
+    return out, code_hist, scale_hist

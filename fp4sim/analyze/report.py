@@ -1,0 +1,85 @@
+"""Console table and JSON summary of an analysis Dataset."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import xarray as xr
+
+
+def _f(v, fmt="{:.1f}"):
+    return "-" if v is None or not np.isfinite(v) else fmt.format(v)
+
+
+def table(ds: xr.Dataset) -> str:
+    """Readable summary: SQNR (dB) per tensor x scheme, then outliers, RHT, bias and Wgrad results."""
+    schemes = [str(s) for s in ds.scheme.values]
+    w = max([len(str(t)) for t in ds.tensor.values] + [6])
+    lines = ["SQNR (dB) by tensor and scheme (higher is better; '-' = scheme not applied to this role)",
+             f"{'tensor':{w}} {'role':10} " + " ".join(f"{s:>13}" for s in schemes)]
+    for i, t in enumerate(ds.tensor.values):
+        vals = " ".join(f"{_f(ds.sqnr_db.values[i, j]):>13}" for j in range(len(schemes)))
+        lines.append(f"{str(t):{w}} {str(ds.role.values[i]):10} {vals}")
+    lines += ["", "Underflow (nonzero -> 0, %) and blocks whose amax codes to +-6 (%), NVFP4 | MXFP4 rceil:"]
+    j4 = schemes.index("nvfp4") if "nvfp4" in schemes else None
+    jm = schemes.index("mxfp4_rceil") if "mxfp4_rceil" in schemes else None
+    for i, t in enumerate(ds.tensor.values):
+        parts = []
+        for j in (j4, jm):
+            if j is not None:
+                parts.append(f"{_f(100 * ds.underflow_frac.values[i, j], '{:.2f}')}% / "
+                             f"{_f(100 * ds.frac_blocks_amax_max.values[i, j])}%")
+        lines.append(f"{str(t):{w}} " + " | ".join(parts))
+    lines += ["", f"{'tensor':{w}} {'kurtosis':>9} {'max/rms':>8} {'outl.cols':>9} {'err share of outlier blocks':>28}"]
+    for i, t in enumerate(ds.tensor.values):
+        lines.append(f"{str(t):{w}} {_f(ds.kurtosis.values[i]):>9} {_f(ds.max_over_rms.values[i]):>8} "
+                     f"{int(ds.n_outlier_cols.values[i]):>9} {_f(100 * ds.outlier_block_err_share.values[i]):>27}%")
+    if "rht_rel_mse" in ds:
+        lines += ["", "Random Hadamard transform (16-point, 'te' signs): rel-MSE before -> after, NVFP4 | MXFP4"]
+        for i, t in enumerate(ds.tensor.values):
+            r = ds.rht_rel_mse.sel(tensor=t)
+            b = [float(r.sel(rht_d=0, rht_signs="te", rht_scheme=s)) for s in ("nvfp4", "mxfp4")]
+            a = [float(r.sel(rht_d=16, rht_signs="te", rht_scheme=s)) for s in ("nvfp4", "mxfp4")]
+            lines.append(f"{str(t):{w}} {_f(b[0], '{:.4g}')} -> {_f(a[0], '{:.4g}')} | "
+                         f"{_f(b[1], '{:.4g}')} -> {_f(a[1], '{:.4g}')}")
+    g = [i for i, r in enumerate(ds.role.values) if r == "gradient"]
+    if g:
+        lines += ["", "Gradient rounding bias, NVFP4, relative to mean |g|: signed error RNE | SR | SR exact "
+                      "expectation; error along sign(g) (negative = toward zero) RNE | SR exact expectation"]
+        for i in g:
+            lines.append(f"{str(ds.tensor.values[i]):{w}} {_f(ds.grad_bias_rne.values[i], '{:+.2e}')} | "
+                         f"{_f(ds.grad_bias_sr.values[i], '{:+.2e}')} | "
+                         f"{_f(ds.grad_bias_sr_expected.values[i], '{:+.2e}')};  "
+                         f"{_f(ds.grad_shrink_rne.values[i], '{:+.2e}')} | "
+                         f"{_f(ds.grad_shrink_sr_expected.values[i], '{:+.2e}')}")
+    if "pair" in ds.coords:
+        lines += ["", "Weight-gradient GEMM G^T X in NVFP4 (RHT on, vs exact): bias RNE | bias SR (mean of seeds) | "
+                      "rel. error RNE | rel. error SR (1 seed)"]
+        for k, p in enumerate(ds.pair.values):
+            lines.append(f"{str(p):{w}} {ds.wgrad_bias_rne.values[k]:+.3e} | {ds.wgrad_bias_sr.values[k]:+.3e} | "
+                         f"{ds.wgrad_rel_err_rne.values[k]:.4f} | {ds.wgrad_rel_err_sr_one_seed.values[k]:.4f}")
+    sk = json.loads(ds.attrs.get("skipped", "[]"))
+    if sk:
+        lines += ["", f"skipped {len(sk)}:"] + [f"  {s['tensor']}: {s['reason']}" for s in sk]
+    return "\n".join(lines)
+
+
+def summary(ds: xr.Dataset) -> dict:
+    """JSON-ready summary: per tensor, the scalar metrics per scheme and the per-tensor studies."""
+    out = {"tensors": {}, "pairs": {}, "skipped": json.loads(ds.attrs.get("skipped", "[]")),
+           "sources": json.loads(ds.attrs.get("sources", "{}"))}
+    clean = lambda v: None if not np.isfinite(v) else float(v)  # noqa: E731
+    for i, t in enumerate(ds.tensor.values):
+        d = {"role": str(ds.role.values[i]), "numel": int(ds.numel.values[i]), "schemes": {}}
+        for j, s in enumerate(ds.scheme.values):
+            if np.isfinite(ds.sqnr_db.values[i, j]) or np.isfinite(ds.mse.values[i, j]):
+                d["schemes"][str(s)] = {v: clean(ds[v].values[i, j]) for v in ds.data_vars
+                                        if ds[v].dims == ("tensor", "scheme")}
+        for v in ds.data_vars:
+            if ds[v].dims == ("tensor",):
+                d[v] = clean(ds[v].values[i])
+        out["tensors"][str(t)] = d
+    if "pair" in ds.coords:
+        for k, p in enumerate(ds.pair.values):
+            out["pairs"][str(p)] = {v: clean(ds[v].values[k]) for v in ds.data_vars if ds[v].dims == ("pair",)}
+    return out

@@ -1,0 +1,57 @@
+"""PyTorch bridge: dump the tensors of a model's linear layers for ``python -m fp4sim.analyze``.
+
+    from fp4sim.torch import dump_linear_tensors
+    dump_linear_tensors(model, lambda: model(batch).loss.backward(), "dump.npz")
+
+torch is optional for fp4sim; this module imports it on use.
+"""
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["dump_linear_tensors", "to_numpy"]
+
+
+def to_numpy(t) -> np.ndarray:
+    """A torch tensor as a float32 NumPy array (bfloat16/float16 widen exactly)."""
+    return t.detach().float().cpu().contiguous().numpy()
+
+
+def dump_linear_tensors(model, step, path, include: str = "*", max_rows: int | None = None) -> dict:
+    """Run ``step()`` (a forward and backward pass) once with hooks on every ``torch.nn.Linear`` whose name
+    matches ``include`` and save, per layer ``NAME``: ``NAME.weight``, ``NAME.input`` (the activation it
+    multiplies), ``NAME.grad_output`` (the gradient of its output) and ``NAME.weight_grad`` — names that give
+    fp4sim.analyze the right roles and pair ``.input`` with ``.grad_output`` for the weight-gradient GEMM
+    study. Leading dimensions are flattened to (tokens, features); ``max_rows`` keeps the first rows only.
+    Returns the dict of arrays written (``np.savez_compressed``)."""
+    import torch
+    out, hooks = {}, []
+
+    def rows(a):
+        a = to_numpy(a).reshape(-1, a.shape[-1])
+        return a[:max_rows] if max_rows else a
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and fnmatch.fnmatchcase(name, include):
+            hooks.append(mod.register_forward_hook(
+                lambda m, inp, o, name=name: out.__setitem__(f"{name}.input", rows(inp[0]))))
+            hooks.append(mod.register_full_backward_hook(
+                lambda m, gin, gout, name=name: out.__setitem__(f"{name}.grad_output", rows(gout[0]))))
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and fnmatch.fnmatchcase(name, include):
+            out[f"{name}.weight"] = to_numpy(mod.weight)
+            if mod.weight.grad is not None:
+                out[f"{name}.weight_grad"] = to_numpy(mod.weight.grad)
+    if not out:
+        raise ValueError(f"no torch.nn.Linear module matches include={include!r}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **out)
+    return out
