@@ -130,7 +130,8 @@ def test_cli_end_to_end_with_bad_inputs(dump_dir, tmp_path):
     summary = json.loads(js.read_text())
     assert summary["tensors"]["lin.grad_output"]["role"] == "gradient" and len(summary["skipped"]) == 5
     assert {f.name for f in figs.iterdir()} >= {"error_by_scheme.png", "scale_histograms.png", "outliers.png",
-                                                 "rht_effect.png", "sr_bias.png"}
+                                                 "outlier_maps.png", "rht_effect.png", "sr_bias.png"}
+    assert all(f.stat().st_size > 10000 for f in figs.iterdir())
     none = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(dump_dir / "pickled.npz"), "--quiet"],
                           capture_output=True, text=True)
     assert none.returncode == 2
@@ -154,6 +155,10 @@ def test_dask_local_cluster_gives_the_same_dataset(dump_dir):
     b = analyze([str(dump_dir / "a.npz")], dask=True, **kw)
     assert list(a.tensor.values) == list(b.tensor.values)
     np.testing.assert_array_equal(a.sqnr_db.values, b.sqnr_db.values)
+    from dask.distributed import LocalCluster
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        c = analyze([str(dump_dir / "a.npz")], scheduler=cluster.scheduler_address, **kw)
+    np.testing.assert_array_equal(a.sqnr_db.values, c.sqnr_db.values)
 
 
 def test_torch_dump_helper_feeds_the_analysis(tmp_path):

@@ -11,7 +11,7 @@ import xarray as xr
 
 from .inputs import Source, TensorError, discover, load
 from .metrics import DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics
-from .studies import RHT_SCHEMES, RHT_SIGNS, gradient_bias, hadamard_effect, outliers, wgrad_gemm
+from .studies import RHT_SCHEMES, RHT_SIGNS, absmax_map, gradient_bias, hadamard_effect, outliers, wgrad_gemm
 
 OUTLIER_VARS = ("kurtosis", "max_over_rms", "n_outlier_rows", "n_outlier_cols", "nvfp4_rel_mse",
                 "nvfp4_rel_mse_without_outlier_cols", "outlier_block_err_share", "outlier_block_frac")
@@ -33,6 +33,7 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
                 m, ch, sh = scheme_metrics(x, spec, src.role, seed, chunk_elems)
                 res["schemes"][spec.label] = {"metrics": m, "code_hist": ch.tolist(), "scale_hist": sh.tolist()}
         res["outliers"] = outliers(x)
+        res["absmax_map"] = absmax_map(x).tolist()
         if hadamard:
             dims, err, kur = hadamard_effect(x, seed)
             res["rht"] = {"dims": list(dims), "rel_mse": err.tolist(), "kurtosis": kur.tolist()}
@@ -117,6 +118,9 @@ def to_dataset(results, pairs, specs, skipped, meta) -> xr.Dataset:
                 "numel": ("tensor", [r["numel"] for r in results])})
     ds["code_hist"] = (("tensor", "scheme", "code"), code_hist)
     ds["scale_hist"] = (("tensor", "scheme", "scale_byte"), scale_hist)
+    ds["absmax_map"] = (("tensor", "map_row", "map_col"), np.array([r["absmax_map"] for r in results], np.float32)
+                        .reshape(nt, 64, 64))
+    ds["absmax_map"].attrs["description"] = "max |x| pooled onto a 64 x 64 grid of the (rows, last axis) view"
     for v in OUTLIER_VARS:
         ds[v] = ("tensor", [float(r["outliers"][v]) for r in results])
     for v in BIAS_VARS:

@@ -7,6 +7,16 @@ import numpy as np
 import xarray as xr
 
 
+def short_name(name: str) -> str:
+    """A compact label: model prefix kept, 'encoder.layer.N' -> 'L N', 'blkN' -> 'L N'."""
+    import re
+    n = re.sub(r"encoder\.layer\.(\d+)\.", r"L\1 ", name)
+    n = re.sub(r"blk\.?(\d+)\.", r"L\1 ", n)
+    n = n.replace("attention.self.", "attn.").replace("intermediate.dense", "ffn_up").replace("ffn_down.", "ffn_down ")
+    n = n.replace(".", " ", 1) if n.count(" ") == 0 else n.replace(".", " ", 1)
+    return n[-40:]
+
+
 def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -15,9 +25,9 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = []
     names = [str(t) for t in ds.tensor.values]
-    short = [n.split(".", 1)[-1][-28:] for n in names]
+    short = [short_name(n) for n in names]
 
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(names)), 5))
+    fig, ax = plt.subplots(figsize=(max(9, 1.3 * len(names)), 5))
     schemes = [str(s) for s in ds.scheme.values]
     w = 0.8 / len(schemes)
     for j, s in enumerate(schemes):
@@ -31,16 +41,27 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, s, title, xlab in ((axes[0], "nvfp4", "NVFP4 E4M3 block scales", "E4M3 scale byte"),
-                               (axes[1], "mxfp4_rceil", "MXFP4 (rceil) UE8M0 block scales", "UE8M0 scale byte")):
+    from ..formats import E4M3
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    panels = ((axes[0], "nvfp4", "NVFP4: E4M3 block scales", np.log2(np.where(E4M3.values[:256] > 0,
+                                                                              E4M3.values[:256], np.nan))),
+              (axes[1], "mxfp4_rceil", "MXFP4 (rceil): UE8M0 block scales", np.arange(256.0) - 127))
+    for ax, s, title, xval in panels:
         if s in schemes:
+            lo, hi = np.inf, -np.inf
             for i, n in enumerate(short):
-                h = ds.scale_hist.values[i, schemes.index(s)]
-                if h.sum():
-                    ax.step(np.arange(256), h / h.sum(), where="mid", label=n)
+                h = ds.scale_hist.values[i, schemes.index(s)].astype(float)
+                ok = np.isfinite(xval) & (h > 0)
+                if ok.any():
+                    order = np.argsort(xval[ok])
+                    ax.plot(xval[ok][order], (h[ok] / h.sum())[order], marker=".", ms=3, lw=1, label=n)
+                    lo, hi = min(lo, xval[ok].min()), max(hi, xval[ok].max())
+            if s == "nvfp4":
+                ax.axvspan(-10, -6, color="0.9", zorder=0, label="E4M3 subnormal scales")
+            if np.isfinite(lo):
+                ax.set_xlim(lo - 1, hi + 1)
         ax.set_title(title)
-        ax.set_xlabel(xlab)
+        ax.set_xlabel("log2(decoded scale)")
         ax.set_ylabel("fraction of blocks")
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -48,13 +69,30 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
 
+    top = list(np.argsort(-np.nan_to_num(ds.kurtosis.values))[:4])
+    fig, axes = plt.subplots(1, len(top), figsize=(3.4 * len(top), 3.6), squeeze=False)
+    for ax, i in zip(axes[0], top):
+        m = ds.absmax_map.values[i]
+        with np.errstate(divide="ignore"):
+            im = ax.imshow(np.log10(m), aspect="auto", cmap="magma", interpolation="nearest")
+        ax.set_title(f"{short[i]}\nkurtosis {ds.kurtosis.values[i]:.0f}", fontsize=8)
+        ax.set_xlabel("feature (last axis), pooled")
+        ax.set_ylabel("row, pooled")
+        fig.colorbar(im, ax=ax, label="log10 max|x|")
+    fig.suptitle("Outlier maps: the most heavy-tailed tensors (64 x 64 max-pooled |x|)", fontsize=10)
+    fig.tight_layout()
+    files.append(out / "outlier_maps.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(8, 4))
     x = np.arange(len(names))
-    ax.bar(x - 0.2, ds.kurtosis.values, 0.4, label="kurtosis")
-    ax.bar(x + 0.2, 100 * ds.outlier_block_err_share.values, 0.4, label="% of NVFP4 error in outlier blocks")
+    ax.bar(x - 0.2, ds.kurtosis.values, 0.4, label="kurtosis (Gaussian: 3)")
+    ax.bar(x + 0.2, 100 * ds.outlier_block_err_share.values, 0.4,
+           label="% of NVFP4 squared error in blocks holding |x| > 6 sigma")
     ax.set_yscale("log")
     ax.set_xticks(x, short, rotation=30, ha="right", fontsize=8)
-    ax.set_title("Outliers: kurtosis and the error share of blocks holding |x| > 6 sigma")
+    ax.set_title("Outliers and the error they carry")
     ax.legend(fontsize=8)
     fig.tight_layout()
     files.append(out / "outliers.png")

@@ -52,6 +52,20 @@ def outliers(x: np.ndarray, k: float = 6.0) -> dict:
                 outlier_block_frac=float(bb.mean()))
 
 
+def absmax_map(x: np.ndarray, size: int = 64) -> np.ndarray:
+    """max |x| pooled onto a size x size grid of the (rows, K) view (NaN-free; for outlier maps)."""
+    x2 = np.abs(np.nan_to_num(as_rows(x), nan=0.0, posinf=0.0, neginf=0.0))
+    R, K = x2.shape
+    pr, pc = -(-R // size), -(-K // size)
+    pad = np.zeros((pr * size, pc * size), np.float32)
+    pad[:R, :K] = x2
+    m = pad.reshape(size, pr, size, pc).max(axis=(1, 3))
+    rows, cols = -(-R // pr), -(-K // pc)
+    out = np.full((size, size), np.nan, np.float32)
+    out[:rows, :cols] = m[:rows, :cols]
+    return out
+
+
 def hadamard_effect(x: np.ndarray, seed: int = 0):
     """rel-MSE of NVFP4 and MXFP4 on rht(x) and its kurtosis, for each d and sign mode (NaN where the last axis
     is not a multiple of d, or 'te' with d != 16). Index [0] of the d axis is no transform."""
