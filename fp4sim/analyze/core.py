@@ -15,8 +15,8 @@ from .studies import RHT_SCHEMES, RHT_SIGNS, absmax_map, gradient_bias, hadamard
 
 OUTLIER_VARS = ("kurtosis", "max_over_rms", "n_outlier_rows", "n_outlier_cols", "nvfp4_rel_mse",
                 "nvfp4_rel_mse_without_outlier_cols", "outlier_block_err_share", "outlier_block_frac")
-BIAS_VARS = ("grad_bias_rne", "grad_bias_sr", "grad_bias_sr_expected", "grad_bias_rne_sample", "grad_shrink_rne",
-             "grad_shrink_sr", "grad_shrink_sr_expected")
+BIAS_VARS = ("grad_bias_rne", "grad_bias_sr", "grad_bias_sr_expected", "grad_shrink_rne", "grad_shrink_sr",
+             "grad_shrink_sr_expected")
 WGRAD_VARS = ("wgrad_bias_rne", "wgrad_bias_sr", "wgrad_rel_err_rne", "wgrad_rel_err_sr_one_seed",
               "wgrad_rel_err_sr_mean", "wgrad_rel_var_sr")
 

@@ -121,16 +121,28 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
 
     g = [i for i, r in enumerate(ds.role.values) if r == "gradient"]
     if g:
-        fig, ax = plt.subplots(figsize=(8, 4))
+        pairs = "pair" in ds.coords
+        fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4.2), squeeze=False)
+        ax = axes[0][0]
         x = np.arange(len(g))
-        for k, (v, lab) in enumerate((("grad_bias_rne", "RNE"), ("grad_bias_sr", "SR (one seed)"),
-                                      ("grad_bias_sr_expected", "SR, exact expectation"))):
+        for k, (v, lab) in enumerate((("grad_shrink_rne", "RNE"), ("grad_shrink_sr", "SR, one seed"),
+                                      ("grad_shrink_sr_expected", "SR, exact expectation (256 draws)"))):
             ax.bar(x + (k - 1) * 0.27, ds[v].values[g], 0.27, label=lab)
         ax.axhline(0, color="gray", lw=0.8)
-        ax.set_xticks(x, [short[i] for i in g], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("mean signed error / mean |g|")
-        ax.set_title("Gradient rounding bias in NVFP4")
-        ax.legend(fontsize=8)
+        ax.set_xticks(x, [short[i] for i in g], rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("mean error along sign(g) / mean |g|")
+        ax.set_title("Gradient rounding bias in NVFP4 (negative = toward zero)", fontsize=10)
+        ax.legend(fontsize=7)
+        if pairs:
+            ax = axes[0][1]
+            p = [str(v) for v in ds.pair.values]
+            xp = np.arange(len(p))
+            ax.bar(xp - 0.2, ds.wgrad_rel_err_rne.values, 0.4, label="RNE")
+            ax.bar(xp + 0.2, ds.wgrad_rel_err_sr_mean.values, 0.4, label="SR, mean of seeds")
+            ax.set_xticks(xp, [short_name(n) for n in p], fontsize=8)
+            ax.set_ylabel("||W_q - W|| / ||W||")
+            ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT)", fontsize=10)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         files.append(out / "sr_bias.png")
         fig.savefig(files[-1], dpi=110)

@@ -45,7 +45,8 @@ def table(ds: xr.Dataset) -> str:
     g = [i for i, r in enumerate(ds.role.values) if r == "gradient"]
     if g:
         lines += ["", "Gradient rounding bias, NVFP4, relative to mean |g|: signed error RNE | SR | SR exact "
-                      "expectation; error along sign(g) (negative = toward zero) RNE | SR exact expectation"]
+                      "expectation (sample);", "  error along sign(g), negative = toward zero, on the sample: "
+                      "RNE | SR exact expectation"]
         for i in g:
             lines.append(f"{str(ds.tensor.values[i]):{w}} {_f(ds.grad_bias_rne.values[i], '{:+.2e}')} | "
                          f"{_f(ds.grad_bias_sr.values[i], '{:+.2e}')} | "

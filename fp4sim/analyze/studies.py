@@ -92,33 +92,32 @@ def hadamard_effect(x: np.ndarray, seed: int = 0):
     return dims, err, kur
 
 
-def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 4096) -> dict:
-    """Mean signed NVFP4 error relative to mean |g| under RNE and SR, and SR's exact expected bias on a
-    sample (all 256 random bytes enumerated, the same byte for every element of a pass); ``shrink`` variants
-    measure the error along sign(g) (negative = toward zero, which 8-bit SR is by < (hi - lo)/256)."""
+def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16) -> dict:
+    """NVFP4 rounding bias of a gradient. On the whole tensor: the mean signed error relative to mean |g|
+    under RNE and SR. On a sample (the first rows, up to ``sample`` elements; the tensor amax still sets the
+    scale): the error along sign(g) (negative = toward zero) under RNE, SR with one seed, and SR's exact
+    expectation (all 256 random bytes enumerated, the same byte for every element of a pass)."""
     g2 = as_rows(g)
-    m = float(np.mean(np.abs(g2[np.isfinite(g2)]))) or 1.0
-
-    def bias(y, x):
-        fin = np.isfinite(x)
-        return float(np.mean(y[fin].astype(np.float64) - x[fin]) / m)
-
-    def shrink(y, x):  # error along the sign of x: negative = biased toward zero
-        fin = np.isfinite(x)
-        return float(np.mean((y[fin].astype(np.float64) - x[fin]) * np.sign(x[fin])) / m)
-
     amax = np.float32(np.nanmax(np.abs(g2)))
-    rne = fake_quantize(g2, "nvfp4", global_amax=amax)
-    sr = fake_quantize(g2, "nvfp4", rounding="sr", seed=seed, global_amax=amax)
+
+    def rel(y, x, along_sign=False):
+        fin = np.isfinite(x)
+        e = y[fin].astype(np.float64) - x[fin]
+        if along_sign:
+            e = e * np.sign(x[fin])
+        return float(np.mean(e) / (np.mean(np.abs(x[fin])) or 1.0))
+
     rows = max(1, min(g2.shape[0], sample // max(g2.shape[1], 1)))
     s = g2[:rows]
     acc = np.zeros(s.shape)
     for r in range(256):
         acc += fake_quantize(s, "nvfp4", rounding="sr", rbits=np.full(s.shape, r, np.uint8), global_amax=amax)
-    rne_s = fake_quantize(s, "nvfp4", global_amax=amax)
-    return dict(grad_bias_rne=bias(rne, g2), grad_bias_sr=bias(sr, g2), grad_bias_sr_expected=bias(acc / 256, s),
-                grad_bias_rne_sample=bias(rne_s, s), grad_shrink_rne=shrink(rne, g2), grad_shrink_sr=shrink(sr, g2),
-                grad_shrink_sr_expected=shrink(acc / 256, s))
+    return dict(grad_bias_rne=rel(fake_quantize(g2, "nvfp4", global_amax=amax), g2),
+                grad_bias_sr=rel(fake_quantize(g2, "nvfp4", rounding="sr", seed=seed, global_amax=amax), g2),
+                grad_bias_sr_expected=rel(acc / 256, s), sample_elements=int(s.size),
+                grad_shrink_rne=rel(fake_quantize(s, "nvfp4", global_amax=amax), s, True),
+                grad_shrink_sr=rel(fake_quantize(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax), s, True),
+                grad_shrink_sr_expected=rel(acc / 256, s, True))
 
 
 def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8) -> dict:
