@@ -64,58 +64,62 @@ def f32_bits(v, buf, bits):
 
 
 @nb.njit(inline="always", cache=True)
-def e4m3_rne(v, buf, bits):
-    """E4M3 RNE satfinite byte of a non-negative float32 ``v`` (NaN -> 0xFF: the sign torch keeps on x86's
-    default NaN).
+def e4m3_rne_array(sf, cb, out):
+    """E4M3 RNE satfinite bytes of non-negative float32 values ``sf`` (NaN -> 0xFF, the sign torch keeps on
+    x86's default NaN) into ``out``; ``sf`` is overwritten, ``cb`` is a uint32 work array of the same length.
 
     Rounds with the add-and-subtract trick: C = 2^(e - 3 + 23), e the exponent of v (at least E4M3's -6),
     has a float32 ulp equal to E4M3's quantum there, so fl(fl(v + C) - C) is v rounded to nearest-even on the
-    E4M3 grid; the code then comes from the result's bits.
+    E4M3 grid; the byte then comes from the result's bits. Plain loops over arrays, so they vectorise.
     """
-    if v != v:
-        return np.int32(0xFF)
-    v = min(v, np.float32(480.0))            # >= 464 saturates anyway; keeps C finite
-    E = np.int32(f32_bits(v, buf, bits) >> np.uint32(23))
-    bits[0] = np.uint32((max(E, np.int32(121)) + np.int32(20)) << np.int32(23))
-    C = buf[0]
-    y = (v + C) - C
-    if y >= np.float32(0.015625):
-        code = np.int32(f32_bits(y, buf, bits) >> np.uint32(20)) - np.int32(960)
-    else:
-        code = np.int32(y * np.float32(512.0))
-    return min(code, np.int32(0x7E))
+    f = np.float32
+    n = sf.shape[0]
+    sfb = sf.view(np.uint32)
+    cf = cb.view(np.float32)
+    for j in range(n):
+        v = sf[j]
+        sf[j] = f(480.0) if v > f(480.0) else v  # >= 464 saturates anyway; keeps C finite
+    for j in range(n):
+        cb[j] = (max(sfb[j] >> np.uint32(23), np.uint32(121)) + np.uint32(20)) << np.uint32(23)
+    for j in range(n):
+        sf[j] = (sf[j] + cf[j]) - cf[j]
+    for j in range(n):
+        y = sf[j]
+        c = np.int32(sfb[j] >> np.uint32(20)) - np.int32(960) if y >= f(0.015625) else np.int32(y * f(512.0))
+        out[j] = np.uint8(0xFF) if y != y else np.uint8(min(c, np.int32(0x7E)))
 
 
 @nb.njit(inline="always", cache=True)
-def nvfp4_scale(amax_b, flavor, c0, c1, c2, e4m3_vals, buf, bits):
-    """(scale byte, element factor) for one block; the factor multiplies (or, for modelopt, divides) x.
-
-    c0, c1, c2 are the per-tensor float32 constants of the flavour (see :func:`nvfp4_constants`).
-    """
+def nvfp4_scales(amax, flavor, c0, c1, e4m3_vals, sf, cb, sbytes, fac):
+    """Scale bytes and element factors of a row of blocks (SPEC §2.1 / §3.3, each flavour's float32 operations
+    in its order) as loops over arrays, which vectorise; ``sf``/``cb`` are work arrays of the same length.
+    The factor multiplies x (divides it for modelopt)."""
+    n = amax.shape[0]
     f = np.float32
-    if flavor == 0:    # te: amax_b * fl(S_enc * R6)           (c0 = fl(S_enc*R6), c1 = S_dec)
-        sf = min(amax_b * c0, FLT_MAX)
-    elif flavor == 1:  # paper: fl(amax_b / 6) * S_enc        (c0 = S_enc, c1 = S_dec)
-        sf = min((amax_b / f(6.0)) * c0, FLT_MAX)
-    elif flavor == 2:  # torchao: fl(fl(amax_b/6) / pts) clamped to [2^-6, 448]   (c0 = pts, c1 = fl(1/pts))
-        sf = (amax_b / f(6.0)) / c0
-        if sf == sf:
-            sf = min(max(sf, f(0.015625)), f(448.0))
-    else:              # modelopt: amax_b / fl(6*wsf2); 0 -> 1; clamp [2^-9, 448]   (c0 = fl(6*wsf2), c1 = wsf2)
-        sf = amax_b / c0
-        if sf == f(0.0):
-            sf = f(1.0)
-        if sf == sf:
-            sf = min(max(sf, f(0.001953125)), f(448.0))
-    byte = e4m3_rne(sf, buf, bits)
-    sval = e4m3_vals[byte]
-    if flavor <= 1:
-        fac = min(f(1.0) / (sval * c1), FLT_MAX)
+    if flavor == 0:
+        for j in range(n):
+            sf[j] = min(amax[j] * c0, FLT_MAX)
+    elif flavor == 1:
+        for j in range(n):
+            sf[j] = min((amax[j] / f(6.0)) * c0, FLT_MAX)
     elif flavor == 2:
-        fac = c1 / sval
+        for j in range(n):
+            v = (amax[j] / f(6.0)) / c0
+            sf[j] = min(max(v, f(0.015625)), f(448.0)) if v == v else v
     else:
-        fac = sval * c1
-    return byte, fac
+        for j in range(n):
+            v = amax[j] / c0
+            v = f(1.0) if v == f(0.0) else v
+            sf[j] = min(max(v, f(0.001953125)), f(448.0)) if v == v else v
+    e4m3_rne_array(sf, cb, sbytes)
+    for j in range(n):
+        sval = e4m3_vals[sbytes[j]]
+        if flavor <= 1:
+            fac[j] = min(f(1.0) / (sval * c1), FLT_MAX)
+        elif flavor == 2:
+            fac[j] = c1 / sval
+        else:
+            fac[j] = sval * c1
 
 
 @nb.njit(inline="always", cache=True)
@@ -159,12 +163,13 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_v
     Kp = nbk * 16
     ngroups = (R + tile - 1) // tile
     for g in nb.prange(ngroups):
-        buf = np.empty(1, np.float32)
-        bits = buf.view(np.uint32)
         xrow = np.zeros(Kp, np.float32)
         rrow = np.zeros(Kp, np.uint8)
         crow = np.empty(Kp, np.uint8)
         amaxb = np.zeros(nbk, np.uint32)
+        sf = np.empty(nbk, np.float32)
+        cb = np.empty(nbk, np.uint32)
+        sbytes = np.empty(nbk, np.uint8)
         fac = np.empty(nbk, np.float32)
         sdq = np.empty(nbk, np.float32)
         r0 = g * tile
@@ -178,15 +183,14 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_v
                     a = xb[k] & np.uint32(0x7FFFFFFF)
                     m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
                 amaxb[j] = m
+        nvfp4_scales(amaxb.view(np.float32), flavor, c0, c1, e4m3_vals, sf, cb, sbytes, fac)  # phase 2
         nanfac = False
-        for j in range(nbk):                          # phase 2: scales
-            bits[0] = amaxb[j]
-            byte, f = nvfp4_scale(buf[0], flavor, c0, c1, c2, e4m3_vals, buf, bits)
-            scales[g, j] = byte
-            fac[j] = f
-            nanfac |= f != f
-            if do_fake:
-                sdq[j] = nvfp4_dequant_factor(e4m3_vals[byte], flavor, dq, c1)
+        for j in range(nbk):
+            scales[g, j] = sbytes[j]
+            nanfac |= fac[j] != fac[j]
+        if do_fake:
+            for j in range(nbk):
+                sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
         for r in range(r0, r1):
             xr = row_padded(x2, r, K, Kp, xrow)
             if use_rb:
