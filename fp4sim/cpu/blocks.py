@@ -263,32 +263,47 @@ def mx_kernel(x2, rb, use_rb, mode, nsr, scale_mode, emax, rcp, pow2_enc, pow2_d
     """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8."""
     R, K = x2.shape
     nb_ = (K + 31) // 32
+    Kp = nb_ * 32
     for r in nb.prange(R):
         buf = np.empty(1, np.float32)
         bits = buf.view(np.uint32)
+        xrow = np.zeros(Kp, np.float32)
+        crow = np.empty(Kp, np.uint8)
+        xr = row_padded(x2, r, K, Kp, xrow)
+        xb = xr.view(np.uint32)
+        fast = is_fp4 and mode == 0
         for j in range(nb_):
             k0 = j * 32
-            amax = block_amax(x2, r, r + 1, k0, min(k0 + 32, K))
-            e = mx_scale_byte(amax, scale_mode, emax, mbits, rcp, buf, bits)
+            m = np.uint32(0)                          # block amax over the bit patterns, NaN excluded
+            for k in range(k0, k0 + 32):
+                a = xb[k] & np.uint32(0x7FFFFFFF)
+                m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
+            bits[0] = m
+            e = mx_scale_byte(buf[0], scale_mode, emax, mbits, rcp, buf, bits)
             scales[r, j] = e
             mul = pow2_enc[e]
-            dmul = pow2_dec[e]
-            for k in range(k0, k0 + 32):
-                v = x2[r, k] if k < K else np.float32(0.0)
-                rr = np.int32(rb[r, k]) if (use_rb and k < K) else np.int32(0)
-                y = v * mul
-                if is_fp4:
-                    c = e2m1_code(y, mode, rr, nsr, E2M1_MAGS, E2M1_STEPS)
-                    if k % 2 == 0:
-                        codes[r, k // 2] = np.uint8(c)
+            if fast:                                  # RNE E2M1: comparison masks over a 32-wide block
+                for k in range(k0, k0 + 32):
+                    crow[k] = e2m1_rne(xr[k] * mul)
+            else:
+                for k in range(k0, k0 + 32):
+                    rr = np.int32(rb[r, k]) if (use_rb and k < K) else np.int32(0)
+                    y = xr[k] * mul
+                    if is_fp4:
+                        crow[k] = e2m1_code(y, mode, rr, nsr, E2M1_MAGS, E2M1_STEPS)
                     else:
-                        codes[r, k // 2] |= np.uint8(c << 4)
-                else:
-                    c = encode_one(f32_bits(y, buf, bits), mode, rr, nsr, mbits, emin, bias, maxmag, True,
-                                   nosat, nanc, signbit)
-                    codes[r, k] = np.uint8(c)
-                if do_fake and k < K:
-                    fake[r, k] = elem_vals[c] * dmul
+                        crow[k] = encode_one(f32_bits(y, buf, bits), mode, rr, nsr, mbits, emin, bias, maxmag,
+                                             True, nosat, nanc, signbit)
+            if do_fake:
+                dmul = pow2_dec[e]
+                for k in range(k0, min(k0 + 32, K)):
+                    fake[r, k] = elem_vals[crow[k]] * dmul
+        if is_fp4:
+            for t in range(Kp // 2):                  # element 2t in the low nibble
+                codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
+        else:
+            for k in range(Kp):
+                codes[r, k] = crow[k]
 
 
 # ------------------------------------------------------------------------------------------------- FP8
