@@ -17,6 +17,14 @@ def short_name(name: str) -> str:
     return n[-40:]
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -36,10 +44,7 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     ax.set_ylabel("SQNR (dB)")
     ax.set_title("Quantization error by scheme and tensor (higher is better)")
     ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
-    files.append(out / "error_by_scheme.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "error_by_scheme.png"))
 
     from ..formats import E4M3
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -64,10 +69,7 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
         ax.set_xlabel("log2(decoded scale)")
         ax.set_ylabel("fraction of blocks")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    files.append(out / "scale_histograms.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "scale_histograms.png"))
 
     top = list(np.argsort(-np.nan_to_num(ds.kurtosis.values))[:4])
     fig, axes = plt.subplots(1, len(top), figsize=(3.4 * len(top), 3.6), squeeze=False)
@@ -80,10 +82,7 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
         ax.set_ylabel("row, pooled")
         fig.colorbar(im, ax=ax, label="log10 max|x|")
     fig.suptitle("Outlier maps: the most heavy-tailed tensors (64 x 64 max-pooled |x|)", fontsize=10)
-    fig.tight_layout()
-    files.append(out / "outlier_maps.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "outlier_maps.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     x = np.arange(len(names))
@@ -94,10 +93,7 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
     ax.set_xticks(x, short, rotation=30, ha="right", fontsize=8)
     ax.set_title("Outliers and the error they carry")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / "outliers.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "outliers.png"))
 
     if "rht_rel_mse" in ds:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -114,10 +110,7 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
         ax.set_ylabel("rel-MSE after / before (mean over tensors)")
         ax.set_title("Random Hadamard transform effect")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append(out / "rht_effect.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        files.append(_save(fig, out / "rht_effect.png"))
 
     g = [i for i, r in enumerate(ds.role.values) if r == "gradient"]
     if g:
@@ -143,8 +136,5 @@ def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
             ax.set_ylabel("||W_q - W|| / ||W||")
             ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT)", fontsize=10)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        files.append(out / "sr_bias.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        files.append(_save(fig, out / "sr_bias.png"))
     return files
