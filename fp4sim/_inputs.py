@@ -23,6 +23,8 @@ def as_float32(x, name: str = "x") -> np.ndarray:
             arr = arr.astype(np.float64)
     else:
         raise TypeError(f"{name} must be a NumPy array of floats (or a list of numbers), not {type(x).__name__}")
+    if arr.dtype.kind == "f" and not arr.dtype.isnative:  # byte-swapped (e.g. '>f4' from a file): values are fine
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     if arr.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; fp4sim takes float32, float16, bfloat16 (ml_dtypes) or float64 — "

@@ -307,6 +307,9 @@ def test_input_dtypes_widen_exactly():
     v = np.float64(1.0) + 2.0**-30
     assert fs.encode(np.array([v]), fs.BF16)[0] == fs.encode(np.float32(1.0), fs.BF16)
     assert fs.encode([0.5, 1.0], "e2m1").tolist() == [1, 2]
+    be = x.astype(">f4")                                  # byte-swapped arrays read from files
+    np.testing.assert_array_equal(fs.encode(be, fs.E4M3), fs.encode(x, fs.E4M3))
+    np.testing.assert_array_equal(fs.encode(x[::2], fs.E4M3), fs.encode(x[::2].copy(), fs.E4M3))  # strided view
     assert fs.encode(np.zeros((0, 3), np.float32), fs.E2M1).shape == (0, 3)
 
 
