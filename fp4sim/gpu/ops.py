@@ -79,6 +79,17 @@ def encode(be, x, fmt, rounding="rne", saturate=True, rbits=None, seed=None, sr_
     return out
 
 
+_TABLES: dict = {}
+
+
+def _device_table(be, t: np.ndarray):
+    """A small float64 lookup table on the backend's device, uploaded once per process."""
+    key = (id(be), t.ctypes.data, t.size)
+    if key not in _TABLES:
+        _TABLES[key] = be.xp.asarray(np.asarray(t, np.float64))
+    return _TABLES[key]
+
+
 def _absmax(be, x2):
     xp = be.xp
     acc = xp.zeros(2, np.uint32)
@@ -126,7 +137,7 @@ def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, sc
         if fake:
             return back((c.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(c.reshape(lead + (K,)), None, None, sch, ax, xs.shape)
-    d64 = lambda t: xp.asarray(np.asarray(t, np.float64))  # noqa: E731  float64 tables (exact float32 values)
+    d64 = lambda t: _device_table(be, t)  # noqa: E731  float64 tables (exact float32 values), cached
     amax_t, has_nan = _absmax(be, x2)
     gamax = None
     if isinstance(sch, NVFP4):
