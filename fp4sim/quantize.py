@@ -49,7 +49,9 @@ class _Prepared:
         stream = _inputs.check_int(stream, "stream", 0, 0xFFFFFFFF)
         kind, per = _inputs.sr_bytes(xs.size, xs.shape, self.rounding, rbits, seed, self.nsr, rbits_mapping)
         if kind == 2:
-            per = philox_bytes(seed, xs.size, stream) & np.uint8((1 << self.nsr) - 1)
+            per = philox_bytes(seed, xs.size, stream)
+            if self.nsr < 8:
+                per &= np.uint8((1 << self.nsr) - 1)
         self.x2 = self._to2d(xs)
         self.use_rb = per is not None
         self.rb = self._to2d(per.reshape(xs.shape)) if per is not None else np.zeros((1, 1), np.uint8)

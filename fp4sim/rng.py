@@ -106,8 +106,14 @@ def _philox_bytes_kernel(start, n, k0, k1, stream, out):
         lo = blk * 16
         hi = min(lo + 16, n)
         r = philox_block_for(start + lo, k0, k1, stream)
-        for t in range(lo, hi):
-            out[t] = byte_of(r, start + t)
+        if hi - lo == 16:  # start is a multiple of 16: lane l holds elements 4l..4l+3, byte k of each word
+            for lane in range(4):
+                w = r[lane]
+                for k in range(4):
+                    out[lo + 4 * lane + k] = np.uint8((w >> np.uint64(8 * k)) & np.uint64(0xFF))
+        else:
+            for t in range(lo, hi):
+                out[t] = byte_of(r, start + t)
 
 
 def philox_bytes(seed: int, n: int, stream: int = 0, start: int = 0) -> np.ndarray:

@@ -350,3 +350,13 @@ def test_scale_rounding_helper_equals_e4m3_encode_on_every_nonnegative_pattern_c
     want = fs.encode(v, fs.E4M3)
     want[np.isnan(v)] = 0xFF
     np.testing.assert_array_equal(out, want)
+
+
+def test_seeded_sr_with_fewer_random_bits_uses_the_low_bits_of_each_byte():
+    from fp4sim.rng import philox_bytes
+    x = heavy((8, 64), 13)
+    for n in (3, 8):
+        a = fs.quantize(x, "nvfp4", rounding="sr", seed=21, sr_bits=n)
+        rb = (philox_bytes(21, x.size) & np.uint8((1 << n) - 1)).reshape(x.shape)
+        codes, _ = ref.nvfp4_ref(x, "te", 1, rounding="sr", rb=rb, n=n)
+        np.testing.assert_array_equal(_codes(a), codes)

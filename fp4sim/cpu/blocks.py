@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, encode_one
+from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, encode_one
 
 TE, PAPER, TORCHAO, MODELOPT = 0, 1, 2, 3
 FLAVOR_IDS = {"te": TE, "paper": PAPER, "torchao": TORCHAO, "modelopt": MODELOPT}
@@ -195,11 +195,16 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_v
             xr = row_padded(x2, r, K, Kp, xrow)
             if use_rb:
                 rrow[:K] = rb[r]
-            if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common path first)
+            if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
                 for j in range(nbk):
                     f = fac[j]
                     for k in range(j * 16, j * 16 + 16):
                         crow[k] = e2m1_rne(xr[k] * f)
+            elif mode == 4 and flavor <= 2 and not nanfac:
+                for j in range(nbk):
+                    f = fac[j]
+                    for k in range(j * 16, j * 16 + 16):
+                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rrow[k]), nsr, E2M1_MAGS, E2M1_STEPS)
             else:
                 for j in range(nbk):
                     f = fac[j]
