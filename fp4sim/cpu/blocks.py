@@ -346,3 +346,15 @@ def fp8_kernel(x2, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide,
                     codes[r, k] = np.uint8(c)
                     if do_fake:
                         fake[r, k] = elem_vals[c] * s if divide else elem_vals[c] * (np.float32(1.0) / s)
+
+
+# ------------------------------------------------------------------------------------------------- dequantize
+@nb.njit(parallel=True, cache=True)
+def fp4_dequant_kernel(codes, blockfac, bk, out):
+    """out[r, k] = E2M1(code[r, k]) * blockfac[r, k // bk] for packed FP4 codes (element 2t low nibble)."""
+    R, K = out.shape
+    for r in nb.prange(R):
+        for k in range(K):
+            b = codes[r, k >> 1]
+            c = (b >> np.uint8(4)) if (k & 1) else (b & np.uint8(15))
+            out[r, k] = E2M1_VALUES[c] * blockfac[r, k // bk]
