@@ -253,6 +253,9 @@ def dequantize(q: QuantizedTensor) -> np.ndarray:
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor (from fp4sim.quantize), not {type(q).__name__}")
+    if is_cupy(q.codes):
+        from .gpu import ops
+        return ops.dequantize(ops.backend(), q)
     xp = xp_of(q.codes)
     sch = q.scheme
     K = q.K

@@ -116,7 +116,8 @@ SPECIALS[1, 3], SPECIALS[2, 9], SPECIALS[4, 40] = np.nan, -np.inf, 1e-40
 @pytest.mark.parametrize("scheme,kw", [
     ("nvfp4", {}), ("nvfp4", {"flavor": "paper"}), ("nvfp4", {"flavor": "torchao"}),
     ("nvfp4", {"flavor": "modelopt"}), ("nvfp4_2d", {}), ("nvfp4_2d", {"flavor": "torchao"}),
-    ("nvfp4", {"global_amax": 3e38}), ("nvfp4", {"scale_layout": "swizzled"}),
+    ("nvfp4", {"global_amax": 3e38}), ("nvfp4", {"global_amax": 1e-40}), ("nvfp4", {"scale_layout": "swizzled"}),
+    ("nvfp4", {"flavor": "torchao", "global_amax": 1e-40}), ("mxfp4", {"scale_layout": "swizzled"}),
     ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}), ("mxfp4", {"scale_mode": "ceil"}),
     ("mxfp4", {"scale_mode": "even"}), ("mxfp8_e4m3", {}), ("mxfp8_e5m2", {"scale_mode": "even"}),
     ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("fp8_blockwise", {}), ("fp8_blockwise", {"block": (128, 128)}),
@@ -144,6 +145,7 @@ def test_quantize_and_fake_quantize(dev, scheme, kw, case):
                 assert got.global_amax == want.global_amax
             same_bits(dev.host(f_got), np.asarray(f_want))
             same_bits(dev.host(fs.dequantize(got)), fs.dequantize(want))  # on the device for CuPy tensors
+            same_bits(dev.host(ops.dequantize(dev.be, got)), fs.dequantize(want))  # the GPU kernel, also on host
 
 
 @pytest.mark.parametrize("d", [2, 16, 32, 128])

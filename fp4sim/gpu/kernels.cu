@@ -416,3 +416,31 @@ extern "C" __global__ void rht(const float* x, i64 R, i64 K, int d, const double
     double v = acc * scale;  // rounded once, to bfloat16 or float32
     out[t] = to_bf16 ? (round_f64(v, 7, -126, 127, 0x7F7Full, 0x7F80u, 0x7FFFu, 0x8000u) << 16) : d2f_bits(v);
 }
+
+// ------------------------------------------------------------------------------------------ dequantize
+// One thread per output element: v = fl(value(code) * factor), the factor per (row, block):
+// kind 0 NVFP4 (E4M3 byte; te/paper fl(fl(s * dq0) * dq1), else fl(s * dq0)), 1 MX (UE8M0 byte -> 2^(e-127)),
+// 2 FP8 blockwise (float32 scale per tile x block, tile rows), 3 FP8 per-tensor (dq0 = fl(1/scale)).
+// codes: packed two per byte when packed, row stride cstride bytes; out: float32 bit patterns (R, K).
+extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cstride, const u8* sbytes,
+                                             const u32* sfloat, i64 R, i64 K, i64 bk, int tile, int kind,
+                                             int flavor, double dq0, double dq1, const double* elem_vals,
+                                             const double* e4m3_vals, const double* pow2_dec, u32* out) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= R * K) return;
+    i64 r = t / K, k = t % K, nbk = (K + bk - 1) / bk, j = k / bk;
+    int c = packed ? ((k & 1) ? (codes[r * cstride + (k >> 1)] >> 4) : (codes[r * cstride + (k >> 1)] & 15))
+                   : codes[r * cstride + k];
+    double fac;
+    if (kind == 0) {
+        double s = e4m3_vals[sbytes[r * nbk + j]];
+        fac = flavor <= 1 ? r32(r32(s * dq0) * dq1) : r32(s * dq0);
+    } else if (kind == 1) {
+        fac = pow2_dec[sbytes[r * nbk + j]];
+    } else if (kind == 2) {
+        fac = f2d(sfloat[(r / tile) * nbk + j]);
+    } else {
+        fac = dq0;
+    }
+    out[t] = d2f_bits(elem_vals[c] * fac);
+}

@@ -186,6 +186,42 @@ def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, sc
     return finish(sch, codes, scales, gamax, lead, ax, xs.shape, scale_layout)
 
 
+def dequantize(be, q):
+    """GPU twin of :func:`fp4sim.dequantize` (one kernel; float32 products computed without FTZ)."""
+    from ..quantize import _POW2_DEC, _nvfp4_constants
+    xp = be.xp
+    sch = q.scheme
+    K, lead = q.K, q.lead
+    R = int(np.prod(lead, dtype=np.int64))
+    codes = xp.ascontiguousarray(q.codes.reshape(R, -1))
+    if isinstance(sch, BF16Cast):
+        y2 = (codes.astype(np.uint32) << 16).view(np.float32)
+        return xp.moveaxis(y2.reshape(tuple(lead) + (K,)), -1, q.axis)
+    dummy8, dummy32 = xp.zeros(1, np.uint8), xp.zeros(1, np.uint32)
+    dq0 = dq1 = 0.0
+    tile, flavor, bk = 1, 0, K
+    sbytes, sfloat = dummy8, dummy32
+    if isinstance(sch, NVFP4):
+        kind, bk, flavor = 0, 16, {"te": 0, "paper": 1, "torchao": 2, "modelopt": 3}[sch.flavor]
+        _, dq = _nvfp4_constants(sch.flavor, f32(q.global_amax))
+        dq0, dq1 = float(dq[0]), float(dq[1])
+        sbytes = xp.ascontiguousarray(q.scales_per_row())
+    elif isinstance(sch, MX):
+        kind, bk = 1, 32
+        sbytes = xp.ascontiguousarray(q.linear_scales())
+    elif isinstance(sch, FP8Tensor):
+        kind = 3
+        dq0 = float(xp.asnumpy(q.scales.reshape(-1)[:1])[0]) if xp is not np else float(q.scales.reshape(-1)[0])
+    else:
+        kind, bk, tile = 2, 128, sch.block[0]
+        sfloat = xp.ascontiguousarray(q.scales.reshape(-(-R // tile), -1)).view(np.uint32)
+    out = xp.empty((R, K), np.uint32)
+    be.launch("dequantize_blocks", R * K, codes, i32(sch.elem is E2M1), i64(codes.shape[1]), sbytes, sfloat,
+              i64(R), i64(K), i64(bk), i32(tile), i32(kind), i32(flavor), f64(dq0), f64(dq1),
+              _device_table(be, sch.elem.values), _device_table(be, E4M3.values), _device_table(be, _POW2_DEC), out)
+    return xp.moveaxis(out.view(np.float32).reshape(tuple(lead) + (K,)), -1, q.axis)
+
+
 def rht(be, x, d=16, signs="te", axis=-1, out="bf16"):
     """GPU twin of :func:`fp4sim.rht`."""
     xp = be.xp

@@ -41,3 +41,9 @@ HOST(fp8_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_r
 HOST(rht)(i64 th, const float* x, i64 R, i64 K, int d, const double* signs_h, double scale, int to_bf16, u32* out) {
     host_launch(rht, th, x, R, K, d, signs_h, scale, to_bf16, out);
 }
+HOST(dequantize_blocks)(i64 th, const u8* codes, int packed, i64 cstride, const u8* sbytes, const u32* sfloat, i64 R,
+                        i64 K, i64 bk, int tile, int kind, int flavor, double dq0, double dq1, const double* elem_vals,
+                        const double* e4m3_vals, const double* pow2_dec, u32* out) {
+    host_launch(dequantize_blocks, th, codes, packed, cstride, sbytes, sfloat, R, K, bk, tile, kind, flavor, dq0, dq1,
+                elem_vals, e4m3_vals, pow2_dec, out);
+}
