@@ -10,7 +10,7 @@ import numpy as np
 import xarray as xr
 
 from .inputs import Source, TensorError, discover, load
-from .metrics import DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics
+from .metrics import DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics, tensor_amax
 from .studies import RHT_SCHEMES, RHT_SIGNS, absmax_map, gradient_bias, hadamard_effect, outliers, wgrad_gemm
 
 OUTLIER_VARS = ("kurtosis", "max_over_rms", "n_outlier_rows", "n_outlier_cols", "nvfp4_rel_mse",
@@ -28,14 +28,15 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {}}
+        amax = tensor_amax(x)
         for spec in schemes:
             if src.role in spec.roles:
-                m, ch, sh = scheme_metrics(x, spec, src.role, seed, chunk_elems)
+                m, ch, sh = scheme_metrics(x, spec, src.role, seed, chunk_elems, amax)
                 res["schemes"][spec.label] = {"metrics": m, "code_hist": ch.tolist(), "scale_hist": sh.tolist()}
         res["outliers"] = outliers(x)
         res["absmax_map"] = absmax_map(x).tolist()
         if hadamard:
-            dims, err, kur = hadamard_effect(x, seed)
+            dims, err, kur = hadamard_effect(x, seed, res["outliers"]["kurtosis"])
             res["rht"] = {"dims": list(dims), "rel_mse": err.tolist(), "kurtosis": kur.tolist()}
         if src.role == "gradient":
             res["bias"] = gradient_bias(x, seed)

@@ -70,10 +70,20 @@ def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int)
     return quantize(c, spec.scheme, **kw)
 
 
-def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22):
-    """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``."""
+def tensor_amax(x: np.ndarray) -> np.float32:
+    """max |x| with NaN ignored (0 for an all-NaN tensor): the tensor-wide scale input of chunked schemes."""
+    a = np.abs(x[~np.isnan(x)])
+    return np.float32(a.max()) if a.size else np.float32(0)
+
+
+def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22,
+                   amax=None):
+    """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``.
+
+    Per-block statistics use 1 x B row segments (B = the scheme's block length along the last axis), also
+    for 16x16 and 128x128 tiles. ``amax``: the tensor's |x| max, when the caller has it already."""
     x2 = as_rows(x)
-    amax = np.float32(np.nanmax(np.abs(x2))) if x2.size else np.float32(0)
+    amax = tensor_amax(x2) if amax is None else np.float32(amax)
     acc = dict(sx2=0.0, se2=0.0, se=0.0, max_err=0.0, nz=0, under=0, sat=0, zero=0, n=0, bm_err=0.0, bm_n=0,
                nblk=0, blk_max=0, binades=0.0)
     code_hist = np.zeros(16, np.int64)

@@ -66,18 +66,17 @@ def absmax_map(x: np.ndarray, size: int = 64) -> np.ndarray:
     return out
 
 
-def hadamard_effect(x: np.ndarray, seed: int = 0):
+def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None):
     """rel-MSE of NVFP4 and MXFP4 on rht(x) and its kurtosis, for each d and sign mode (NaN where the last axis
-    is not a multiple of d, or 'te' with d != 16). Index [0] of the d axis is no transform."""
+    is not a multiple of d, or 'te' with d != 16). Index [0] of the d axis is no transform (``kurt0``: the
+    kurtosis of x when the caller has it already)."""
     x2 = as_rows(x)
     K = x2.shape[1]
     dims = (0,) + RHT_DIMS
     err = np.full((len(dims), len(RHT_SIGNS), len(RHT_SCHEMES)), np.nan)
     kur = np.full((len(dims), len(RHT_SIGNS)), np.nan)
-    base = [_rel_mse(x2, fake_quantize(x2, s)) for s in RHT_SCHEMES]
-    for si in range(len(RHT_SIGNS)):
-        err[0, si] = base
-        kur[0, si] = kurtosis(x2)
+    err[0, :] = [_rel_mse(x2, fake_quantize(x2, s)) for s in RHT_SCHEMES]  # d = 0: no transform, any signs
+    kur[0, :] = kurtosis(x2) if kurt0 is None else kurt0
     for di, d in enumerate(dims[1:], 1):
         if K % d:
             continue
