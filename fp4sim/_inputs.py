@@ -33,6 +33,17 @@ def as_float32(x, name: str = "x") -> np.ndarray:
         return np.asarray(arr, dtype=np.float32, order="C")  # (keeps 0-d inputs 0-d)
 
 
+def check_axis(axis, ndim: int, what: str) -> int:
+    """``axis`` normalised to 0..ndim-1, or a clear error (``what`` says why an axis is needed)."""
+    if ndim == 0:
+        raise ValueError(f"x is a 0-d scalar; {what} needs at least one axis (pass x[None])")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an int, not {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} is out of range for an input with {ndim} dimensions")
+    return int(axis) % ndim
+
+
 def check_choice(value, name: str, choices) -> str:
     if not isinstance(value, str) or value.lower() not in choices:
         raise ValueError(f"{name}={value!r} is not supported; use one of {sorted(choices)}")

@@ -70,10 +70,7 @@ def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.nda
     xs = _inputs.as_float32(x)
     _check_d(d)
     out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
-    if xs.ndim == 0:
-        raise ValueError("x is a 0-d scalar; rht needs an axis of length a multiple of d")
-    if not -xs.ndim <= axis < xs.ndim:
-        raise ValueError(f"axis={axis} is out of range for an input with {xs.ndim} dimensions")
+    axis = _inputs.check_axis(axis, xs.ndim, "rht")
     K = xs.shape[axis]
     if K % d:
         raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")

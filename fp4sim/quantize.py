@@ -30,13 +30,7 @@ class _Prepared:
 
     def __init__(self, x, axis, rounding, rbits, seed, sr_bits, stream, rbits_mapping):
         xs = _inputs.as_float32(x)
-        if xs.ndim == 0:
-            raise ValueError("x is a 0-d scalar; block-scaled schemes need at least one axis (pass x[None])")
-        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-            raise TypeError(f"axis must be an int, not {type(axis).__name__}")
-        if not -xs.ndim <= axis < xs.ndim:
-            raise ValueError(f"axis={axis} is out of range for an input with {xs.ndim} dimensions")
-        self.axis = int(axis) % xs.ndim
+        self.axis = _inputs.check_axis(axis, xs.ndim, "a block-scaled scheme")
         self.shape = xs.shape
         self.K = xs.shape[self.axis]
         if self.K == 0:

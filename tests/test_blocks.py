@@ -331,6 +331,10 @@ def test_shapes_padding_and_errors():
         fs.rht(np.ones((2, 20), np.float32), 16)
     with pytest.raises(ValueError, match="power of two"):
         fs.rht(np.ones((2, 24), np.float32), 12)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        fs.rht(np.ones((2, 16), np.float32), 16, axis=1.5)
+    with pytest.raises(ValueError, match="0-d"):
+        fs.rht(np.float32(1.0), 2)
 
 
 def test_scale_rounding_helper_equals_e4m3_encode_on_every_nonnegative_pattern_class():

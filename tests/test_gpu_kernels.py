@@ -95,6 +95,9 @@ def test_encode_every_mode(dev, fmt):
     got = dev.host(ops.encode(dev.be, dev.dev(SWEEP), fmt if fmt is not fs.UE8M0 else fs.E2M1, "sr", seed=99,
                               stream=5))
     assert np.array_equal(got, want)
+    if fmt is fs.E2M1:  # fewer random bits: the low bits of each Philox byte
+        want = fs.encode(SWEEP, fmt, rounding="sr", seed=7, sr_bits=3)
+        assert np.array_equal(dev.host(ops.encode(dev.be, dev.dev(SWEEP), fmt, "sr", seed=7, sr_bits=3)), want)
 
 
 def test_philox_bytes(dev):

@@ -53,7 +53,9 @@ def _sr_bits(be, shape, n, rounding, rbits, seed, nsr, stream, mapping):
         per = out
     else:
         _, per = _inputs.sr_bytes(n, shape, rounding, rbits, None, nsr, mapping)
-    return xp.ascontiguousarray(per & np.uint8((1 << nsr) - 1)).reshape(shape)
+    if nsr < 8:
+        per = per & np.uint8((1 << nsr) - 1)
+    return xp.ascontiguousarray(per).reshape(shape)
 
 
 def encode(be, x, fmt, rounding="rne", saturate=True, rbits=None, seed=None, sr_bits=8, stream=0,
@@ -108,11 +110,7 @@ def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, sc
     sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode)
     scale_layout = _inputs.check_choice(scale_layout, "scale_layout", ("linear", "swizzled"))
     xs = _as_f32(be, x)
-    if xs.ndim == 0:
-        raise ValueError("x is a 0-d scalar; block-scaled schemes need at least one axis (pass x[None])")
-    if not -xs.ndim <= axis < xs.ndim:
-        raise ValueError(f"axis={axis} is out of range for an input with {xs.ndim} dimensions")
-    ax = axis % xs.ndim
+    ax = _inputs.check_axis(axis, xs.ndim, "a block-scaled scheme")
     K = xs.shape[ax]
     if K == 0 or xs.size == 0:
         raise ValueError(f"x has shape {xs.shape}: nothing to quantize along axis {axis}")
@@ -228,8 +226,7 @@ def rht(be, x, d=16, signs="te", axis=-1, out="bf16"):
     xs = _as_f32(be, x)
     _check_d(d)
     out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
-    if xs.ndim == 0 or not -xs.ndim <= axis < xs.ndim:
-        raise ValueError(f"axis={axis} is out of range for an input with {xs.ndim} dimensions")
+    axis = _inputs.check_axis(axis, xs.ndim, "rht")
     K = xs.shape[axis]
     if K % d:
         raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")

@@ -148,6 +148,8 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
         and scale layout and report which configuration matches or explains most.
     """
     sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode)
+    if scales is None and not isinstance(sch, BF16Cast):
+        raise ValueError(f"scales is required for scheme {sch.name!r} (the kernel's scale bytes or float32 scales)")
     rounding = _inputs.check_choice(rounding, "rounding", ("rne", "sr"))
     scale_layout = _inputs.check_choice(scale_layout, "scale_layout", ("linear", "swizzled"))
     statistical = rounding == "sr" and rbits is None
