@@ -56,6 +56,17 @@ def rht_matrix(d: int = 16, signs="te") -> np.ndarray:
     return rht_signs(d, signs)[:, None] * hadamard_matrix(d) / np.sqrt(d)
 
 
+def rht_args(xs, d, signs, axis, out):
+    """Checked arguments of :func:`rht`: (axis 0..ndim-1, its length, diag(s) @ H_d as float64, bf16 output?)."""
+    _check_d(d)
+    out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
+    axis = _inputs.check_axis(axis, xs.ndim, "rht")
+    K = xs.shape[axis]
+    if K % d:
+        raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
+    return axis, K, np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d)), out == "bf16"
+
+
 def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.ndarray:
     """Random Hadamard transform of every contiguous d-long chunk along ``axis``.
 
@@ -68,16 +79,10 @@ def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.nda
         from .gpu import ops
         return ops.rht(ops.backend(), x, d, signs, axis, out)
     xs = _inputs.as_float32(x)
-    _check_d(d)
-    out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
-    axis = _inputs.check_axis(axis, xs.ndim, "rht")
-    K = xs.shape[axis]
-    if K % d:
-        raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
-    sh = rht_signs(d, signs)[:, None] * hadamard_matrix(d)
+    axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
     xm = np.ascontiguousarray(np.moveaxis(xs, axis, -1))
     x2 = xm.reshape(-1, K)
     y = np.empty(x2.shape, np.uint32)
     if x2.size:
-        rht_kernel(x2, np.ascontiguousarray(sh), math.sqrt(1.0 / d), out == "bf16", y)
+        rht_kernel(x2, sh, math.sqrt(1.0 / d), to_bf16, y)
     return np.moveaxis(y.view(np.float32).reshape(xm.shape), -1, axis)

@@ -14,7 +14,7 @@ from .. import _inputs
 from ..cpu.elements import MODES
 from ..elements import ROUNDINGS, kernel_params
 from ..formats import E2M1, E4M3, get_format
-from ..hadamard import hadamard_matrix, rht_signs, _check_d
+from ..hadamard import rht_args
 from ..qtensor import QuantizedTensor
 from ..rng import seed_key
 from ..schemes import MX, NVFP4, BF16Cast, FP8Tensor, get_scheme
@@ -224,16 +224,10 @@ def rht(be, x, d=16, signs="te", axis=-1, out="bf16"):
     """GPU twin of :func:`fp4sim.rht`."""
     xp = be.xp
     xs = _as_f32(be, x)
-    _check_d(d)
-    out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
-    axis = _inputs.check_axis(axis, xs.ndim, "rht")
-    K = xs.shape[axis]
-    if K % d:
-        raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
-    sh = xp.asarray(np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d)))
+    axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
     xm = xp.ascontiguousarray(xp.moveaxis(xs, axis, -1))
     x2 = xm.reshape(-1, K)
     y = xp.empty(x2.shape, np.uint32)
-    be.launch("rht", x2.size, x2, i64(x2.shape[0]), i64(K), i32(d), sh, f64(math.sqrt(1.0 / d)), i32(out == "bf16"),
-              y)
+    be.launch("rht", x2.size, x2, i64(x2.shape[0]), i64(K), i32(d), xp.asarray(sh), f64(math.sqrt(1.0 / d)),
+              i32(to_bf16), y)
     return xp.moveaxis(y.view(np.float32).reshape(xm.shape), -1, axis)
