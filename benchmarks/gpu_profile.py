@@ -14,7 +14,7 @@ def main():
     from fp4sim.formats import E4M3
     from fp4sim.gpu import ops
     from fp4sim.gpu.backend import default_backend
-    from fp4sim.quantize import _nvfp4_constants
+    from fp4sim.planning import nvfp4_constants
     be = default_backend()
     x = cp.random.default_rng(0).standard_normal((8192, 8192), dtype=cp.float32)
     R, K = x.shape
@@ -34,7 +34,7 @@ def main():
     codes = cp.empty((R, K // 2), np.uint8)
     scales = cp.empty((R, K // 16), np.uint8)
     fake = cp.empty(1, np.uint32)
-    (c0, c1, _), dq = _nvfp4_constants("te", np.float32(5.0))
+    (c0, c1), dq = nvfp4_constants("te", np.float32(5.0))
     e4 = cp.asarray(E4M3.values.astype(np.float64))
     rb = cp.zeros(1, np.uint8)
     i64, i32, f64 = np.int64, np.int32, np.float64
@@ -46,7 +46,7 @@ def main():
                                                    i32(0), i32(8), i32(0), i32(1), f64(c0), f64(c1), f64(dq[0]),
                                                    f64(dq[1]), e4, codes, scales, fake, i32(0))),
         "fs.quantize nvfp4 (whole call)": t(lambda: fs.quantize(x, "nvfp4")),
-        "ops._absmax (kernel + host read)": t(lambda: ops._absmax(be, x)),
+        "absmax (kernel + host read)": t(lambda: ops.kernels(be).absmax(x)),
     }
     for k, v in rows.items():
         print(f"{k:36} {v * 1e3:9.1f} us")

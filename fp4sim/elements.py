@@ -7,27 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _inputs
-from .cpu import elements as _k
-from .formats import Format, get_format
+from . import planning
+from .formats import get_format
 from ._xp import is_cupy, table, xp_of
-from .rng import seed_key
+from .planning import ROUNDINGS, kernel_params  # noqa: F401  (kernel_params: re-exported for callers)
 
 __all__ = ["encode", "decode", "ROUNDINGS"]
-
-ROUNDINGS = ("rne", "rz", "ru", "rp", "rd", "sr")
-
-
-def kernel_params(fmt: Format) -> tuple:
-    """The integer description of a format that the encode kernels take."""
-    if fmt.has_inf:
-        nosat = fmt.inf_code
-    elif fmt.nan_code is not None:
-        nosat = fmt.nan_code
-    else:
-        nosat = fmt.max_code
-    nan = fmt.nan_code if fmt.nan_code is not None else fmt.max_code
-    return (fmt.mbits, fmt.emin, fmt.bias, fmt.max_code, nosat, nan, fmt.sign_mask)
 
 
 def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, seed=None, sr_bits: int = 8,
@@ -50,34 +35,15 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
     -------
     uint8 codes (uint16 for BF16) with the shape of ``x``.
     """
-    fmt = get_format(fmt)
     if is_cupy(x):
         from .gpu import ops
         return ops.encode(ops.backend(), x, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
-    xs = _inputs.as_float32(x)
-    rounding = _inputs.check_choice(rounding, "rounding", ROUNDINGS)
-    if not isinstance(saturate, (bool, np.bool_)):
-        raise TypeError(f"saturate must be True or False, not {type(saturate).__name__}")
-    nsr = _inputs.check_int(sr_bits, "sr_bits", 1, 8)
-    stream = _inputs.check_int(stream, "stream", 0, 0xFFFFFFFF)
-    mode = _k.MODES[rounding]
-    if fmt.name == "ue8m0":
-        if mode == _k.SR:
-            raise ValueError("rounding='sr' is not defined for UE8M0 scales; use 'rz', 'rp'/'ru' or 'rne'")
-        if mode == _k.RD:
-            mode = _k.RZ  # UE8M0 ignores the sign, so rounding down is rounding toward zero
-    if mode == _k.SR and not saturate and fmt.name != "e2m1":
-        raise ValueError("saturate=False is not defined with rounding='sr': stochastic rounding is satfinite "
-                         "(as the hardware cvt.rs instruction); use saturate=True")
-    kind, per = _inputs.sr_bytes(xs.size, xs.shape, rounding, rbits, seed, nsr, rbits_mapping)
-    k0, k1 = seed_key(seed) if kind == 2 else (0, 0)
-    out = np.empty(xs.shape, dtype=fmt.code_dtype)
-    if xs.size:
-        rb = per if per is not None else np.zeros(1, np.uint8)
-        _k.encode_kernel(xs.reshape(-1), xs.reshape(-1).view(np.uint32), out.reshape(-1), mode, rb, kind, np.uint64(k0),
-                         np.uint64(k1), np.uint64(stream), nsr, bool(saturate), *kernel_params(fmt),
-                         fmt.name == "ue8m0", fmt.name == "e2m1" and not _generic)
-    return out
+    from .cpu.backend import CPU
+    if not _generic:
+        return planning.run_encode(CPU, x, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
+    xs = CPU.as_float32(x)
+    p = planning.plan_encode(xs.shape, xs.size, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
+    return CPU.encode(xs, p.fmt, p.mode, p.sat, p.sr.nsr, p.sr, generic=True)
 
 
 def decode(codes, fmt) -> np.ndarray:
@@ -100,5 +66,6 @@ def decode(codes, fmt) -> np.ndarray:
     c = np.ascontiguousarray(codes, dtype=np.uint8)
     out = np.empty(c.shape, np.float32)
     if c.size:
+        from .cpu import elements as _k
         _k.decode_kernel(c.reshape(-1), fmt.values, out.reshape(-1))
     return out

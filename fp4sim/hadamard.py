@@ -5,9 +5,7 @@ import math
 
 import numpy as np
 
-from . import _inputs
 from ._xp import is_cupy
-from .cpu.hadamard import rht_kernel
 from .rng import philox_bytes
 
 __all__ = ["rht", "hadamard_matrix", "rht_signs", "rht_matrix", "TE_SIGN_MASK"]
@@ -17,7 +15,7 @@ TE_SIGN_MASK = 0xD7E8  # TransformerEngine's fixed 16-element sign vector: bit i
 
 def hadamard_matrix(d: int) -> np.ndarray:
     """Sylvester Hadamard matrix H_d, entry (r, c) = (-1)^popcount(r & c), as float64."""
-    _check_d(d)
+    check_d(d)
     r = np.arange(d)[:, None] & np.arange(d)[None, :]
     pop = np.zeros_like(r)
     for b in range(8):
@@ -25,7 +23,8 @@ def hadamard_matrix(d: int) -> np.ndarray:
     return np.where(pop % 2 == 0, 1.0, -1.0)
 
 
-def _check_d(d):
+def check_d(d):
+    """d must be a power of two in 2..128."""
     if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 2 or d > 128 or d & (d - 1):
         raise ValueError(f"d={d!r} must be a power of two between 2 and 128")
 
@@ -33,7 +32,7 @@ def _check_d(d):
 def rht_signs(d: int, signs="te") -> np.ndarray:
     """The sign vector s (+-1.0, length d): ``"te"`` (d = 16 only), an int seed (Philox bits, stream 0:
     s_i = -1 iff bit i%8 of byte i//8 is set), None (all +1) or an explicit array of +-1."""
-    _check_d(d)
+    check_d(d)
     if signs is None:
         return np.ones(d)
     if isinstance(signs, str):
@@ -56,17 +55,6 @@ def rht_matrix(d: int = 16, signs="te") -> np.ndarray:
     return rht_signs(d, signs)[:, None] * hadamard_matrix(d) / np.sqrt(d)
 
 
-def rht_args(xs, d, signs, axis, out):
-    """Checked arguments of :func:`rht`: (axis 0..ndim-1, its length, diag(s) @ H_d as float64, bf16 output?)."""
-    _check_d(d)
-    out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
-    axis = _inputs.check_axis(axis, xs.ndim, "rht")
-    K = xs.shape[axis]
-    if K % d:
-        raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
-    return axis, K, np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d)), out == "bf16"
-
-
 def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.ndarray:
     """Random Hadamard transform of every contiguous d-long chunk along ``axis``.
 
@@ -75,14 +63,9 @@ def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.nda
     TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
     The length of ``axis`` must be a multiple of d.
     """
+    from . import planning
     if is_cupy(x):
         from .gpu import ops
-        return ops.rht(ops.backend(), x, d, signs, axis, out)
-    xs = _inputs.as_float32(x)
-    axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
-    xm = np.ascontiguousarray(np.moveaxis(xs, axis, -1))
-    x2 = xm.reshape(-1, K)
-    y = np.empty(x2.shape, np.uint32)
-    if x2.size:
-        rht_kernel(x2, sh, math.sqrt(1.0 / d), to_bf16, y)
-    return np.moveaxis(y.view(np.float32).reshape(xm.shape), -1, axis)
+        return planning.run_rht(ops.kernels(ops.backend()), x, d, signs, axis, out)
+    from .cpu.backend import CPU
+    return planning.run_rht(CPU, x, d, signs, axis, out)

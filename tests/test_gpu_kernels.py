@@ -19,7 +19,7 @@ import fp4sim as fs
 from blockcases import heavy
 from conftest import float32_sweep, oracle_missing
 from fp4sim.gpu import ops
-from fp4sim.gpu.backend import NVRTC_OPTIONS, SOURCE, HostBackend
+from fp4sim.gpu.backend import NVRTC_OPTIONS, SOURCE, HostBackend, write_ids_header
 
 ORACLES = Path(__file__).parent / "oracles"
 
@@ -30,7 +30,8 @@ def host_lib(tmp_path_factory):
     if cxx is None:
         oracle_missing("no host C++ compiler (g++) to build the kernels for the host")
     out = tmp_path_factory.mktemp("gpu_host") / "libfp4sim_kernels_host.so"
-    subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", f"-I{ORACLES}",
+    ids = write_ids_header(out.parent)
+    subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-include", str(ids), f"-I{ORACLES}",
                     f"-I{SOURCE.parent}", str(ORACLES / "gpu_host_driver.cpp"), "-o", str(out)], check=True)
     return out
 
@@ -179,7 +180,8 @@ def test_kernels_compile_to_cubin_with_nvcc(arch, tmp_path):
     if nvcc is None:
         oracle_missing("nvcc not found: install the CUDA toolkit")
     out = tmp_path / f"k_{arch}.cubin"
-    r = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *NVRTC_OPTIONS, str(SOURCE), "-o", str(out)],
+    ids = write_ids_header(tmp_path)
+    r = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *NVRTC_OPTIONS, "-include", str(ids), str(SOURCE), "-o", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 10000

@@ -12,8 +12,8 @@ import numpy as np
 
 from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, encode_one
 
-TE, PAPER, TORCHAO, MODELOPT = 0, 1, 2, 3
-FLAVOR_IDS = {"te": TE, "paper": PAPER, "torchao": TORCHAO, "modelopt": MODELOPT}
+from ..ids import FLAVOR_IDS, MODELOPT, PAPER, TE, TORCHAO  # noqa: F401  (ids are defined once, in fp4sim.ids)
+
 FLT_MAX = np.float32(np.finfo(np.float32).max)
 R6 = np.float32(1.0) / np.float32(6.0)
 E4M3_PARAMS = (3, -6, 7, 0x7E, 0x7F, 0x7F, 0x80)  # mbits, emin, bias, maxmag, nosat, nan, sign

@@ -14,8 +14,7 @@ import numpy as np
 
 from ..rng import byte_of, philox_block_for
 
-RNE, RZ, RU, RD, SR = 0, 1, 2, 3, 4
-MODES = {"rne": RNE, "rn": RNE, "rz": RZ, "ru": RU, "rp": RU, "rd": RD, "rm": RD, "sr": SR, "rs": SR}
+from ..ids import MODES, RD, RNE, RU, RZ, SR  # noqa: F401  (ids are defined once, in fp4sim.ids)
 
 # rbits sources
 RB_NONE, RB_GIVEN, RB_PHILOX = 0, 1, 2

@@ -11,6 +11,21 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("kernels.cu")
 BLOCK = 256
+
+
+def kernel_source() -> str:
+    """``kernels.cu`` with the ids of :mod:`fp4sim.ids` prepended, as every compiler of it must see it."""
+    from ..ids import cuda_defines
+    return cuda_defines() + SOURCE.read_text()
+
+
+def write_ids_header(directory) -> Path:
+    """Write ``fp4sim_ids.h`` (the ids as #defines) into ``directory`` for a host or nvcc build that includes
+    ``kernels.cu`` itself (``-include fp4sim_ids.h``)."""
+    from ..ids import cuda_defines
+    path = Path(directory) / "fp4sim_ids.h"
+    path.write_text(cuda_defines())
+    return path
 NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
 
 
@@ -20,7 +35,7 @@ class CupyBackend:
     def __init__(self):
         import cupy as cp
         self.xp = cp
-        self.module = cp.RawModule(code=SOURCE.read_text(), options=NVRTC_OPTIONS)
+        self.module = cp.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
 
     def launch(self, name, threads, *args):
         threads = int(threads)

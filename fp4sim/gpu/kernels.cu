@@ -14,6 +14,10 @@ typedef unsigned long long u64;
 typedef long long i64;
 #endif
 
+#ifndef FP4SIM_IDS
+#error "compile kernels.cu with the ids of fp4sim/ids.py prepended (fp4sim.ids.cuda_defines())"
+#endif
+
 #define FLT_MAX_F 3.40282346638528859812e+38f
 
 __device__ __forceinline__ u32 fbits(float f) { return __float_as_uint(f); }
@@ -74,10 +78,10 @@ __device__ int round_magnitude(u32 a, bool neg, int mode, int r, int nsr, int mb
     i64 half = (i64)1 << (s - 1);
     bool inexact = rem != 0;
     bool up;
-    if (mode == 0) up = (rem > half) || (rem == half && (q & 1));
-    else if (mode == 1) up = false;
-    else if (mode == 2) up = inexact && !neg;
-    else if (mode == 3) up = inexact && neg;
+    if (mode == MODE_RNE) up = (rem > half) || (rem == half && (q & 1));
+    else if (mode == MODE_RZ) up = false;
+    else if (mode == MODE_RU) up = inexact && !neg;
+    else if (mode == MODE_RD) up = inexact && neg;
     else up = ((rem >> (s - nsr)) + r) >= ((i64)1 << nsr);
     return (int)((((i64)eT + bias - 1) << mbits) + q + (up ? 1 : 0));
 }
@@ -89,7 +93,7 @@ __device__ int encode_one(u32 u, int mode, int r, int nsr, int mbits, int emin, 
     if (a > 0x7F800000u) return nanc;
     int mag = a == 0x7F800000u ? maxmag + 1 : round_magnitude(a, neg, mode, r, nsr, mbits, emin, bias);
     int sgn = neg ? signbit : 0;
-    if (mag > maxmag) return ((sat || mode == 4) ? maxmag : nosat) | sgn;
+    if (mag > maxmag) return ((sat || mode == MODE_SR) ? maxmag : nosat) | sgn;
     return mag | sgn;
 }
 
@@ -99,10 +103,10 @@ __device__ int encode_ue8m0(u32 u, int mode, bool sat) {
     int E = (int)(a >> 23);
     u32 M = a & 0x7FFFFFu;
     int c;
-    if (E == 0) c = mode == 2 ? (a > 0x00400000u) : (mode == 0 ? (a > 0x00600000u) : 0);
+    if (E == 0) c = mode == MODE_RU ? (a > 0x00400000u) : (mode == MODE_RNE ? (a > 0x00600000u) : 0);
     else if (E == 255) c = 255;
-    else if (mode == 2) c = E + (M != 0);
-    else if (mode == 0) c = E + ((M > 0x400000u) || (M == 0x400000u && (E & 1)));
+    else if (mode == MODE_RU) c = E + (M != 0);
+    else if (mode == MODE_RNE) c = E + ((M > 0x400000u) || (M == 0x400000u && (E & 1)));
     else c = E;
     if (c > 254) return sat ? 0xFE : 0xFF;
     return c;
@@ -120,12 +124,12 @@ __device__ int e2m1_code(double y, int mode, int r, int nsr) {
     if (ax != ax) return 7;
     int neg = (int)((u64)__double_as_longlong(y) >> 63);
     int rne = (ax > 0.25) + (ax >= 0.75) + (ax > 1.25) + (ax >= 1.75) + (ax > 2.5) + (ax >= 3.5) + (ax > 5.0);
-    if (mode == 0) return rne | (neg << 3);
+    if (mode == MODE_RNE) return rne | (neg << 3);
     int lo = (ax >= 0.5) + (ax >= 1.0) + (ax >= 1.5) + (ax >= 2.0) + (ax >= 3.0) + (ax >= 4.0) + (ax >= 6.0);
     double lov = E2M1_MAGS[lo];
     bool inexact = (ax > lov) && lo < 7;
     bool up_sr = (ax - lov) >= (double)((1 << nsr) - r) * ((double)E2M1_STEPS[lo] / (double)(1 << nsr));
-    bool up = (mode == 2 && inexact && !neg) || (mode == 3 && inexact && neg) || (mode == 4 && inexact && up_sr);
+    bool up = (mode == MODE_RU && inexact && !neg) || (mode == MODE_RD && inexact && neg) || (mode == MODE_SR && inexact && up_sr);
     return (lo + up) | (neg << 3);
 }
 
@@ -194,15 +198,15 @@ extern "C" __global__ void absmax_bits(const float* x, i64 n, u32* amax, u32* ha
 }
 
 // ------------------------------------------------------------------------------------------ NVFP4
-// flavor: 0 te, 1 paper, 2 torchao, 3 modelopt. Returns the scale byte; *fac is the element factor. All
+// flavor: FL_TE, FL_PAPER, FL_TORCHAO, FL_MODELOPT (fp4sim/ids.py). Returns the scale byte; *fac is the element factor. All
 // values are float32 numbers carried in doubles; each r32 is one float32 operation of SPEC §2.1 / §3.3.
 __device__ int nvfp4_scale(double amax_b, int flavor, double c0, double c1, const double* e4m3_vals,
                            double* fac) {
     const double FMAX = 3.4028234663852886e+38;
     double sf;
-    if (flavor == 0) sf = dmin_py(r32(amax_b * c0), FMAX);
-    else if (flavor == 1) sf = dmin_py(r32(r32(amax_b / 6.0) * c0), FMAX);
-    else if (flavor == 2) {
+    if (flavor == FL_TE) sf = dmin_py(r32(amax_b * c0), FMAX);
+    else if (flavor == FL_PAPER) sf = dmin_py(r32(r32(amax_b / 6.0) * c0), FMAX);
+    else if (flavor == FL_TORCHAO) {
         sf = r32(r32(amax_b / 6.0) / c0);
         if (sf == sf) sf = dmin_py(dmax_py(sf, 0.015625), 448.0);
     } else {
@@ -210,20 +214,20 @@ __device__ int nvfp4_scale(double amax_b, int flavor, double c0, double c1, cons
         if (sf == 0.0) sf = 1.0;
         if (sf == sf) sf = dmin_py(dmax_py(sf, 0.001953125), 448.0);
     }
-    int byte = sf != sf ? 0xFF : encode_one(d2f_bits(sf), 0, 0, 8, 3, -6, 7, 0x7E, true, 0x7F, 0x7F, 0x80);
+    int byte = sf != sf ? 0xFF : encode_one(d2f_bits(sf), MODE_RNE, 0, 8, 3, -6, 7, 0x7E, true, 0x7F, 0x7F, 0x80);
     double sval = e4m3_vals[byte];
-    if (flavor <= 1) *fac = dmin_py(r32(1.0 / r32(sval * c1)), FMAX);
-    else if (flavor == 2) *fac = r32(c1 / sval);
+    if (flavor <= FL_PAPER) *fac = dmin_py(r32(1.0 / r32(sval * c1)), FMAX);
+    else if (flavor == FL_TORCHAO) *fac = r32(c1 / sval);
     else *fac = r32(sval * c1);
     return byte;
 }
 
 __device__ int nvfp4_elem(double v, double fac, int flavor, int mode, int r, int nsr) {
-    double y = r32(flavor == 3 ? v / fac : v * fac);
+    double y = r32(flavor == FL_MODELOPT ? v / fac : v * fac);
     int c = e2m1_code(y, mode, r, nsr);
     if (v != v) c = 7;
-    else if (flavor == 2 && fac != fac) c = 0xC;
-    else if (flavor == 3 && y == 0.0) c = 0;
+    else if (flavor == FL_TORCHAO && fac != fac) c = 0xC;
+    else if (flavor == FL_MODELOPT && y == 0.0) c = 0;
     return c;
 }
 
@@ -250,9 +254,9 @@ extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8
     int byte = nvfp4_scale(f2d(m), flavor, c0, c1, e4m3_vals, &fac);
     scales[g * nbk + j] = (u8)byte;
     double sval = e4m3_vals[byte];
-    double sdq = flavor <= 1 ? r32(r32(sval * dq0) * dq1) : r32(sval * dq0);
+    double sdq = flavor <= FL_PAPER ? r32(r32(sval * dq0) * dq1) : r32(sval * dq0);
     // Fast path: RNE, multiply flavours, factors in [2^-100, 2^100], a full aligned block (see e2m1_rne_f)
-    bool fast = mode == 0 && flavor <= 2 && fac >= 0x1p-100 && fac <= 0x1p100 && k1 - k0 == 16 && (K & 3) == 0 &&
+    bool fast = mode == MODE_RNE && flavor <= FL_TORCHAO && fac >= 0x1p-100 && fac <= 0x1p100 && k1 - k0 == 16 && (K & 3) == 0 &&
                 (((u64)x) & 15) == 0;
     bool fast_dq = sdq >= 0x1p-100 && sdq <= 0x1p100;
     for (i64 r = r0; r < r1; ++r) {
@@ -293,7 +297,7 @@ extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8
 
 // ------------------------------------------------------------------------------------------ MX
 __device__ int mx_scale_byte(u32 amax_bits, int mode, int emax, int mbits, double rcp) {
-    if (mode == 0) {
+    if (mode == SM_RCEIL) {
         u32 a = d2f_bits(f2d(amax_bits) * rcp) & 0x7FFFFFFFu;
         int E = (int)(a >> 23);
         int c = E == 0 ? (a > 0x00400000u) : (E == 255 ? 255 : E + ((a & 0x7FFFFFu) != 0));
@@ -301,9 +305,9 @@ __device__ int mx_scale_byte(u32 amax_bits, int mode, int emax, int mbits, doubl
     }
     if (amax_bits == 0) return 0;
     i64 u = (i64)amax_bits;
-    if (mode == 3) u += (i64)1 << (22 - mbits);
+    if (mode == SM_EVEN) u += (i64)1 << (22 - mbits);
     int e = (int)((u >> 23) & 0xFF) - 127 - emax;
-    if (mode == 2 && (u & 0x7FFFFF) != 0) e += 1;
+    if (mode == SM_CEIL && (u & 0x7FFFFF) != 0) e += 1;
     e = e < -127 ? -127 : (e > 127 ? 127 : e);
     return e + 127;
 }
@@ -326,7 +330,7 @@ extern "C" __global__ void mx_quantize(const float* x, i64 R, i64 K, const u8* r
     int e = mx_scale_byte(m, scale_mode, emax, mbits_elem, rcp);
     scales[r * nbk + j] = (u8)e;
     double mul = pow2_enc[e], dmul = pow2_dec[e];
-    if (is_fp4 && mode == 0 && mul >= 0x1p-100 && mul <= 0x1p100 && k0 + 32 <= K && (K & 3) == 0 && (((u64)x) & 15) == 0) {
+    if (is_fp4 && mode == MODE_RNE && mul >= 0x1p-100 && mul <= 0x1p100 && k0 + 32 <= K && (K & 3) == 0 && (((u64)x) & 15) == 0) {
         // fast path (see e2m1_rne_f): x * 2^(127-e) in float32 hardware, 32 codes as four u32 stores
         const float4* xv = (const float4*)(x + r * K + k0);
         float mf = (float)mul;
@@ -432,12 +436,12 @@ extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cs
     int c = packed ? ((k & 1) ? (codes[r * cstride + (k >> 1)] >> 4) : (codes[r * cstride + (k >> 1)] & 15))
                    : codes[r * cstride + k];
     double fac;
-    if (kind == 0) {
+    if (kind == DQ_NVFP4) {
         double s = e4m3_vals[sbytes[r * nbk + j]];
-        fac = flavor <= 1 ? r32(r32(s * dq0) * dq1) : r32(s * dq0);
-    } else if (kind == 1) {
+        fac = flavor <= FL_PAPER ? r32(r32(s * dq0) * dq1) : r32(s * dq0);
+    } else if (kind == DQ_MX) {
         fac = pow2_dec[sbytes[r * nbk + j]];
-    } else if (kind == 2) {
+    } else if (kind == DQ_FP8_BLOCKWISE) {
         fac = f2d(sfloat[(r / tile) * nbk + j]);
     } else {
         fac = dq0;

@@ -1,8 +1,6 @@
 """``compare``: check a kernel's quantized output against the emulator, bit for bit, and explain mismatches."""
 from __future__ import annotations
 
-import sys
-
 import ml_dtypes
 import numpy as np
 
@@ -10,11 +8,11 @@ from .. import _inputs
 from ..elements import encode
 from ..formats import E2M1, E4M3
 from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
-from ..quantize import _POW2_ENC, quantize
+from ..planning import POW2_DEC, POW2_ENC, nvfp4_constants
+from ..quantize import quantize
 from ..schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
 from .report import Report
 
-_Q = sys.modules["fp4sim.quantize"]
 f32 = np.float32
 FLT_MAX = f32(np.finfo(np.float32).max)
 E2M1_TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
@@ -91,9 +89,9 @@ def _scaled(xp, sch, s_rows, global_amax):
     bk = sch.block[1]
     with np.errstate(all="ignore"):
         if isinstance(sch, MX):
-            fac = np.repeat(_POW2_ENC[s_rows], bk, axis=1)
+            fac = np.repeat(POW2_ENC[s_rows], bk, axis=1)
             return xp * fac, np.zeros(xp.shape, bool)
-        (c0, c1, _), _ = _Q._nvfp4_constants(sch.flavor, f32(global_amax))
+        (c0, c1), _ = nvfp4_constants(sch.flavor, f32(global_amax))
         sval = np.repeat(E4M3.values[s_rows], bk, axis=1)
         if sch.flavor in ("te", "paper"):
             fac = np.minimum(f32(1.0) / (sval * c1), FLT_MAX)
@@ -204,8 +202,8 @@ def _decode_scaled(sch, codes, s_rows, global_amax):
     vals = sch.elem.values[codes]
     with np.errstate(all="ignore"):
         if isinstance(sch, MX):
-            return vals * np.repeat(_Q._POW2_DEC[s_rows], bk, axis=1)
-        _, dq = _Q._nvfp4_constants(sch.flavor, f32(global_amax))
+            return vals * np.repeat(POW2_DEC[s_rows], bk, axis=1)
+        _, dq = nvfp4_constants(sch.flavor, f32(global_amax))
         s = E4M3.values[s_rows]
         fac = (s * dq[0]) * dq[1] if sch.flavor in ("te", "paper") else s * dq[0]
         return vals * np.repeat(fac, bk, axis=1)

@@ -1,0 +1,125 @@
+"""The Numba backend's kernel entry points (the interface of :mod:`fp4sim.planning`): NumPy arrays in and out."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ids
+from ..formats import E2M1, E4M3
+from ..planning import POW2_DEC, POW2_ENC, as_float32, kernel_params
+from ..rng import philox_bytes, seed_key
+from . import blocks as _b
+from . import elements as _e
+from .hadamard import rht_kernel
+
+f32 = np.float32
+
+
+class CpuKernels:
+    """Numba kernels on NumPy arrays."""
+
+    xp = np
+
+    @staticmethod
+    def as_float32(x):
+        return as_float32(x)
+
+    @staticmethod
+    def sr_bytes(sr, shape):
+        if sr.kind == ids.SR_GIVEN:
+            return np.asarray(sr.per).reshape(shape)
+        per = philox_bytes(sr.seed, int(np.prod(shape, dtype=np.int64)), sr.stream)
+        if sr.nsr < 8:
+            per &= np.uint8((1 << sr.nsr) - 1)
+        return per.reshape(shape)
+
+    @staticmethod
+    def encode(xs, fmt, mode, sat, nsr, sr, generic=False):
+        out = np.empty(xs.shape, dtype=fmt.code_dtype)
+        if not xs.size:
+            return out
+        k0, k1 = seed_key(sr.seed) if sr.kind == ids.SR_PHILOX else (0, 0)
+        rb = np.ascontiguousarray(sr.per).reshape(-1) if sr.kind == ids.SR_GIVEN else np.zeros(1, np.uint8)
+        flat = np.ascontiguousarray(xs).reshape(-1)
+        _e.encode_kernel(flat, flat.view(np.uint32), out.reshape(-1), mode, rb, sr.kind, np.uint64(k0), np.uint64(k1),
+                         np.uint64(sr.stream), nsr, bool(sat), *kernel_params(fmt), fmt.name == "ue8m0",
+                         fmt.name == "e2m1" and not generic)
+        return out
+
+    @staticmethod
+    def absmax(x2):
+        a, n = _b.absmax_nan(x2)
+        return f32(a), bool(n)
+
+    @staticmethod
+    def nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake):
+        R, K = x2.shape
+        nbk = -(-K // 16)
+        codes = np.empty((R, nbk * 8), np.uint8)
+        scales = np.empty((-(-R // tile), nbk), np.uint8)
+        fv = np.empty((R, K) if fake else (1, 1), np.float32)
+        _b.nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, f32(0), dq, E4M3.values, codes, scales,
+                        fv, fake)
+        return codes, scales, fv
+
+    @staticmethod
+    def mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):
+        R, K = x2.shape
+        nbk = -(-K // 32)
+        is_fp4 = fmt is E2M1
+        codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8)
+        scales = np.empty((R, nbk), np.uint8)
+        fv = np.empty((R, K) if fake else (1, 1), np.float32)
+        _b.mx_kernel(x2, rb, use_rb, mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
+                     *kernel_params(fmt), is_fp4, fmt.values, codes, scales, fv, fake)
+        return codes, scales, fv
+
+    @staticmethod
+    def fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake):
+        R, K = x2.shape
+        codes = np.empty((R, K), np.uint8)
+        fv = np.empty((R, K) if fake else (1, 1), np.float32)
+        if scale is not None:
+            _b.fp8_kernel(x2, rb, use_rb, mode, nsr, 1, K, scale, False, *kernel_params(fmt), fmt.values, codes,
+                          np.empty((1, 1), np.float32), fv, fake)
+            return codes, np.array([f32(1.0) / scale], np.float32), fv
+        scales = np.empty((-(-R // tile), -(-K // 128)), np.float32)
+        _b.fp8_kernel(x2, rb, use_rb, mode, nsr, tile, 128, f32(1.0), True, *kernel_params(fmt), fmt.values, codes,
+                      scales, fv, fake)
+        return codes, scales, fv
+
+    @staticmethod
+    def dequantize(q, p):
+        sch = q.scheme
+        R, K = p.R, p.K
+        codes = np.ascontiguousarray(q.codes.reshape(R, -1))
+        if p.kind < 0:  # bf16
+            return (codes.astype(np.uint32) << 16).view(np.float32)
+        if p.kind in (ids.DQ_NVFP4, ids.DQ_MX):
+            if p.kind == ids.DQ_NVFP4:
+                s = E4M3.values[q.scales_per_row()]
+                with np.errstate(invalid="ignore", over="ignore"):
+                    fac = (s * p.dq[0]) * p.dq[1] if p.flavor <= ids.PAPER else s * p.dq[0]
+            else:
+                fac = POW2_DEC[q.linear_scales()]
+            if sch.elem is E2M1:  # one fused pass
+                y2 = np.empty((R, K), np.float32)
+                _b.fp4_dequant_kernel(codes, np.ascontiguousarray(fac, np.float32), p.bk, y2)
+                return y2
+            with np.errstate(invalid="ignore", over="ignore"):
+                y2 = (sch.elem.values[codes].reshape(R, -1, p.bk) * fac[:, :, None]).reshape(R, -1)
+            return np.ascontiguousarray(y2[:, :K])
+        if p.kind == ids.DQ_FP8_TENSOR:
+            return sch.elem.values[codes] * np.asarray(q.scales, np.float32).reshape(-1)[0:1]
+        s = np.asarray(q.scales).reshape(-(-R // p.tile), -1)
+        s = np.repeat(np.repeat(s, p.tile, axis=0)[:R], 128, axis=1)[:, :K]
+        return sch.elem.values[codes] * s
+
+    @staticmethod
+    def rht(x2, d, sh, scale, to_bf16):
+        y = np.empty(x2.shape, np.uint32)
+        if x2.size:
+            rht_kernel(x2, sh, scale, to_bf16, y)
+        return y.view(np.float32)
+
+
+CPU = CpuKernels()

@@ -1,0 +1,361 @@
+"""The planning layer: every public entry point checks its arguments and plans its call here, once, for any
+array module; then it calls the small set of kernel entry points that both backends implement.
+
+A backend ("kernels" object) provides::
+
+    xp                                   the array module (numpy or cupy)
+    as_float32(x)                        x as a C-contiguous float32 array of that module (or a clear error)
+    sr_bytes(sr, shape)                  the per-element random bytes of an SRPlan, in ``shape``
+    encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
+    absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
+    nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake) -> codes, scales, fake_values
+    mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake)               -> codes, scales, fake_values
+    fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake)              -> codes, scales, fake_values
+        (scale None: blockwise, tile x 128 blocks, float32 scales; else per-tensor with that scale)
+    dequantize(q, dq: DequantPlan)       float32 (rows, K) values
+    rht(x2, d, sh, scale, to_bf16)       the transform of every d-long chunk of each row
+
+``fp4sim.cpu.backend.CpuKernels`` implements it with Numba, ``fp4sim.gpu.ops.GpuKernels`` with the CUDA
+kernels (on a GPU through CuPy, or compiled for the host in the tests). The ids the kernels take (rounding
+modes, flavours, scale modes) are those of :mod:`fp4sim.ids`.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _inputs, ids
+from .formats import E2M1, Format, get_format
+from .qtensor import QuantizedTensor
+from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
+
+f32 = np.float32
+FLT_MAX = f32(np.finfo(np.float32).max)
+ROUNDINGS = ("rne", "rz", "ru", "rp", "rd", "sr")
+C2688 = f32(2688.0)
+INV2688 = f32(1.0) / C2688
+R6 = f32(1.0) / f32(6.0)
+as_float32 = _inputs.as_float32  # NumPy inputs: any float dtype fp4sim takes -> C-contiguous float32
+POW2_ENC = np.array([2.0 ** (127 - e) for e in range(255)] + [np.nan], dtype=np.float32)  # 1 / 2^(e - 127)
+POW2_DEC = np.array([2.0 ** (e - 127) for e in range(255)] + [np.nan], dtype=np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ elements
+def kernel_params(fmt: Format) -> tuple:
+    """The integer description of a format that the encode kernels take."""
+    if fmt.has_inf:
+        nosat = fmt.inf_code
+    elif fmt.nan_code is not None:
+        nosat = fmt.nan_code
+    else:
+        nosat = fmt.max_code
+    nan = fmt.nan_code if fmt.nan_code is not None else fmt.max_code
+    return (fmt.mbits, fmt.emin, fmt.bias, fmt.max_code, nosat, nan, fmt.sign_mask)
+
+
+@dataclass(frozen=True)
+class SRPlan:
+    """Where stochastic-rounding bits come from: ``kind`` is ids.SR_NONE, SR_GIVEN (``per``: one byte per
+    element, flat C order of the input) or SR_PHILOX (``seed``, ``stream``); ``nsr`` random bits."""
+    kind: int
+    nsr: int = 8
+    per: object = None
+    seed: int | None = None
+    stream: int = 0
+
+
+def plan_sr(n: int, shape, rounding: str, rbits, seed, sr_bits, stream, rbits_mapping) -> SRPlan:
+    nsr = _inputs.check_int(sr_bits, "sr_bits", 1, 8)
+    stream = _inputs.check_int(stream, "stream", 0, 0xFFFFFFFF)
+    kind, per = _inputs.sr_bytes(n, shape, rounding, rbits, seed, nsr, rbits_mapping)
+    if kind == ids.SR_PHILOX:
+        from .rng import seed_key
+        seed_key(seed)  # checks the seed
+    return SRPlan(kind, nsr, per, seed, stream)
+
+
+@dataclass(frozen=True)
+class ElementPlan:
+    fmt: Format
+    mode: int
+    sat: bool
+    sr: SRPlan
+
+
+def plan_encode(shape, size, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping) -> ElementPlan:
+    fmt = get_format(fmt)
+    rounding = _inputs.check_choice(rounding, "rounding", ROUNDINGS)
+    if not isinstance(saturate, (bool, np.bool_)):
+        raise TypeError(f"saturate must be True or False, not {type(saturate).__name__}")
+    mode = ids.MODES[rounding]
+    if fmt.name == "ue8m0":
+        if mode == ids.SR:
+            raise ValueError("rounding='sr' is not defined for UE8M0 scales; use 'rz', 'rp'/'ru' or 'rne'")
+        if mode == ids.RD:
+            mode = ids.RZ  # UE8M0 ignores the sign, so rounding down is rounding toward zero
+    if mode == ids.SR and not saturate and fmt.name != "e2m1":
+        raise ValueError("saturate=False is not defined with rounding='sr': stochastic rounding is satfinite "
+                         "(as the hardware cvt.rs instruction); use saturate=True")
+    sr = plan_sr(size, shape, rounding, rbits, seed, sr_bits, stream, rbits_mapping)
+    return ElementPlan(fmt, mode, bool(saturate), sr)
+
+
+def run_encode(kern, x, fmt, rounding="rne", saturate=True, rbits=None, seed=None, sr_bits=8, stream=0,
+               rbits_mapping="te"):
+    """:func:`fp4sim.encode` on the backend ``kern``."""
+    fmt = get_format(fmt)
+    xs = kern.as_float32(x)
+    p = plan_encode(xs.shape, xs.size, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
+    return kern.encode(xs, p.fmt, p.mode, p.sat, p.sr.nsr, p.sr)
+
+
+# ------------------------------------------------------------------------------------------------ block schemes
+def check_global_amax(global_amax):
+    if global_amax is None:
+        return None
+    if isinstance(global_amax, (str, bytes)) or isinstance(global_amax, bool):
+        raise TypeError(f"global_amax must be a number, not {type(global_amax).__name__}")
+    try:
+        arr = np.asarray(global_amax, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"global_amax must be a number, not {type(global_amax).__name__}") from None
+    if arr.size != 1:
+        raise ValueError(f"global_amax must be one number (the tensor's |x| max), not an array of {arr.size}")
+    g = f32(arr.reshape(-1)[0])
+    if np.isnan(g) or g < 0:
+        raise ValueError(f"global_amax={global_amax!r} must be a non-negative number (the tensor's |x| max)")
+    return g
+
+
+def nvfp4_constants(flavor: str, amax_g):
+    """Per-tensor float32 constants ``(c0, c1)`` a flavour's kernel takes, and its dequantize constants ``dq``."""
+    amax_g = f32(amax_g)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if flavor in ("te", "paper"):
+            s_enc = f32(1.0) if amax_g == 0 else min(C2688 / amax_g, FLT_MAX)
+            s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+            s_dec = f32(1.0) / s_enc
+            c0 = s_enc * R6 if flavor == "te" else s_enc
+            return (f32(c0), s_dec), np.array([amax_g, INV2688], np.float32)
+        pts = amax_g / C2688
+        if flavor == "torchao":
+            return (pts, f32(1.0) / pts), np.array([pts, 0], np.float32)
+        return (f32(6.0) * pts, pts), np.array([pts, 0], np.float32)  # modelopt: wsf2 = pts
+
+
+# Above this tensor amax the te/paper decode factor fl(s * amax_g) overflows float32 for the largest scale byte.
+NVFP4_DEQUANT_AMAX_LIMIT = float(FLT_MAX) / 448.0
+
+
+def fp8_tensor_scale(fmt, amax):
+    """FP8 current scaling: fl(max / amax), 1 when amax is 0 or not finite, at most FLT_MAX."""
+    with np.errstate(divide="ignore", over="ignore"):
+        scale = f32(fmt.max) / amax if (amax > 0 and np.isfinite(amax)) else f32(1.0)
+    return f32(min(scale, FLT_MAX))
+
+
+def warn_specials(sch, amax_g, has_nan, has_inf, stacklevel=4):
+    if isinstance(sch, NVFP4):
+        if not np.isfinite(amax_g):
+            warnings.warn("the tensor (or global_amax) is not finite: NVFP4 encodes with S_enc = 1 but "
+                          "dequantizes to Inf/NaN, as TransformerEngine's kernels do", RuntimeWarning, stacklevel)
+        elif sch.flavor in ("te", "paper") and amax_g > NVFP4_DEQUANT_AMAX_LIMIT:
+            warnings.warn(f"tensor amax {float(amax_g):.4g} exceeds FLT_MAX/448 = {NVFP4_DEQUANT_AMAX_LIMIT:.4g}: "
+                          "the codes and scale bytes are exact, but dequantizing blocks with large scale bytes "
+                          "overflows float32 (fl(s * amax) = Inf) and gives Inf/NaN, as TE's kernels would",
+                          RuntimeWarning, stacklevel)
+        if sch.flavor in ("torchao", "modelopt") and amax_g == 0:
+            warnings.warn(f"all-zero tensor under the {sch.flavor} flavour: its per-tensor scale is 0, so the "
+                          "scales are NaN (0xFF) as the library itself produces", RuntimeWarning, stacklevel)
+        if sch.flavor == "torchao" and (has_nan or has_inf):
+            warnings.warn("torchao's output for NaN/Inf elements depends on NaN payloads; fp4sim follows the "
+                          "te flavour's semantics for them", RuntimeWarning, stacklevel)
+    elif isinstance(sch, MX) and has_inf:
+        warnings.warn("an Inf inside an MX block: its scale comes from Inf's exponent field (floor/ceil/even) "
+                      "or saturates (rceil); the block's finite elements flush toward 0", RuntimeWarning, stacklevel)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """A checked block-scaled call: the scheme, the input viewed as (R, K) rows with the block axis last."""
+    scheme: object
+    axis: int
+    shape: tuple
+    K: int
+    R: int
+    lead: tuple
+    rounding: str
+    mode: int
+    sr: SRPlan
+    global_amax: object
+    scale_layout: str
+    fake: bool
+
+    def to2d(self, xp, a):
+        return xp.ascontiguousarray(xp.moveaxis(a, self.axis, -1)).reshape(-1, self.K)
+
+    def back(self, xp, y2):
+        """A (R, K) result in the input's original layout."""
+        return xp.moveaxis(y2.reshape(self.lead + (self.K,)), -1, self.axis)
+
+
+def plan_quantize(shape, scheme, axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
+                  global_amax=None, rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te",
+                  scale_layout="linear", fake=False) -> QuantPlan:
+    sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode)
+    scale_layout = _inputs.check_choice(scale_layout, "scale_layout", ("linear", "swizzled"))
+    if scale_layout == "swizzled" and not isinstance(sch, (NVFP4, MX)):
+        raise ValueError(f"scale_layout='swizzled' applies to NVFP4 and MX schemes, not {sch.name!r}")
+    shape = tuple(int(s) for s in shape)
+    ax = _inputs.check_axis(axis, len(shape), "a block-scaled scheme")
+    K = shape[ax]
+    if K == 0:
+        raise ValueError(f"axis {axis} of x has length 0: there is nothing to quantize along it")
+    size = math.prod(shape)
+    if size == 0:
+        raise ValueError(f"x has shape {shape} with no elements; nothing to quantize")
+    rounding = _inputs.check_choice(rounding, "rounding", ROUNDINGS)
+    sr = plan_sr(size, shape, rounding, rbits, seed, sr_bits, stream, rbits_mapping)
+    g = check_global_amax(global_amax)
+    if g is not None and not isinstance(sch, (NVFP4, FP8Tensor)):
+        raise ValueError(f"global_amax applies to NVFP4 and FP8 per-tensor schemes only, not {sch.name!r}")
+    lead = tuple(s for i, s in enumerate(shape) if i != ax)
+    return QuantPlan(sch, ax, shape, K, size // K, lead, rounding, ids.MODES[rounding], sr, g, scale_layout,
+                     bool(fake))
+
+
+def finish(sch, codes, scales, gamax, lead, axis, shape, scale_layout, extras=None) -> QuantizedTensor:
+    """Wrap kernel outputs (2-D codes and scales) into a QuantizedTensor in the documented shapes/layout
+    (NumPy or CuPy arrays alike)."""
+    from ._xp import xp_of
+    from .layout import swizzle_scales
+    xp = xp_of(codes)
+    R = codes.shape[0]
+    codes = codes.reshape(tuple(lead) + (codes.shape[-1],))
+    if isinstance(sch, (NVFP4, MX)):
+        if scale_layout == "swizzled":
+            s2 = scales if sch.block[0] == 1 else xp.repeat(scales, sch.block[0], axis=0)[:R]
+            scales = swizzle_scales(s2)
+        elif sch.block[0] == 1:
+            scales = scales.reshape(tuple(lead) + (scales.shape[-1],))
+    elif isinstance(sch, FP8Blockwise) and sch.block[0] == 1:
+        scales = scales.reshape(tuple(lead) + (scales.shape[-1],))
+    return QuantizedTensor(codes, scales, gamax, sch, axis, shape, scale_layout, extras or {})
+
+
+def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
+                 global_amax=None, rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te",
+                 scale_layout="linear", fake=False, return_intermediates=False):
+    """:func:`fp4sim.quantize` (or ``fake_quantize`` with ``fake=True``) on the backend ``kern``."""
+    xs = kern.as_float32(x)
+    p = plan_quantize(xs.shape, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed,
+                      stream, sr_bits, rbits_mapping, scale_layout, fake)
+    xp, sch = kern.xp, p.scheme
+    x2 = p.to2d(xp, xs)
+    use_rb = p.sr.kind != ids.SR_NONE
+    rb = p.to2d(xp, kern.sr_bytes(p.sr, xs.shape)) if use_rb else xp.zeros((1, 1), np.uint8)
+    if isinstance(sch, BF16Cast):
+        srp = SRPlan(ids.SR_GIVEN, p.sr.nsr, rb.reshape(-1)) if use_rb else p.sr
+        codes = kern.encode(x2, sch.elem, p.mode, p.rounding == "sr", p.sr.nsr, srp)
+        if fake:
+            return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
+        return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
+    amax_t, has_nan = kern.absmax(x2)
+    has_inf = bool(np.isinf(amax_t))
+    extras, gamax = {}, None
+    if isinstance(sch, NVFP4):
+        amax_g = amax_t if p.global_amax is None else p.global_amax
+        warn_specials(sch, amax_g, has_nan, has_inf)
+        (c0, c1), dq = nvfp4_constants(sch.flavor, amax_g)
+        codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
+                                       c0, c1, dq, fake)
+        gamax = f32(amax_g)
+        if return_intermediates:
+            extras = {"s_enc_constants": (c0, c1), "dequant_constants": dq, "tensor_amax": f32(amax_t)}
+    elif isinstance(sch, MX):
+        warn_specials(sch, amax_t, has_nan, has_inf)
+        codes, scales, fv = kern.mx(x2, rb, use_rb, p.mode, p.sr.nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
+                                    sch.elem, fake)
+    elif isinstance(sch, FP8Tensor):
+        scale = fp8_tensor_scale(sch.elem, amax_t if p.global_amax is None else p.global_amax)
+        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.nsr, sch.elem, 1, scale, fake)
+    else:
+        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.nsr, sch.elem, sch.block[0], None, fake)
+    if fake:
+        return p.back(xp, fv)
+    return finish(sch, codes, scales, gamax, p.lead, p.axis, p.shape, p.scale_layout, extras)
+
+
+# ------------------------------------------------------------------------------------------------ dequantize
+@dataclass(frozen=True)
+class DequantPlan:
+    """How a QuantizedTensor's codes become values: kind (ids.DQ_*), block length, the NVFP4 flavour id and its
+    dequantize constants, the FP8 blockwise tile rows, rows R and length K."""
+    kind: int
+    R: int
+    K: int
+    bk: int
+    flavor: int = 0
+    dq: object = None
+    tile: int = 1
+
+
+def plan_dequantize(q) -> DequantPlan:
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"q must be a QuantizedTensor (from fp4sim.quantize), not {type(q).__name__}")
+    sch = q.scheme
+    R = int(np.prod(q.lead, dtype=np.int64))
+    if isinstance(sch, BF16Cast):
+        return DequantPlan(-1, R, q.K, q.K)
+    if isinstance(sch, NVFP4):
+        g = f32(q.global_amax)
+        if sch.flavor in ("te", "paper") and np.isfinite(g) and g > NVFP4_DEQUANT_AMAX_LIMIT:
+            warnings.warn(f"global amax {float(g):.4g} > FLT_MAX/448: blocks with large scale bytes dequantize to "
+                          "Inf/NaN (fl(s * amax) overflows float32)", RuntimeWarning, 4)
+        _, dq = nvfp4_constants(sch.flavor, g)
+        return DequantPlan(ids.DQ_NVFP4, R, q.K, 16, ids.FLAVOR_IDS[sch.flavor], dq)
+    if isinstance(sch, MX):
+        return DequantPlan(ids.DQ_MX, R, q.K, 32)
+    if isinstance(sch, FP8Tensor):
+        return DequantPlan(ids.DQ_FP8_TENSOR, R, q.K, q.K)
+    return DequantPlan(ids.DQ_FP8_BLOCKWISE, R, q.K, 128, tile=sch.block[0])
+
+
+def run_dequantize(kern, q):
+    """:func:`fp4sim.dequantize` on the backend ``kern``."""
+    p = plan_dequantize(q)
+    xp = kern.xp
+    y2 = kern.dequantize(q, p)
+    return xp.moveaxis(y2.reshape(tuple(q.lead) + (q.K,)), -1, q.axis)
+
+
+def is_fp4(sch) -> bool:
+    return isinstance(sch, NVFP4) or (isinstance(sch, MX) and sch.elem is E2M1)
+
+
+# ------------------------------------------------------------------------------------------------ RHT
+def rht_args(xs, d, signs, axis, out):
+    """Checked arguments of :func:`fp4sim.rht`: (axis 0..ndim-1, its length, diag(s) @ H_d as float64,
+    bf16 output?)."""
+    from .hadamard import check_d, hadamard_matrix, rht_signs
+    check_d(d)
+    out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
+    axis = _inputs.check_axis(axis, xs.ndim, "rht")
+    K = xs.shape[axis]
+    if K % d:
+        raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
+    return axis, K, np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d)), out == "bf16"
+
+
+def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16"):
+    """:func:`fp4sim.rht` on the backend ``kern``."""
+    xp = kern.xp
+    xs = kern.as_float32(x)
+    axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
+    xm = xp.ascontiguousarray(xp.moveaxis(xs, axis, -1))
+    x2 = xm.reshape(-1, K)
+    y = kern.rht(x2, d, sh, math.sqrt(1.0 / d), to_bf16)
+    return xp.moveaxis(y.reshape(xm.shape), -1, axis)
