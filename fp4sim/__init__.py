@@ -1,12 +1,18 @@
 """fp4sim: bit-exact emulation and analysis of 4-bit floating-point (NVFP4, MXFP4) LLM training numerics."""
+import os as _os
+
+# OpenMP workers that spin between Numba's parallel regions take the cores the main thread needs (5-8x slower
+# chunked analyses on two cores); sleeping workers cost microseconds. A value you set yourself is kept.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from .elements import decode, encode
 from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
 from .hadamard import rht
 from .qtensor import QuantizedTensor
 from .quantize import dequantize, fake_quantize, quantize
 from .schemes import SCHEMES, get_scheme
-from . import layout, rng
+from . import layout, rng, threads
 
 __version__ = "0.1.0"
-__all__ = ["layout", "rng", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
+__all__ = ["layout", "rng", "threads", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
            "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]

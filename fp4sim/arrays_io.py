@@ -1,11 +1,38 @@
 """Reading arrays from .npy, .npz, .safetensors and .pt files (torch and safetensors optional)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_array"]
+__all__ = ["load_array", "check_writable"]
+
+
+class _Clear(ValueError):
+    """An error whose message already says what is wrong (not re-wrapped)."""
+
+
+def check_writable(path, what: str, directory: bool = False) -> None:
+    """Raise ValueError (naming the option ``what``) unless ``path`` can be written: checked before any work
+    starts, so a long run never ends in an unwritable output. ``directory``: the path is a folder to create."""
+    p = Path(path)
+    if directory:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{what} {path}: is a file, not a directory")
+        q = p
+        while not q.exists():
+            q = q.parent
+        if not q.is_dir() or not os.access(q, os.W_OK | os.X_OK):
+            raise ValueError(f"{what} {path}: cannot create it ({q} is not a writable directory)")
+        return
+    if p.is_dir():
+        raise ValueError(f"{what} {path}: is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: the directory {parent} does not exist")
+    if (p.exists() and not os.access(p, os.W_OK)) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: not writable")
 
 
 def load_array(spec: str) -> np.ndarray:
@@ -26,35 +53,38 @@ def load_array(spec: str) -> np.ndarray:
             try:
                 from safetensors.numpy import load_file
             except ImportError as e:
-                raise ValueError(f"{path}: reading .safetensors needs the safetensors package ({e})") from None
+                raise _Clear(f"{path}: reading .safetensors needs the safetensors package ({e})") from None
             return _pick(load_file(str(p)), key, path)
         if suf in (".pt", ".pth"):
             try:
                 import torch
             except ImportError:
-                raise ValueError(f"{path}: reading .pt files needs torch (pip install torch)") from None
+                raise _Clear(f"{path}: reading .pt files needs torch (pip install torch)") from None
             obj = torch.load(p, map_location="cpu", weights_only=True)
             if isinstance(obj, dict):
                 obj = _pick(obj, key, path)
             if not isinstance(obj, torch.Tensor):
-                raise ValueError(f"{path}: holds a {type(obj).__name__}, not a tensor")
+                raise _Clear(f"{path}: holds a {type(obj).__name__}, not a tensor")
             return _torch_to_numpy(obj)
-    except (OSError, EOFError) as e:
-        raise ValueError(f"{path}: cannot be read as {suf} ({e})") from None
-    except ValueError as e:
-        if "pickle" in str(e).lower():
-            raise ValueError(f"{path}: holds pickled objects, which are refused; save plain arrays") from None
+    except _Clear:
         raise
+    except Exception as e:  # noqa: BLE001 - every reader's own error becomes one clear ValueError
+        msg = str(e).lower()
+        if "pickle" in msg or "weights_only" in msg or "unpickl" in msg:
+            raise ValueError(f"{path}: holds pickled objects, which are refused (only plain tensors and arrays are "
+                             "read); save plain arrays") from None
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ValueError(f"{path}: cannot be read as {suf} ({type(e).__name__}: {first})") from None
     raise ValueError(f"{path}: unsupported file type {suf!r}; use .npy, .npz, .safetensors or .pt")
 
 
 def _pick(d: dict, key: str, path: str):
     if key:
         if key not in d:
-            raise ValueError(f"{path}: has no entry {key!r}; entries: {sorted(d)}")
+            raise _Clear(f"{path}: has no entry {key!r}; entries: {sorted(d)}")
         return d[key]
     if len(d) != 1:
-        raise ValueError(f"{path}: holds {len(d)} entries {sorted(d)[:8]}; name one as {path}:NAME")
+        raise _Clear(f"{path}: holds {len(d)} entries {sorted(d)[:8]}; name one as {path}:NAME")
     return next(iter(d.values()))
 
 

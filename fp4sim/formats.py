@@ -53,6 +53,22 @@ class Format:
     nan_all_ones: bool = False
     subnormals: bool = True
 
+    # ---- identity: the registered formats stay the same objects through copy, deepcopy and pickle --------
+    def _canonical(self):
+        reg = FORMATS.get(self.name)
+        return reg if reg == self else None
+
+    def __reduce__(self):
+        if self._canonical() is not None:
+            return (get_format, (self.name,))
+        return super().__reduce__()
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def bits(self) -> int:

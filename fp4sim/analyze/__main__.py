@@ -10,9 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+from .. import threads
+from ..arrays_io import check_writable
 from .core import analyze
 from .figures import write_figures
-from .inputs import ROLES
+from .inputs import ROLES, SUFFIXES
 from .metrics import SCHEMES_BY_LABEL
 from .report import summary, table
 
@@ -30,46 +32,98 @@ def main(argv=None) -> int:
     ap.add_argument("--role", action="append", default=[], metavar="PATTERN=ROLE",
                     help=f"set the role of tensors matching a name or glob ({', '.join(ROLES)}); repeatable")
     ap.add_argument("--no-hadamard", action="store_true", help="skip the Hadamard-transform study")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding (Philox)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding (Philox), 0 <= N < 2**64")
+    ap.add_argument("--threads", type=int, help="Numba threads (default: the idle cores, from the load average)")
     ap.add_argument("--dask", action="store_true", help="analyse tensors in parallel on a local Dask cluster")
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler (implies --dask)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except BadInput as e:
+        print(f"fp4sim.analyze: bad input: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+class BadInput(ValueError):
+    pass
+
+
+def _run(a) -> int:
     paths = a.paths or [str(SAMPLE)]
     roles = {}
     for r in a.role:
         pat, sep, role = r.rpartition("=")
-        if not sep or role not in ROLES:
-            print(f"fp4sim.analyze: --role {r!r}: write it as PATTERN=ROLE with ROLE one of {ROLES}", file=sys.stderr)
-            return 2
+        if not sep or not pat or role not in ROLES:
+            raise BadInput(f"--role {r!r}: write it as PATTERN=ROLE with ROLE one of {', '.join(ROLES)}")
         roles[pat] = role
     schemes = None
     if a.schemes:
         schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
         bad = [s for s in schemes if s not in SCHEMES_BY_LABEL]
-        if bad:
-            print(f"fp4sim.analyze: --schemes: unknown {bad}; choose from {list(SCHEMES_BY_LABEL)}", file=sys.stderr)
-            return 2
+        if bad or not schemes:
+            raise BadInput(f"--schemes: unknown {bad}; choose from {', '.join(SCHEMES_BY_LABEL)}")
+    if not 0 <= a.seed < 1 << 64:
+        raise BadInput(f"--seed {a.seed}: give an integer in [0, 2**64)")
     try:
-        ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask or bool(a.scheduler), a.scheduler,
-                     quiet=a.quiet)
+        threads.configure(a.threads)
+        if a.out:
+            check_writable(a.out, "--out")
+        if a.json:
+            check_writable(a.json, "--json")
+        if a.figures:
+            check_writable(a.figures, "--figures", directory=True)
     except ValueError as e:
-        print(f"fp4sim.analyze: {e}", file=sys.stderr)
-        return 2
-    print(table(ds))
-    if a.out:
-        ds.to_netcdf(a.out)
-        print(f"\nwrote {a.out}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(summary(ds), indent=1))
-        print(f"wrote {a.json}")
-    if a.figures:
-        files = write_figures(ds, a.figures)
-        print("wrote " + ", ".join(str(f) for f in files))
+        raise BadInput(str(e)) from None
+    client = None
+    if a.scheduler:
+        client = _connect(a.scheduler)
+    try:
+        ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask, None, quiet=a.quiet, client=client)
+    except ValueError as e:  # a broken roles file, names that cannot be told apart
+        raise BadInput(str(e)) from None
+    finally:
+        if client is not None:
+            client.close()
     skipped = json.loads(ds.attrs["skipped"])
     if ds.sizes.get("tensor", 0) == 0:
+        where = ", ".join(paths)
+        if skipped:
+            for sk in skipped:
+                print(f"  skipped {sk['tensor']}: {sk['reason']}", file=sys.stderr)
+            print(f"fp4sim.analyze: nothing analysed: every tensor under {where} was skipped (reasons above)",
+                  file=sys.stderr)
+        else:
+            print(f"fp4sim.analyze: nothing analysed: no tensors found under {where} (looked for "
+                  f"{', '.join(SUFFIXES)} files)", file=sys.stderr)
         return 2
+    print(table(ds))
+    try:
+        if a.out:
+            ds.to_netcdf(a.out)
+            print(f"\nwrote {a.out}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(summary(ds), indent=1))
+            print(f"wrote {a.json}")
+        if a.figures:
+            files = write_figures(ds, a.figures)
+            print(f"wrote {len(files)} figures into {a.figures}: " + ", ".join(Path(f).name for f in files))
+    except OSError as e:
+        raise BadInput(f"writing the results: {e}") from None
     return 1 if skipped else 0
+
+
+def _connect(address):
+    """A Dask client for --scheduler, or BadInput within a few seconds when nothing answers there."""
+    try:
+        from dask.distributed import Client
+    except ImportError:
+        raise BadInput("--scheduler needs Dask: pip install 'fp4sim[dask]'") from None
+    try:
+        return Client(address, timeout=5)
+    except (OSError, TimeoutError, ValueError) as e:
+        raise BadInput(f"--scheduler {address}: no Dask scheduler answered ({type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:160]})") from None
 
 
 if __name__ == "__main__":

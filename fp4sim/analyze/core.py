@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -21,66 +20,106 @@ WGRAD_VARS = ("wgrad_bias_rne", "wgrad_bias_sr", "wgrad_rel_err_rne", "wgrad_rel
               "wgrad_rel_err_sr_mean", "wgrad_rel_var_sr")
 
 
+def chunk_size(numel: int) -> int:
+    """Elements per row chunk: an eighth of the tensor (the analysis holds a few float64 copies of one chunk),
+    between 2^16 and 2^22."""
+    return int(min(max(numel // 8, 1 << 16), 1 << 22))
+
+
 def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard: bool = True,
-                   chunk_elems: int = 1 << 22) -> dict:
-    """Everything about one tensor (a plain dict, so it can travel back from a Dask worker)."""
+                   chunk_elems: int | None = None, stage=None) -> dict:
+    """Everything about one tensor (a plain dict, so it can travel back from a Dask worker). ``stage(name)``
+    is called as each stage starts (for progress). Every study works in row chunks of ``chunk_elems``
+    elements (default: :func:`chunk_size`), so the extra memory stays a small multiple of the tensor."""
+    stage = stage or (lambda name: None)
+    stage("load")
     x = load(src)
+    ch = chunk_size(x.size) if chunk_elems is None else chunk_elems
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {}}
         amax = tensor_amax(x)
         for spec in schemes:
             if src.role in spec.roles:
-                m, ch, sh = scheme_metrics(x, spec, src.role, seed, chunk_elems, amax)
-                res["schemes"][spec.label] = {"metrics": m, "code_hist": ch.tolist(), "scale_hist": sh.tolist()}
-        res["outliers"] = outliers(x)
-        res["absmax_map"] = absmax_map(x).tolist()
+                stage(f"scheme {spec.label}")
+                m, chs, sh = scheme_metrics(x, spec, src.role, seed, ch, amax)
+                res["schemes"][spec.label] = {"metrics": m, "code_hist": chs.tolist(), "scale_hist": sh.tolist()}
+        stage("outliers")
+        res["outliers"] = outliers(x, chunk_elems=ch, amax=amax)
+        res["absmax_map"] = absmax_map(x, chunk_elems=ch).tolist()
         if hadamard:
-            dims, err, kur = hadamard_effect(x, seed, res["outliers"]["kurtosis"])
+            stage("Hadamard study")
+            dims, err, kur = hadamard_effect(x, seed, res["outliers"]["kurtosis"], chunk_elems=ch, amax=amax)
             res["rht"] = {"dims": list(dims), "rel_mse": err.tolist(), "kurtosis": kur.tolist()}
         if src.role == "gradient":
-            res["bias"] = gradient_bias(x, seed)
+            stage("gradient bias")
+            res["bias"] = gradient_bias(x, seed, chunk_elems=ch)
     return res
 
 
-def _progress(i, n, name, t0, quiet):
-    if not quiet:
-        el = time.time() - t0
-        print(f"\r[{i}/{n}] {el:6.1f}s {name[:60]:60}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+class _Progress:
+    """Progress over tensors and, within one, its current stage (tqdm on stderr; nothing when quiet)."""
+
+    def __init__(self, n, quiet):
+        self.bar = None
+        if not quiet and n:
+            from tqdm import tqdm
+            self.bar = tqdm(total=n, unit="tensor", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+    def stage(self, name, what):
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{name}: {what}"[-100:], refresh=True)
+
+    def done(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.set_postfix_str("")
+            self.bar.close()
 
 
 def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: bool = True, dask: bool = False,
-            scheduler: str | None = None, chunk_elems: int = 1 << 22, quiet: bool = False) -> xr.Dataset:
+            scheduler: str | None = None, chunk_elems: int | None = None, quiet: bool = False,
+            client=None) -> xr.Dataset:
     """Analyse every tensor under ``paths``; returns the Dataset (``ds.attrs['skipped']`` lists what was not
     analysed and why, as JSON)."""
     specs = DEFAULT_SCHEMES if schemes is None else tuple(SCHEMES_BY_LABEL[s] if isinstance(s, str) else s
                                                           for s in schemes)
     sources, problems, meta = discover(paths, role_overrides)
     results, skipped = [], [{"tensor": p, "reason": r} for p, r in problems]
-    t0 = time.time()
-    if dask or scheduler:
+    prog = _Progress(len(sources), quiet)
+    if dask or scheduler or client is not None:
         from dask.distributed import Client, LocalCluster, as_completed
-        client = Client(scheduler) if scheduler else Client(LocalCluster(n_workers=2, threads_per_worker=1,
-                                                                          processes=True, dashboard_address=None))
+        own = client is None
+        if own:
+            client = Client(scheduler, timeout=10) if scheduler else Client(
+                LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None))
         try:
             futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, pure=False): s
                     for s in sources}
-            for i, f in enumerate(as_completed(futs), 1):
+            for f in as_completed(futs):
                 s = futs[f]
                 try:
                     results.append(f.result())
                 except TensorError as e:
                     skipped.append({"tensor": s.name, "reason": str(e)})
-                _progress(i, len(sources), s.name, t0, quiet)
+                prog.stage(s.name, "analysed on the cluster")
+                prog.done()
         finally:
-            client.close()
+            if own:
+                client.close()
     else:
-        for i, s in enumerate(sources, 1):
+        for s in sources:
             try:
-                results.append(analyze_tensor(s, specs, seed, hadamard, chunk_elems))
+                results.append(analyze_tensor(s, specs, seed, hadamard, chunk_elems,
+                                              stage=lambda what, s=s: prog.stage(s.name, what)))
             except TensorError as e:
                 skipped.append({"tensor": s.name, "reason": str(e)})
-            _progress(i, len(sources), s.name, t0, quiet)
+            prog.done()
+    prog.close()
     order = {s.name: i for i, s in enumerate(sources)}
     results.sort(key=lambda r: order[r["name"]])
     pairs = []
@@ -133,10 +172,22 @@ def to_dataset(results, pairs, specs, skipped, meta) -> xr.Dataset:
                              np.array([r["rht"]["rel_mse"] for r in results], float))
         ds["rht_kurtosis"] = (("tensor", "rht_d", "rht_signs"), np.array([r["rht"]["kurtosis"] for r in results],
                                                                           float))
+    status = np.full((nt, ns), "not applied", dtype=object)
+    for i, r in enumerate(results):
+        for j, lab in enumerate(labels):
+            if lab in r["schemes"]:
+                mse, rel = data["mse"][i, j], data["rel_mse"][i, j]
+                status[i, j] = "degenerate" if not np.isfinite(rel) else ("exact" if mse == 0 else "ok")
+    ds["status"] = (("tensor", "scheme"), status.astype(str))
+    ds["status"].attrs["description"] = ("'ok'; 'exact' (no error at all); 'degenerate' (no finite nonzero value: "
+                                         "relative errors undefined); 'not applied' (the scheme is not used for "
+                                         "this role)")
     if pairs:
         ds = ds.assign_coords(pair=[p["pair"] for p in pairs])
         for v in WGRAD_VARS:
             ds[v] = ("pair", [p[v] for p in pairs])
+        ds["wgrad_rht"] = ("pair", [bool(p["rht"]) for p in pairs])
+        ds["wgrad_tokens"] = ("pair", [int(p["tokens"]) for p in pairs])
     for v, desc in (("sqnr_db", "signal-to-quantization-noise ratio, dB"), ("rel_mse", "MSE / mean(x^2)"),
                     ("underflow_frac", "share of nonzero elements that quantize to 0"),
                     ("frac_blocks_amax_max", "share of blocks whose amax element codes to +-6 (FP4)"),

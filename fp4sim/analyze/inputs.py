@@ -1,8 +1,15 @@
 """Finding, loading and classifying the tensors of a dump.
 
-Sources: ``.npz`` (``allow_pickle=False``), ``.safetensors``, TransformerEngine ``DumpTensors`` ``.pt`` files
-(the ``high_precision`` tensor, ``torch.load(weights_only=True)``; torch optional), and directories of them.
-Each tensor is loaded only when it is analysed, so memory holds a few tensors at a time.
+Sources: ``.npy`` and ``.npz`` (``allow_pickle=False``), ``.safetensors``, ``.pt``/``.pth`` files
+(``torch.load(weights_only=True)``; torch optional) holding one tensor, TransformerEngine ``DumpTensors``'
+``{"high_precision": tensor, ...}``, or a state_dict (every tensor in it, nested dicts joined with dots), and
+directories of them (searched recursively). Each tensor is loaded only when it is analysed, so memory holds a
+few tensors at a time. A file that cannot be read is skipped with its reason; the others are analysed.
+
+Names: a tensor is named by its key in the file (``.npz``/``.safetensors``/state_dict) or by the file's stem
+(single-tensor ``.npy``/``.pt``). When several files give the same name (per-step or per-rank subfolders
+holding the same files), each such tensor is named by its path relative to the folder given, ``a/t`` or
+``a/dump.npz:layer.weight``, so every tensor keeps its own row.
 
 Roles (the recipe treatment): from the name, first match wins — ``grad`` -> ``gradient``; ``weight`` ->
 ``weight``; anything else (``act``, ``input``, ``hidden``, ...) -> ``activation``. A JSON sidecar
@@ -22,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 ROLES = ("weight", "activation", "gradient")
-SUFFIXES = (".npz", ".safetensors", ".pt", ".pth")
+SUFFIXES = (".npy", ".npz", ".safetensors", ".pt", ".pth")
 _OK_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -52,65 +59,150 @@ def _keys(path: Path) -> list[str | None]:
     suf = path.suffix.lower()
     if suf == ".npz":
         with np.load(path, allow_pickle=False) as z:
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise TensorError("is a single .npy array saved under an .npz name; rename it to .npy")
+            other = [n for n in z.zip.namelist() if not n.endswith(".npy")]
+            if other:
+                raise TensorError(f"is a zip archive but not a NumPy .npz (members such as {other[0]!r} are not "
+                                  ".npy arrays; a torch .pt file under an .npz name?)")
             return [k for k in z.files if not k.startswith("__")]
     if suf == ".safetensors":
         from safetensors import safe_open
         with safe_open(str(path), "np") as f:
             return list(f.keys())
-    return [None]  # .pt: one tensor per file (TE DumpTensors) or a dict, resolved at load time
+    if suf == ".npy":
+        return [None]
+    obj = _torch_load(path)  # .pt: one tensor, TE DumpTensors' dict, or a state_dict
+    if _is_tensor(obj) or (isinstance(obj, dict) and "high_precision" in obj):
+        return [None]
+    if isinstance(obj, dict):
+        flat = _flatten(obj)
+        if flat:
+            return list(flat)
+        raise TensorError("holds a dict without tensors")
+    raise TensorError(f"holds a {type(obj).__name__}, not a tensor or a dict of tensors")
+
+
+def _is_tensor(obj) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "detach")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """The tensors of a (nested) state_dict, keys joined with dots."""
+    out = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, name + "."))
+        elif _is_tensor(v):
+            out[name] = v
+    return out
+
+
+def _torch_load(path: Path):
+    try:
+        import torch
+    except ImportError:
+        raise TensorError("is a .pt file; reading it needs torch (pip install torch)") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if "weights_only" in msg or "pickle" in msg.lower():
+            raise TensorError("holds pickled Python objects beyond tensors, which are refused "
+                              "(torch.load(weights_only=True)); save a tensor or a state_dict") from None
+        raise TensorError(f"cannot be loaded with torch.load(weights_only=True): {type(e).__name__}: "
+                          f"{_first_line(e)}") from None
+
+
+def _first_line(e) -> str:
+    t = str(e).strip()
+    return t.splitlines()[0][:200] if t else ""
 
 
 def _sidecar(path: Path) -> dict:
     for cand in (path.with_name(path.name + ".roles.json"), path.with_suffix(".roles.json"),
                  path / "roles.json" if path.is_dir() else None):
         if cand is not None and cand.exists():
-            d = json.loads(cand.read_text())
+            try:
+                d = json.loads(cand.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"roles file {cand}: not valid JSON ({e})") from None
+            if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+                raise ValueError(f"roles file {cand}: must be a JSON object {{\"name or glob\": \"role\"}}")
             bad = {k: v for k, v in d.items() if v not in ROLES}
             if bad:
-                raise ValueError(f"{cand}: roles must be one of {ROLES}, got {bad}")
+                raise ValueError(f"roles file {cand}: roles must be one of {ROLES}, got {bad}")
             return d
     return {}
 
 
-def _apply(name: str, role: str, overrides: dict) -> str:
+def _apply(names, role: str, overrides: dict) -> str:
+    """The role after the overrides whose name or glob matches any of ``names`` (the last match wins)."""
     for pat, r in overrides.items():
-        if name == pat or fnmatch.fnmatchcase(name, pat):
+        if any(n == pat or fnmatch.fnmatchcase(n, pat) for n in names):
             role = r
     return role
 
 
 def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], list[tuple[str, str]], dict]:
-    """Sources of every tensor under ``paths`` (files or directories), problems found while listing, and
-    the dumps' metadata (``__meta__`` of .npz files)."""
-    sources, problems, meta = [], [], {"pairs": {}}
-    files = []
+    """Sources of every tensor under ``paths`` (files or directories), problems found while listing (files
+    that cannot be read, paths that do not exist), and the dumps' metadata (``__meta__`` of .npz files)."""
+    problems, meta = [], {"pairs": {}}
+    files = []  # (file, the folder it was found under or None, sidecar roles)
     for p in map(Path, paths):
         if p.is_dir():
             side = _sidecar(p)
-            files += [(f, side) for f in sorted(p.rglob("*")) if f.suffix.lower() in SUFFIXES]
+            files += [(f, p, side) for f in sorted(p.rglob("*")) if f.is_file() and f.suffix.lower() in SUFFIXES]
         elif p.exists():
-            files.append((p, {}))
+            files.append((p, None, {}))
         else:
             problems.append((str(p), "no such file or directory"))
-    for f, side in files:
+    found = []  # (base name, file, root, key, roles, file's meta pairs)
+    for f, root, side in files:
         try:
             side = {**side, **_sidecar(f)}
             keys = _keys(f)
+            pairs = {}
             if f.suffix.lower() == ".npz":
                 with np.load(f, allow_pickle=False) as z:
                     if "__meta__" in z.files:
                         m = json.loads(bytes(z["__meta__"]).decode())
-                        meta["pairs"].update(m.get("pairs", {}))
+                        pairs = m.get("pairs", {})
                         meta.setdefault("sources", {}).update(m.get("sources", {}))
+        except ValueError as e:
+            if str(e).startswith("roles file"):
+                raise
+            problems.append((str(f), _reason(e)))
+            continue
         except Exception as e:  # noqa: BLE001 - a broken file is reported and skipped
-            problems.append((str(f), f"cannot be read: {type(e).__name__}: {e}"))
+            problems.append((str(f), _reason(e)))
             continue
         for k in keys:
-            name = k if k is not None else f.stem
-            if len(files) > 1 and k is not None and any(s.name == name for s in sources):
-                name = f"{f.stem}/{k}"
-            role = _apply(name, _apply(name, infer_role(name), side), role_overrides or {})
-            sources.append(Source(name, str(f), k, role))
+            found.append((k if k is not None else f.stem, f, root, k, side, pairs))
+    count = {}
+    for base, *_ in found:
+        count[base] = count.get(base, 0) + 1
+    sources, used, per_file = [], set(), {}
+    for base, f, root, k, side, pairs in found:
+        name = base
+        if count[base] > 1:
+            rel = f.relative_to(root) if root is not None else Path(f.name)
+            stem = rel.with_suffix("").as_posix()
+            name = stem if k is None else f"{stem}{f.suffix}:{k}"
+        uniq, i = name, 2
+        while uniq in used:
+            uniq, i = f"{name}#{i}", i + 1
+        used.add(uniq)
+        role = _apply((base, uniq), _apply((base, uniq), infer_role(base), side), role_overrides or {})
+        sources.append(Source(uniq, str(f), k, role))
+        per_file.setdefault(f, ({}, pairs))[0][base] = uniq
+    for names_of, pairs in per_file.values():  # a dump's own __meta__ pairs, in the unique names
+        for pname, (a_, g_) in pairs.items():
+            if a_ in names_of and g_ in names_of:
+                ua = names_of[a_]
+                prefix = ua[: -len(a_)] if ua.endswith(a_) else ""
+                meta["pairs"].setdefault(prefix + pname, [ua, names_of[g_]])
     names = {s.name for s in sources}
     for s in sources:
         if s.name.endswith(".input"):
@@ -118,6 +210,15 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
             if pre + ".grad_output" in names:
                 meta["pairs"].setdefault(pre, [s.name, pre + ".grad_output"])
     return sources, problems, meta
+
+
+def _reason(e) -> str:
+    if isinstance(e, TensorError):
+        return str(e)
+    msg = str(e)
+    if "pickle" in msg.lower():
+        return "holds pickled objects, which are refused"
+    return f"cannot be read: {type(e).__name__}: {_first_line(e)}"
 
 
 def load(src: Source) -> np.ndarray:
@@ -128,6 +229,8 @@ def load(src: Source) -> np.ndarray:
         if suf == ".npz":
             with np.load(path, allow_pickle=False) as z:
                 a = z[src.key]
+        elif suf == ".npy":
+            a = np.load(path, allow_pickle=False)
         elif suf == ".safetensors":
             from safetensors import safe_open
             with safe_open(str(path), "np") as f:
@@ -136,14 +239,15 @@ def load(src: Source) -> np.ndarray:
             a = _load_pt(path, src.key)
     except TensorError:
         raise
-    except ValueError as e:
-        if "pickle" in str(e).lower():
-            raise TensorError("holds pickled objects, which are refused") from None
-        raise TensorError(f"cannot be read: {e}") from None
     except Exception as e:  # noqa: BLE001
-        raise TensorError(f"cannot be read: {type(e).__name__}: {e}") from None
+        raise TensorError(_reason(e)) from None
+    if not isinstance(a, np.ndarray):
+        raise TensorError(f"is not an array (read a {type(a).__name__})")
     if a.dtype == object:
         raise TensorError("is an object array; save numeric arrays")
+    if a.dtype.kind == "V" and a.dtype.itemsize == 2 and a.dtype != np.dtype(ml_dtypes.bfloat16):
+        raise TensorError(f"has the raw 2-byte dtype {a.dtype}: NumPy files do not keep bfloat16 (ml_dtypes) "
+                          "types; save bfloat16 tensors as .safetensors (which keeps them), or as float32")
     if a.dtype not in _OK_DTYPES:
         raise TensorError(f"has dtype {a.dtype}; fp4sim analyses float32, float16, bfloat16 (or float64) tensors")
     if a.ndim == 0:
@@ -154,19 +258,16 @@ def load(src: Source) -> np.ndarray:
 
 
 def _load_pt(path: Path, key):
-    try:
-        import torch
-    except ImportError:
-        raise TensorError("is a .pt file; reading it needs torch (pip install torch)") from None
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise TensorError(f"cannot be loaded with torch.load(weights_only=True): {type(e).__name__}: {e}") from None
+    import torch
+    obj = _torch_load(path)
     if isinstance(obj, dict):
-        obj = obj.get("high_precision", obj.get(key) if key else None)
+        obj = obj["high_precision"] if "high_precision" in obj else _flatten(obj).get(key) if key else None
     if not isinstance(obj, torch.Tensor):
-        raise TensorError("holds no tensor (expected a tensor or TE DumpTensors' {'high_precision': tensor})")
+        raise TensorError("holds no tensor (expected a tensor, a state_dict or TE DumpTensors' "
+                          "{'high_precision': tensor})")
     t = obj.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if not t.is_floating_point():
+        raise TensorError(f"has dtype {t.dtype}; fp4sim analyses float32, float16, bfloat16 (or float64) tensors")
     return t.numpy()

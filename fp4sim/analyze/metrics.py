@@ -72,8 +72,8 @@ def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int)
 
 def tensor_amax(x: np.ndarray) -> np.float32:
     """max |x| with NaN ignored (0 for an all-NaN tensor): the tensor-wide scale input of chunked schemes."""
-    a = np.abs(x[~np.isnan(x)])
-    return np.float32(a.max()) if a.size else np.float32(0)
+    from ..cpu.backend import CPU
+    return CPU.absmax(as_rows(np.ascontiguousarray(x, np.float32)))[0]
 
 
 def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22,
@@ -139,7 +139,8 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     mse = acc["se2"] / max(acc["n"], 1)
     ms = acc["sx2"] / max(acc["n"], 1)
     be = np.concatenate(blk_errs) if blk_errs else np.zeros(1)
-    top = np.sort(be)[::-1][: max(1, be.size // 100)]
+    ntop = max(1, be.size // 100)
+    top = np.partition(be, be.size - ntop)[be.size - ntop:]
     out = dict(mse=mse, rel_mse=mse / ms if ms else np.nan,
                sqnr_db=10 * np.log10(ms / mse) if mse > 0 and ms > 0 else np.inf,
                max_abs_err=acc["max_err"], blockmax_rel_err=acc["bm_err"] / max(acc["bm_n"], 1),

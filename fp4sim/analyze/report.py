@@ -8,17 +8,32 @@ import xarray as xr
 
 
 def _f(v, fmt="{:.1f}"):
-    return "-" if v is None or not np.isfinite(v) else fmt.format(v)
+    """A per-tensor statistic; 'undef.' where it is not defined (a constant or all-zero tensor)."""
+    return "undef." if v is None or not np.isfinite(v) else fmt.format(v)
+
+
+_MARK = {"not applied": "n/a", "exact": "exact", "degenerate": "degen."}
+
+
+def _cell(ds, i, j, v, fmt="{:.1f}", scale=1.0):
+    """A tensor x scheme value, or what its status says instead."""
+    st = str(ds.status.values[i, j]) if "status" in ds else "ok"
+    if st in ("not applied", "degenerate"):
+        return _MARK[st]
+    if st == "exact" and v is not None and not np.isfinite(v):
+        return "exact"
+    return _f(v * scale if v is not None else v, fmt)
 
 
 def table(ds: xr.Dataset) -> str:
     """Readable summary: SQNR (dB) per tensor x scheme, then outliers, RHT, bias and Wgrad results."""
     schemes = [str(s) for s in ds.scheme.values]
     w = max([len(str(t)) for t in ds.tensor.values] + [6])
-    lines = ["SQNR (dB) by tensor and scheme (higher is better; '-' = scheme not applied to this role)",
+    lines = ["SQNR (dB) by tensor and scheme (higher is better; exact = no error at all; n/a = scheme not applied "
+             "to this role; degen. = no finite nonzero value, so no relative error)",
              f"{'tensor':{w}} {'role':10} " + " ".join(f"{s:>13}" for s in schemes)]
     for i, t in enumerate(ds.tensor.values):
-        vals = " ".join(f"{_f(ds.sqnr_db.values[i, j]):>13}" for j in range(len(schemes)))
+        vals = " ".join(f"{_cell(ds, i, j, ds.sqnr_db.values[i, j]):>13}" for j in range(len(schemes)))
         lines.append(f"{str(t):{w}} {str(ds.role.values[i]):10} {vals}")
     lines += ["", "Underflow (nonzero -> 0, %) and blocks whose amax codes to +-6 (%), NVFP4 | MXFP4 rceil:"]
     j4 = schemes.index("nvfp4") if "nvfp4" in schemes else None
@@ -27,8 +42,8 @@ def table(ds: xr.Dataset) -> str:
         parts = []
         for j in (j4, jm):
             if j is not None:
-                parts.append(f"{_f(100 * ds.underflow_frac.values[i, j], '{:.2f}')}% / "
-                             f"{_f(100 * ds.frac_blocks_amax_max.values[i, j])}%")
+                parts.append(f"{_cell(ds, i, j, ds.underflow_frac.values[i, j], '{:.2f}%', 100)} / "
+                             f"{_cell(ds, i, j, ds.frac_blocks_amax_max.values[i, j], '{:.1f}%', 100)}")
         lines.append(f"{str(t):{w}} " + " | ".join(parts))
     lines += ["", f"{'tensor':{w}} {'kurtosis':>9} {'max/rms':>8} {'outl.cols':>9} {'err share of outlier blocks':>28}"]
     for i, t in enumerate(ds.tensor.values):
@@ -54,11 +69,14 @@ def table(ds: xr.Dataset) -> str:
                          f"{_f(ds.grad_shrink_rne.values[i], '{:+.2e}')} | "
                          f"{_f(ds.grad_shrink_sr_expected.values[i], '{:+.2e}')}")
     if "pair" in ds.coords:
-        lines += ["", "Weight-gradient GEMM G^T X in NVFP4 (RHT on, vs exact): bias RNE | bias SR (mean of seeds) | "
-                      "rel. error RNE | rel. error SR (1 seed)"]
+        lines += ["", "Weight-gradient GEMM G^T X in NVFP4 (16-point RHT along tokens where their count is a multiple "
+                      "of 16), vs exact: bias RNE | bias SR (mean of seeds) | rel. error RNE | rel. error SR (1 seed)"
+                      " | RHT"]
         for k, p in enumerate(ds.pair.values):
+            on = bool(ds.wgrad_rht.values[k]) if "wgrad_rht" in ds else True
+            rh = "on" if on else f"off ({int(ds.wgrad_tokens.values[k])} tokens, not a multiple of 16)"
             lines.append(f"{str(p):{w}} {ds.wgrad_bias_rne.values[k]:+.3e} | {ds.wgrad_bias_sr.values[k]:+.3e} | "
-                         f"{ds.wgrad_rel_err_rne.values[k]:.4f} | {ds.wgrad_rel_err_sr_one_seed.values[k]:.4f}")
+                         f"{ds.wgrad_rel_err_rne.values[k]:.4f} | {ds.wgrad_rel_err_sr_one_seed.values[k]:.4f} | {rh}")
     sk = json.loads(ds.attrs.get("skipped", "[]"))
     if sk:
         lines += ["", f"skipped {len(sk)}:"] + [f"  {s['tensor']}: {s['reason']}" for s in sk]
@@ -73,14 +91,19 @@ def summary(ds: xr.Dataset) -> dict:
     for i, t in enumerate(ds.tensor.values):
         d = {"role": str(ds.role.values[i]), "numel": int(ds.numel.values[i]), "schemes": {}}
         for j, s in enumerate(ds.scheme.values):
-            if np.isfinite(ds.sqnr_db.values[i, j]) or np.isfinite(ds.mse.values[i, j]):
+            st = str(ds.status.values[i, j]) if "status" in ds else "ok"
+            if st != "not applied":
                 d["schemes"][str(s)] = {v: clean(ds[v].values[i, j]) for v in ds.data_vars
-                                        if ds[v].dims == ("tensor", "scheme")}
+                                        if ds[v].dims == ("tensor", "scheme") and v != "status"}
+                d["schemes"][str(s)]["status"] = st
         for v in ds.data_vars:
             if ds[v].dims == ("tensor",):
                 d[v] = clean(ds[v].values[i])
+        d["schemes_not_applied"] = [str(s) for j, s in enumerate(ds.scheme.values)
+                                    if "status" in ds and str(ds.status.values[i, j]) == "not applied"]
         out["tensors"][str(t)] = d
     if "pair" in ds.coords:
         for k, p in enumerate(ds.pair.values):
-            out["pairs"][str(p)] = {v: clean(ds[v].values[k]) for v in ds.data_vars if ds[v].dims == ("pair",)}
+            out["pairs"][str(p)] = {v: (bool(ds[v].values[k]) if ds[v].dtype == bool else clean(ds[v].values[k]))
+                                    for v in ds.data_vars if ds[v].dims == ("pair",)}
     return out

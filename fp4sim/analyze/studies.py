@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dequantize, fake_quantize, quantize, rht
-from .metrics import as_rows
+from .metrics import as_rows, chunks
 
 RHT_DIMS = (2, 4, 16, 32, 128)
 RHT_SIGNS = ("te", "random", "none")
@@ -13,69 +13,150 @@ RHT_SCHEMES = ("nvfp4", "mxfp4")
 
 def kurtosis(x: np.ndarray) -> float:
     """Pearson kurtosis E[(x-mu)^4]/sigma^4 (3 for a Gaussian), over finite values."""
-    v = x[np.isfinite(x)].astype(np.float64)
-    if v.size < 2:
-        return float("nan")
-    d = v - v.mean()
-    s2 = np.mean(d ** 2)
-    return float(np.mean(d ** 4) / s2 ** 2) if s2 > 0 else float("nan")
+    m = _Moments()
+    for _, c in chunks(as_rows(x), 1 << 20):
+        m.add1(c)
+    for _, c in chunks(as_rows(x), 1 << 20):
+        m.add2(c)
+    return m.kurtosis()
 
 
-def _rel_mse(x, y):
-    x = x.astype(np.float64)
-    fin = np.isfinite(x)
-    ms = np.mean(x[fin] ** 2)
-    return float(np.mean((y.astype(np.float64)[fin] - x[fin]) ** 2) / ms) if ms > 0 else float("nan")
+class _Moments:
+    """Two-pass moments over row chunks: pass 1 count/sum/sum of squares/max|x| over finite values, pass 2
+    the centred 2nd and 4th powers (the kurtosis)."""
+
+    def __init__(self):
+        self.n = 0
+        self.s1 = self.s2 = self.c2 = self.c4 = 0.0
+        self.amax = 0.0
+
+    def add1(self, c):
+        v = c[np.isfinite(c)].astype(np.float64)
+        self.n += v.size
+        self.s1 += float(v.sum())
+        self.s2 += float(np.dot(v, v))
+        if v.size:
+            self.amax = max(self.amax, float(np.max(np.abs(v))))
+
+    @property
+    def mean(self):
+        return self.s1 / self.n if self.n else 0.0
+
+    @property
+    def sd(self):
+        return float(np.sqrt(max(self.s2 / self.n - self.mean ** 2, 0.0))) if self.n else 0.0
+
+    def add2(self, c):
+        d = c[np.isfinite(c)].astype(np.float64) - self.mean
+        d2 = d * d
+        self.c2 += float(d2.sum())
+        self.c4 += float(np.dot(d2, d2))
+
+    def kurtosis(self):
+        if self.n < 2 or self.c2 <= 0:
+            return float("nan")
+        m2 = self.c2 / self.n
+        return float(self.c4 / self.n / m2 ** 2)
 
 
-def outliers(x: np.ndarray, k: float = 6.0) -> dict:
+def _err_sums(c, y):
+    """(sum of squared error, sum of x^2) over the finite elements of a chunk."""
+    fin = np.isfinite(c)
+    x = c[fin].astype(np.float64)
+    e = y[fin].astype(np.float64) - x
+    return float(np.dot(e, e)), float(np.dot(x, x))
+
+
+def _ratio(a, b):
+    return a / b if b > 0 else float("nan")
+
+
+def outliers(x: np.ndarray, k: float = 6.0, chunk_elems: int = 1 << 20, amax=None) -> dict:
     """Kurtosis, max/RMS, outlier rows/columns (any |x| > k*sigma), NVFP4 error with and without the outlier
-    columns, and the share of NVFP4 error carried by 1x16 blocks that hold an outlier."""
-    x2 = as_rows(x).astype(np.float32)
-    v = x2[np.isfinite(x2)].astype(np.float64)
-    sd = float(v.std()) if v.size else 0.0
-    rms = float(np.sqrt(np.mean(v ** 2))) if v.size else 0.0
-    big = np.abs(x2) > k * sd if sd > 0 else np.zeros_like(x2, bool)
-    cols, rows = big.any(0), big.any(1)
-    y = fake_quantize(x2, "nvfp4")
-    err = np.where(np.isfinite(x2), (y.astype(np.float64) - x2) ** 2, 0)
-    K = x2.shape[1]
+    columns, and the share of NVFP4 error carried by 1x16 blocks that hold an outlier. Computed in row chunks
+    (NVFP4 with the whole tensor's amax), so memory stays a small multiple of one chunk."""
+    x2 = as_rows(x)
+    R, K = x2.shape
+    amax = _amax(x2) if amax is None else np.float32(amax)
+    m = _Moments()
+    for _, c in chunks(x2, chunk_elems):
+        m.add1(c)
+    sd = m.sd
     Kp = -(-K // 16) * 16
-    eb = np.pad(err, ((0, 0), (0, Kp - K))).reshape(x2.shape[0], -1, 16).sum(-1)
-    bb = np.pad(big, ((0, 0), (0, Kp - K))).reshape(x2.shape[0], -1, 16).any(-1)
+    cols = np.zeros(K, bool)
+    col_err, col_x2 = np.zeros(K), np.zeros(K)
+    n_rows = 0
+    eb_all = eb_out = 0.0
+    n_out_blocks = n_blocks = 0
+    for _, c in chunks(x2, chunk_elems):
+        m.add2(c)
+        with np.errstate(invalid="ignore"):
+            big = np.abs(c) > k * sd if sd > 0 else np.zeros(c.shape, bool)
+        cols |= big.any(0)
+        n_rows += int(big.any(1).sum())
+        y = fake_quantize(c, "nvfp4", global_amax=amax)
+        fin = np.isfinite(c)
+        err = np.where(fin, (y.astype(np.float64) - c) ** 2, 0.0)
+        col_err += err.sum(0)
+        col_x2 += np.where(fin, c.astype(np.float64) ** 2, 0.0).sum(0)
+        eb = np.pad(err, ((0, 0), (0, Kp - K))).reshape(c.shape[0], -1, 16).sum(-1)
+        bb = np.pad(big, ((0, 0), (0, Kp - K))).reshape(c.shape[0], -1, 16).any(-1)
+        eb_all += float(eb.sum())
+        eb_out += float(eb[bb].sum())
+        n_out_blocks += int(bb.sum())
+        n_blocks += bb.size
     keep = ~cols
-    return dict(kurtosis=kurtosis(x2), max_over_rms=float(np.max(np.abs(v)) / rms) if rms > 0 else np.nan,
-                n_outlier_rows=int(rows.sum()), n_outlier_cols=int(cols.sum()),
-                nvfp4_rel_mse=_rel_mse(x2, y),
-                nvfp4_rel_mse_without_outlier_cols=_rel_mse(x2[:, keep], y[:, keep]) if keep.any() else np.nan,
-                outlier_block_err_share=float(eb[bb].sum() / eb.sum()) if eb.sum() > 0 else 0.0,
-                outlier_block_frac=float(bb.mean()))
+    rms = float(np.sqrt(m.s2 / m.n)) if m.n else 0.0
+    return dict(kurtosis=m.kurtosis(), max_over_rms=m.amax / rms if rms > 0 else np.nan,
+                n_outlier_rows=n_rows, n_outlier_cols=int(cols.sum()),
+                nvfp4_rel_mse=_ratio(col_err.sum(), col_x2.sum()),
+                nvfp4_rel_mse_without_outlier_cols=_ratio(col_err[keep].sum(), col_x2[keep].sum())
+                if keep.any() else np.nan,
+                outlier_block_err_share=eb_out / eb_all if eb_all > 0 else 0.0,
+                outlier_block_frac=n_out_blocks / max(n_blocks, 1))
 
 
-def absmax_map(x: np.ndarray, size: int = 64) -> np.ndarray:
+def _amax(x2):
+    from ..cpu.backend import CPU
+    return CPU.absmax(x2)[0]
+
+
+def absmax_map(x: np.ndarray, size: int = 64, chunk_elems: int = 1 << 20) -> np.ndarray:
     """max |x| pooled onto a size x size grid of the (rows, K) view (NaN-free; for outlier maps)."""
-    x2 = np.abs(np.nan_to_num(as_rows(x), nan=0.0, posinf=0.0, neginf=0.0))
+    x2 = as_rows(x)
     R, K = x2.shape
     pr, pc = -(-R // size), -(-K // size)
-    pad = np.zeros((pr * size, pc * size), np.float32)
-    pad[:R, :K] = x2
-    m = pad.reshape(size, pr, size, pc).max(axis=(1, 3))
     rows, cols = -(-R // pr), -(-K // pc)
     out = np.full((size, size), np.nan, np.float32)
-    out[:rows, :cols] = m[:rows, :cols]
+    m = np.zeros((rows, cols), np.float32)
+    starts = np.arange(0, K, pc)
+    r0 = 0
+    for _, c in chunks(x2, chunk_elems):
+        a = np.abs(np.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0))
+        per_row = np.maximum.reduceat(a, starts, axis=1)
+        np.maximum.at(m, (np.arange(r0, r0 + c.shape[0]) // pr), per_row)
+        r0 += c.shape[0]
+    out[:rows, :cols] = m
     return out
 
 
-def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None):
+def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, chunk_elems: int = 1 << 20,
+                    amax=None):
     """rel-MSE of NVFP4 and MXFP4 on rht(x) and its kurtosis, for each d and sign mode (NaN where the last axis
     is not a multiple of d, or 'te' with d != 16). Index [0] of the d axis is no transform (``kurt0``: the
-    kurtosis of x when the caller has it already)."""
+    kurtosis of x when the caller has it already). The transform runs along the last axis, row chunk by row
+    chunk (NVFP4 with the transformed tensor's own amax, found in a first pass)."""
     x2 = as_rows(x)
     K = x2.shape[1]
     dims = (0,) + RHT_DIMS
     err = np.full((len(dims), len(RHT_SIGNS), len(RHT_SCHEMES)), np.nan)
     kur = np.full((len(dims), len(RHT_SIGNS)), np.nan)
-    err[0, :] = [_rel_mse(x2, fake_quantize(x2, s)) for s in RHT_SCHEMES]  # d = 0: no transform, any signs
+    amax0 = _amax(x2) if amax is None else np.float32(amax)
+    e = np.zeros((len(RHT_SCHEMES), 2))
+    for _, c in chunks(x2, chunk_elems):  # d = 0: no transform, any signs
+        e[0] += _err_sums(c, fake_quantize(c, "nvfp4", global_amax=amax0))
+        e[1] += _err_sums(c, fake_quantize(c, "mxfp4"))
+    err[0, :] = [_ratio(*v) for v in e]
     kur[0, :] = kurtosis(x2) if kurt0 is None else kurt0
     for di, d in enumerate(dims[1:], 1):
         if K % d:
@@ -84,39 +165,59 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None):
             if sg == "te" and d != 16:
                 continue
             signs = {"te": "te", "random": seed + 1, "none": None}[sg]
-            xr = rht(x2, d, signs, out="fp32")
-            kur[di, si] = kurtosis(xr)
-            for ci, s in enumerate(RHT_SCHEMES):
-                err[di, si, ci] = _rel_mse(xr, fake_quantize(xr, s))
+            m = _Moments()
+            a_r = np.float32(0)
+            for _, c in chunks(x2, chunk_elems):
+                xr = rht(c, d, signs, out="fp32")
+                m.add1(xr)
+                a_r = max(a_r, _amax(xr))
+            e = np.zeros((len(RHT_SCHEMES), 2))
+            for _, c in chunks(x2, chunk_elems):
+                xr = rht(c, d, signs, out="fp32")
+                m.add2(xr)
+                e[0] += _err_sums(xr, fake_quantize(xr, "nvfp4", global_amax=a_r))
+                e[1] += _err_sums(xr, fake_quantize(xr, "mxfp4"))
+            kur[di, si] = m.kurtosis()
+            err[di, si, :] = [_ratio(*v) for v in e]
     return dims, err, kur
 
 
-def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16) -> dict:
-    """NVFP4 rounding bias of a gradient. On the whole tensor: the mean signed error relative to mean |g|
-    under RNE and SR. On a sample (the first rows, up to ``sample`` elements; the tensor amax still sets the
-    scale): the error along sign(g) (negative = toward zero) under RNE, SR with one seed, and SR's exact
-    expectation (all 256 random bytes enumerated, the same byte for every element of a pass)."""
+def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_elems: int = 1 << 20) -> dict:
+    """NVFP4 rounding bias of a gradient. On the whole tensor (row chunks; SR bits from Philox with the chunk
+    index as the stream): the mean signed error relative to mean |g| under RNE and SR. On a sample (the first
+    rows, up to ``sample`` elements; the tensor amax still sets the scale): the error along sign(g) (negative =
+    toward zero) under RNE, SR with one seed, and SR's exact expectation (all 256 random bytes enumerated, the
+    same byte for every element of a pass)."""
     g2 = as_rows(g)
-    amax = np.float32(np.nanmax(np.abs(g2)))
+    amax = _amax(g2)
 
-    def rel(y, x, along_sign=False):
+    def sums(y, x, along_sign=False):
         fin = np.isfinite(x)
         e = y[fin].astype(np.float64) - x[fin]
         if along_sign:
             e = e * np.sign(x[fin])
-        return float(np.mean(e) / (np.mean(np.abs(x[fin])) or 1.0))
+        return np.array([e.sum(), np.abs(x[fin]).astype(np.float64).sum(), fin.sum()])
 
+    def rel(t):
+        return float((t[0] / t[2]) / ((t[1] / t[2]) or 1.0)) if t[2] else float("nan")
+
+    rne = np.zeros(3)
+    sr = np.zeros(3)
+    for i, c in chunks(g2, chunk_elems):
+        rne += sums(fake_quantize(c, "nvfp4", global_amax=amax), c)
+        sr += sums(fake_quantize(c, "nvfp4", rounding="sr", seed=seed, stream=i, global_amax=amax), c)
     rows = max(1, min(g2.shape[0], sample // max(g2.shape[1], 1)))
     s = g2[:rows]
     acc = np.zeros(s.shape)
     for r in range(256):
         acc += fake_quantize(s, "nvfp4", rounding="sr", rbits=np.full(s.shape, r, np.uint8), global_amax=amax)
-    return dict(grad_bias_rne=rel(fake_quantize(g2, "nvfp4", global_amax=amax), g2),
-                grad_bias_sr=rel(fake_quantize(g2, "nvfp4", rounding="sr", seed=seed, global_amax=amax), g2),
-                grad_bias_sr_expected=rel(acc / 256, s), sample_elements=int(s.size),
-                grad_shrink_rne=rel(fake_quantize(s, "nvfp4", global_amax=amax), s, True),
-                grad_shrink_sr=rel(fake_quantize(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax), s, True),
-                grad_shrink_sr_expected=rel(acc / 256, s, True))
+    exp = acc / 256
+    return dict(grad_bias_rne=rel(rne), grad_bias_sr=rel(sr), grad_bias_sr_expected=rel(sums(exp, s)),
+                sample_elements=int(s.size),
+                grad_shrink_rne=rel(sums(fake_quantize(s, "nvfp4", global_amax=amax), s, True)),
+                grad_shrink_sr=rel(sums(fake_quantize(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax), s,
+                                        True)),
+                grad_shrink_sr_expected=rel(sums(exp, s, True)))
 
 
 def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8) -> dict:

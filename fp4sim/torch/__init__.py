@@ -25,33 +25,49 @@ def dump_linear_tensors(model, step, path, include: str = "*", max_rows: int | N
     matches ``include`` and save, per layer ``NAME``: ``NAME.weight``, ``NAME.input`` (the activation it
     multiplies), ``NAME.grad_output`` (the gradient of its output) and ``NAME.weight_grad`` — names that give
     fp4sim.analyze the right roles and pair ``.input`` with ``.grad_output`` for the weight-gradient GEMM
-    study. Leading dimensions are flattened to (tokens, features); ``max_rows`` keeps the first rows only.
-    Returns the dict of arrays written (``np.savez_compressed``)."""
+    study. Leading dimensions are flattened to (tokens, features); ``max_rows`` keeps the first rows of the
+    input and output gradient only (the weight gradient is the layer's whole one).
+
+    ``NAME.weight_grad`` is the gradient of this ``step()`` alone, also when the parameters held a gradient
+    from before (not zeroed): that one is set aside during the step and added back afterwards, so the model's
+    ``.grad`` ends as ``step()`` alone would leave it. Returns the dict of arrays written
+    (``np.savez_compressed``)."""
     import torch
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        raise ValueError(f"max_rows={max_rows!r}: give a positive number of rows, or None for all")
     out, hooks = {}, []
 
     def rows(a):
         a = to_numpy(a).reshape(-1, a.shape[-1])
         return a[:max_rows] if max_rows else a
 
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and fnmatch.fnmatchcase(name, include):
-            hooks.append(mod.register_forward_hook(
-                lambda m, inp, o, name=name: out.__setitem__(f"{name}.input", rows(inp[0]))))
-            hooks.append(mod.register_full_backward_hook(
-                lambda m, gin, gout, name=name: out.__setitem__(f"{name}.grad_output", rows(gout[0]))))
+    linears = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and fnmatch.fnmatchcase(n, include)]
+    if not linears:
+        raise ValueError(f"no torch.nn.Linear module matches include={include!r}")
+    stale = {}
+    for name, mod in linears:
+        if mod.weight.grad is not None:
+            stale[name] = mod.weight.grad
+            mod.weight.grad = None
+    for name, mod in linears:
+        hooks.append(mod.register_forward_hook(
+            lambda m, inp, o, name=name: out.__setitem__(f"{name}.input", rows(inp[0]))))
+        hooks.append(mod.register_full_backward_hook(
+            lambda m, gin, gout, name=name: out.__setitem__(f"{name}.grad_output", rows(gout[0]))))
     try:
         step()
-    finally:
-        for h in hooks:
-            h.remove()
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and fnmatch.fnmatchcase(name, include):
+        for name, mod in linears:
             out[f"{name}.weight"] = to_numpy(mod.weight)
             if mod.weight.grad is not None:
                 out[f"{name}.weight_grad"] = to_numpy(mod.weight.grad)
-    if not out:
-        raise ValueError(f"no torch.nn.Linear module matches include={include!r}")
+    finally:
+        for h in hooks:
+            h.remove()
+        for name, mod in linears:
+            if name in stale:
+                g = mod.weight.grad
+                mod.weight.grad = stale[name] if g is None else stale[name] + g
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **out)
     return out

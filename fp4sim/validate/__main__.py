@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from ..arrays_io import load_array
+from ..arrays_io import check_writable, load_array
 from ..schemes import SCHEMES
 from .core import compare
 
@@ -22,7 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--input", required=True, help="the kernel's input (.npy/.npz/.safetensors/.pt[:NAME])")
     ap.add_argument("--codes", required=True, help="the kernel's codes (FP4 packed two per byte)")
     ap.add_argument("--scales", help="the kernel's scale bytes (or float32 scales for FP8)")
-    ap.add_argument("--global-amax", help="file with the kernel's NVFP4 tensor amax (one float)")
+    ap.add_argument("--global-amax", help="the kernel's NVFP4 tensor amax: a file holding one float, or a number")
     ap.add_argument("--delayed-scaling", action="store_true",
                     help="the global amax is not the input's own |x| max (do not report it as a mismatch)")
     ap.add_argument("--scale-layout", default="linear", choices=["linear", "swizzled"])
@@ -33,22 +34,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounding", default="rne", choices=["rne", "sr"])
     ap.add_argument("--rbits", help="the kernel's random bits (uint8 per element or uint32 words)")
     ap.add_argument("--rbits-mapping", default="te", choices=["te", "msb_first"])
+    ap.add_argument("--sr-bits", type=int, default=8, help="random bits per element of the kernel's SR (1..8)")
     ap.add_argument("--alpha", type=float, default=1e-3, help="significance of the statistical SR check")
     ap.add_argument("--max-mismatches", type=int, default=10)
     ap.add_argument("--json", help="write the full report as JSON here")
     a = ap.parse_args(argv)
     try:
+        _check_options(a)
         x = load_array(a.input)
         codes = load_array(a.codes)
         scales = load_array(a.scales) if a.scales else None
         if scales is None and a.scheme != "bf16":
             raise ValueError(f"--scales is required for scheme {a.scheme}")
-        g = None
-        if a.global_amax:
-            ga = np.asarray(load_array(a.global_amax), dtype=np.float32).reshape(-1)
-            if ga.size != 1:
-                raise ValueError(f"--global-amax must hold one number, found {ga.size}")
-            g = ga[0]
+        g = _global_amax(a.global_amax) if a.global_amax else None
         rbits = load_array(a.rbits) if a.rbits else None
         block = None
         if a.block:
@@ -58,16 +56,56 @@ def main(argv=None) -> int:
                 raise ValueError(f"--block {a.block!r}: write it as ROWSxCOLS, e.g. 16x16") from None
         rep = compare(x, codes, scales, a.scheme, axis=a.axis, flavor=a.flavor, scale_mode=a.scale_mode,
                       block=block, global_amax=g, scale_layout=a.scale_layout, rounding=a.rounding, rbits=rbits,
-                      rbits_mapping=a.rbits_mapping, expect_tensor_amax=not a.delayed_scaling,
+                      rbits_mapping=a.rbits_mapping, sr_bits=a.sr_bits, expect_tensor_amax=not a.delayed_scaling,
                       max_mismatches=a.max_mismatches, alpha=a.alpha)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"fp4sim.validate: bad input: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"fp4sim.validate: bad input: {_one_line(e)}", file=sys.stderr)
         return 2
     print(rep.summary())
     if a.json:
-        with open(a.json, "w") as f:
-            f.write(rep.to_json())
+        try:
+            with open(a.json, "w") as f:
+                f.write(rep.to_json())
+        except OSError as e:
+            print(f"fp4sim.validate: bad input: --json {a.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 0 if rep.ok else 1
+
+
+def _one_line(e) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _check_options(a):
+    """Every option checked before any file is read."""
+    if not 0 < a.alpha < 1:
+        raise ValueError(f"--alpha {a.alpha}: the significance must lie strictly between 0 and 1 (e.g. 1e-3)")
+    if a.max_mismatches < 0:
+        raise ValueError(f"--max-mismatches {a.max_mismatches}: give a count >= 0")
+    if not 1 <= a.sr_bits <= 8:
+        raise ValueError(f"--sr-bits {a.sr_bits}: give 1..8")
+    if a.rbits and a.rounding != "sr":
+        raise ValueError("--rbits gives the kernel's stochastic-rounding bits; it needs --rounding sr")
+    if a.scheme not in SCHEMES:
+        raise ValueError(f"--scheme {a.scheme!r}: use one of {', '.join(SCHEMES)}")
+    for opt, path in (("--input", a.input), ("--codes", a.codes), ("--scales", a.scales), ("--rbits", a.rbits)):
+        if path and not Path(path).exists() and not Path(path.rpartition(":")[0] or path).exists():
+            raise ValueError(f"{opt} {path}: no such file")
+    if a.json:
+        check_writable(a.json, "--json")
+
+
+def _global_amax(spec: str):
+    """--global-amax: a file holding one float32, or a number written out."""
+    if not Path(spec).exists() and not Path(spec.rpartition(":")[0] or spec).exists():
+        try:
+            return np.float32(float(spec))
+        except ValueError:
+            raise ValueError(f"--global-amax {spec!r}: neither a file nor a number") from None
+    ga = np.asarray(load_array(spec), dtype=np.float32).reshape(-1)
+    if ga.size != 1:
+        raise ValueError(f"--global-amax {spec}: must hold one number, found {ga.size}")
+    return ga[0]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 
 import numpy as np
 
@@ -32,6 +33,12 @@ def _scale_variants(sch):
 
 def diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits, top=8) -> dict:
     """Try every configuration; return {'exact_match', 'best', 'candidates'} (candidates sorted)."""
+    with warnings.catch_warnings():  # the variants re-warn what the main quantize already said
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits, top)
+
+
+def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits, top):
     sch = q.scheme
     g = q.global_amax
     xs = np.asarray(x, dtype=np.float32)

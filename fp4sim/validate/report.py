@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Report:
@@ -68,8 +70,16 @@ class Report:
                          f"neighbour of the scaled input; round-up rate {s['up_rate']:.4f} vs expected "
                          f"{s['expected_up_rate']:.4f} (z = {s['z']:.2f}, p = {s['p_value']:.3g}); relative bias "
                          f"{s['relative_bias']:.3g}")
+            bins = [b for b in s.get("per_bin", []) if b["n"]]
+            if bins:
+                lines.append("    round-up rate by delta bin (observed / expected): " + ", ".join(
+                    f"[{b['delta_lo']:.3g},{b['delta_hi']:.3g}) {b['up_rate']:.3f}/{b['expected']:.3f}" for b in bins))
             for v in s.get("findings", []):
                 lines.append(f"    -> {v}")
+            if np.isfinite(s.get("detectable_rate_shift", np.nan)):
+                lines.append(f"    power: a shift of the overall round-up rate above {s['detectable_rate_shift']:.2g} "
+                             f"(= {s['detectable_rate_shift'] * 256:.2g}/256) is detected at this size; smaller "
+                             "biases (an off-by-one comparison shifts it by 1/2^n) need more elements")
         d = self.diagnosis
         if d:
             if d.get("exact_match"):

@@ -4,18 +4,23 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.stats import binomtest, norm
 
 from ..formats import Format
 
 
 def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alpha: float = 1e-3,
                   bins: int = 8) -> dict:
-    """Check SR outputs ``codes`` of scaled inputs ``y`` (same shape).
+    """Check SR outputs ``codes`` of scaled inputs ``y`` (same shape). The whole check's false-alarm rate on a
+    correct SR kernel is at most ``alpha``.
 
     Hard check: each code is ``lo`` or ``hi``, the neighbouring magnitudes of |y| (the exact value when y is
     representable), with y's sign. Frequency check: over inexact elements, the number rounded up is compared
     with its expectation sum(floor(delta*2^n)/2^n) by a normal approximation of the Poisson-binomial (z-test,
-    two-sided p-value). Returns counts, rates, per-delta-bin rates, the relative bias
+    two-sided p-value), and in each of ``bins`` delta bins the round-up count is compared with its expectation
+    (exact binomial test), Bonferroni-corrected over the bins + 1 tests: RNE and RZ fail it at any useful size
+    (their rates are 0 or 1 per bin). Returns counts, rates, per-delta-bin rates and p-values, the smallest
+    overall rate shift the test can see (``detectable_rate_shift``), the relative bias
     ``sum((up - p) * (hi - lo)) / sum(|y|)`` and findings that name the likely fault.
     """
     grid = fmt.finite_values.astype(np.float64)
@@ -46,9 +51,30 @@ def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alp
     rel_bias = float(np.sum((U - P) * step) / max(np.sum(ay[valid]), 1e-300))
     edges = np.linspace(0, 1, bins + 1)
     b = np.clip(np.digitize(delta[inex], edges) - 1, 0, bins - 1)
-    per_bin = [dict(delta_lo=float(edges[i]), delta_hi=float(edges[i + 1]), n=int((b == i).sum()),
-                    up_rate=float(U[b == i].mean()) if (b == i).any() else None,
-                    expected=float(P[b == i].mean()) if (b == i).any() else None) for i in range(bins)]
+    # Per-delta-bin tests: in each bin the round-up count is compared with its expectation by an exact
+    # binomial test at the bin's mean probability (the Poisson-binomial count has at most that variance, so
+    # the test is conservative); Bonferroni over the bins and the overall z-test keeps the false-alarm rate
+    # of the whole check at most alpha.
+    ntests = bins + 1
+    per_bin = []
+    bin_fail = False
+    for i in range(bins):
+        m = b == i
+        k, nn = int(U[m].sum()), int(m.sum())
+        pe = float(P[m].mean()) if nn else None
+        pv = None
+        if nn:
+            if pe <= 0.0 or pe >= 1.0:
+                pv = 1.0 if k == round(pe * nn) else 0.0
+            else:
+                pv = float(binomtest(k, nn, pe).pvalue)
+            bin_fail |= pv < alpha / ntests
+        per_bin.append(dict(delta_lo=float(edges[i]), delta_hi=float(edges[i + 1]), n=nn,
+                            up_rate=k / nn if nn else None, expected=pe, p_value=pv))
+    overall_fail = bool(inex.sum()) and pval < alpha / ntests
+    # the smallest shift of the overall round-up rate the overall test would see (two-sided, at its level)
+    zc = float(norm.isf(alpha / ntests / 2))
+    detectable = zc * math.sqrt(var) / max(P.size, 1) if var > 0 else float("nan")
     findings = []
     nb = int(bad.sum())
     if nb:
@@ -61,7 +87,24 @@ def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alp
             findings.append(f"{int((valid & ~ok_sign).sum())} outputs have the wrong sign")
         if nb > int(two.sum()) + int((valid & ~ok_sign).sum()):
             findings.append("some outputs are neither neighbour of the scaled input: wrong scale or not SR")
-    if inex.sum() and pval < alpha:
+    filled = [d for d in per_bin if d["n"] >= 20]
+    near = lambda r, v: abs(r - v) <= 0.005  # noqa: E731
+    deterministic = len(filled) >= 2 and all(near(d["up_rate"], 0) or near(d["up_rate"], 1) for d in filled)
+    if deterministic and (bin_fail or overall_fail):
+        if all(near(d["up_rate"], 0) for d in filled):
+            what = "it never rounds up: round toward zero (RZ)"
+        elif all(near(d["up_rate"], 1 if d["delta_lo"] >= 0.5 else 0) for d in filled if d["delta_hi"] <= 0.5
+                 or d["delta_lo"] >= 0.5):
+            what = "it rounds up exactly when delta > 1/2: round to nearest (RNE)"
+        else:
+            what = "whether it rounds up depends on delta alone, with no randomness"
+        findings.append(f"deterministic rounding (RNE/RZ), not SR: the round-up rate is 0 or 1 in every delta bin; "
+                        f"{what}")
+    elif bin_fail and not overall_fail:
+        bad_bins = [f"[{d['delta_lo']:.3f}, {d['delta_hi']:.3f}): {d['up_rate']:.3f} vs {d['expected']:.3f}"
+                    for d in per_bin if d["p_value"] is not None and d["p_value"] < alpha / ntests]
+        findings.append("the overall round-up rate is right but it does not follow delta: " + "; ".join(bad_bins))
+    if overall_fail and not deterministic:
         rate, exp = float(U.mean()), float(P.mean())
         if rate == 0:
             findings.append("never rounds up on inexact inputs: this is rounding toward zero, not SR")
@@ -73,5 +116,6 @@ def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alp
                             "misaligned with delta, or added before truncation twice)")
     return dict(n=int(valid.sum()), n_inexact=int(inex.sum()), not_neighbour=nb, up_rate=float(U.mean()) if U.size
                 else 0.0, expected_up_rate=float(P.mean()) if P.size else 0.0, z=z, p_value=pval, alpha=alpha,
-                relative_bias=rel_bias, per_bin=per_bin, findings=findings,
-                passed=bool(nb == 0 and pval >= alpha))
+                relative_bias=rel_bias, per_bin=per_bin, findings=findings, n_tests=ntests,
+                detectable_rate_shift=detectable,
+                passed=bool(nb == 0 and not overall_fail and not bin_fail))
