@@ -131,7 +131,10 @@ def test_cli_end_to_end_with_bad_inputs(dump_dir, tmp_path):
     assert summary["tensors"]["lin.grad_output"]["role"] == "gradient" and len(summary["skipped"]) == 5
     assert {f.name for f in figs.iterdir()} >= {"error_by_scheme.png", "scale_histograms.png", "outliers.png",
                                                  "outlier_maps.png", "rht_effect.png", "sr_bias.png"}
-    assert all(f.stat().st_size > 10000 for f in figs.iterdir())
+    assert all(f.stat().st_size > 10000 for f in figs.glob("*.png"))
+    rows = (figs / "tensors.csv").read_text().splitlines()
+    assert len(rows) == 5 and {r.split(",")[0] for r in rows[1:]} == {"lin.weight", "lin.input", "lin.grad_output",
+                                                                     "h.act"}
     none = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(dump_dir / "pickled.npz"), "--quiet"],
                           capture_output=True, text=True)
     assert none.returncode == 2

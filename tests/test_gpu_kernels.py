@@ -12,6 +12,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -113,6 +114,9 @@ def test_philox_bytes(dev):
 
 CASES = {"heavy": heavy((48, 160), 5), "odd": heavy((5, 7, 37), 6), "zeros": np.zeros((16, 32), np.float32)}
 CASES["zeros"][3, 5] = -0.0
+CASES["bf16"] = heavy((32, 64), 8).astype(ml_dtypes.bfloat16).astype(np.float32)
+_t = np.array([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0], np.float32)
+CASES["lattice"] = (np.tile(_t, (16, 4)) * (np.float32(2.0) ** np.arange(-8, 8, dtype=np.float32))[:, None])
 SPECIALS = heavy((20, 64), 7)
 SPECIALS[1, 3], SPECIALS[2, 9], SPECIALS[4, 40] = np.nan, -np.inf, 1e-40
 
@@ -185,3 +189,23 @@ def test_kernels_compile_to_cubin_with_nvcc(arch, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 10000
+
+
+def test_lattice_ties_and_sr_thresholds_on_the_fast_paths(dev):
+    """Scale factor exactly 1 (global amax 2688, a +-6 per block): the CUDA fast RNE path meets exact E2M1 ties,
+    and SR meets floor(delta*256) + r == 256 exactly, on every lane."""
+    j = np.arange(1, 257) % 256
+    x = np.zeros((256, 32), np.float32)
+    x[:, 0] = x[:, 16] = 6.0
+    x[:, 1:8] = _t[1:8]
+    x[:, 9:16] = (0.5 + j / 512).astype(np.float32)[:, None]
+    x[:, 17:24] = -_t[1:8]
+    want = fs.quantize(x, "nvfp4", global_amax=2688.0)
+    got = ops.quantize(dev.be, dev.dev(x), "nvfp4", global_amax=2688.0)
+    assert np.array_equal(dev.host(got.codes), want.codes)
+    for shift in (0, -1):
+        rb = np.zeros(x.shape, np.uint8)
+        rb[:, 9:16] = ((256 - j + shift) % 256).astype(np.uint8)[:, None]
+        want = fs.quantize(x, "nvfp4", rounding="sr", rbits=rb, global_amax=2688.0)
+        got = ops.quantize(dev.be, dev.dev(x), "nvfp4", rounding="sr", rbits=dev.dev(rb), global_amax=2688.0)
+        assert np.array_equal(dev.host(got.codes), want.codes), shift

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -29,11 +30,28 @@ def _inputs():
     return {
         "randn": rng.standard_normal((32, 128)).astype(np.float32),
         "heavy": heavy((48, 96), 3),
-        "bf16_valued": rng.standard_normal((16, 64)).astype(np.float32).astype("float32"),
+        "bf16_valued": rng.standard_normal((16, 64)).astype(ml_dtypes.bfloat16).astype(np.float32),
+        "te_vs_paper": _te_vs_paper(),
+        "lattice": _lattice(),
         "zero_and_underflow": z,
         "all_zero": np.zeros((16, 32), np.float32),
         "ties_at_six": np.tile(np.array([6, 5, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] * 2, np.float32), (16, 2)),
     }
+
+
+def _te_vs_paper():
+    """A block whose scale byte is 82 in TE's order and 81 in the paper's (tensor amax 95.09591)."""
+    z = np.zeros((16, 32), np.float32)
+    z[0, 0], z[1, 0], z[1, 1] = np.float32(95.09591), np.float32(2.0165424), 1.0
+    return z
+
+
+def _lattice():
+    """E2M1 ties and grid values times powers of two, each block with a +-6 element: exact ties everywhere."""
+    vals = np.array([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0],
+                    np.float32)
+    scale = (np.float32(2.0) ** np.arange(-8, 8, dtype=np.float32))[:, None]
+    return (np.tile(vals, (16, 2)) * scale).astype(np.float32)
 
 
 INPUTS = _inputs()

@@ -1,140 +1,213 @@
-"""Figures of an analysis Dataset (matplotlib, PNG)."""
+"""Figures of an analysis Dataset (matplotlib, PNG), readable for any number of tensors.
+
+Per-tensor panels show at most ``top`` tensors (the worst by the panel's own measure, named in full on a
+horizontal axis of their own); every tensor's numbers are in ``tensors.csv`` beside the figures. Legends sit
+outside the data.
+"""
 from __future__ import annotations
 
+import csv
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
+TOP = 40
+
 
 def short_name(name: str) -> str:
-    """A compact label: model prefix kept, 'encoder.layer.N' -> 'L N', 'blkN' -> 'L N'."""
-    import re
-    n = re.sub(r"encoder\.layer\.(\d+)\.", r"L\1 ", name)
-    n = re.sub(r"blk\.?(\d+)\.", r"L\1 ", n)
-    n = n.replace("attention.self.", "attn.").replace("intermediate.dense", "ffn_up").replace("ffn_down.", "ffn_down ")
-    n = n.replace(".", " ", 1) if n.count(" ") == 0 else n.replace(".", " ", 1)
-    return n[-40:]
+    """The full name (kept for compatibility: figures name tensors in full, so twins stay distinguishable)."""
+    return name
 
 
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def write_figures(ds: xr.Dataset, outdir) -> list[Path]:
+def _height(n):
+    return 1.6 + 0.24 * n
+
+
+def _pick(values, top, largest=True):
+    """Indices of the ``top`` tensors with the largest (or smallest) finite values, in that order."""
+    v = np.asarray(values, float)
+    key = np.where(np.isfinite(v), v if largest else -v, -np.inf)
+    order = np.argsort(-key, kind="stable")
+    return [int(i) for i in order[:top] if np.isfinite(v[i])]
+
+
+def _title(ax, text, n_shown, n_all, what):
+    more = f" ({n_shown} of {n_all} tensors: the {what}; all in tensors.csv)" if n_shown < n_all else ""
+    ax.set_title(text + more, fontsize=10, loc="left")
+
+
+def write_csv(ds: xr.Dataset, path: Path) -> Path:
+    """One row per tensor: role, numel, per-tensor studies and SQNR / rel-MSE / status per scheme."""
+    schemes = [str(s) for s in ds.scheme.values]
+    per = [v for v in ds.data_vars if ds[v].dims == ("tensor",)]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["tensor", "role", "numel"] + per + [f"{m}_{s}" for s in schemes for m in
+                                                        ("sqnr_db", "rel_mse", "status")])
+        for i, t in enumerate(ds.tensor.values):
+            row = [str(t), str(ds.role.values[i]), int(ds.numel.values[i])] + [float(ds[v].values[i]) for v in per]
+            for j in range(len(schemes)):
+                row += [float(ds.sqnr_db.values[i, j]), float(ds.rel_mse.values[i, j]),
+                        str(ds.status.values[i, j]) if "status" in ds else ""]
+            w.writerow(row)
+    return path
+
+
+def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    files = []
+    files = [write_csv(ds, out / "tensors.csv")]
     names = [str(t) for t in ds.tensor.values]
-    short = [short_name(n) for n in names]
-
-    fig, ax = plt.subplots(figsize=(max(9, 1.3 * len(names)), 5))
+    n = len(names)
     schemes = [str(s) for s in ds.scheme.values]
-    w = 0.8 / len(schemes)
-    for j, s in enumerate(schemes):
-        ax.bar(np.arange(len(names)) + j * w, ds.sqnr_db.values[:, j], w, label=s)
-    ax.set_xticks(np.arange(len(names)) + 0.4 - w / 2, short, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("SQNR (dB)")
-    ax.set_title("Quantization error by scheme and tensor (higher is better)")
-    ax.legend(fontsize=7, ncol=4)
+    if n == 0:
+        return files
+
+    # 1. SQNR heat map: tensors (worst NVFP4 first) x schemes
+    j4 = schemes.index("nvfp4") if "nvfp4" in schemes else 0
+    idx = _pick(-ds.sqnr_db.values[:, j4], top) or list(range(min(n, top)))
+    vals = ds.sqnr_db.values[idx].astype(float)
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(schemes) + 4), _height(len(idx))))
+    shown = np.where(np.isfinite(vals), vals, np.nan)
+    im = ax.imshow(shown, aspect="auto", cmap="viridis", interpolation="nearest")
+    for a in range(len(idx)):
+        for b in range(len(schemes)):
+            st = str(ds.status.values[idx[a], b]) if "status" in ds else "ok"
+            txt = {"not applied": "n/a", "exact": "exact", "degenerate": "degen."}.get(st, f"{vals[a, b]:.1f}")
+            ax.text(b, a, txt, ha="center", va="center", fontsize=7,
+                    color="white" if np.isfinite(shown[a, b]) and shown[a, b] < np.nanmean(shown) else "black")
+    ax.set_xticks(range(len(schemes)), schemes, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(len(idx)), [names[i] for i in idx], fontsize=7)
+    fig.colorbar(im, ax=ax, label="SQNR (dB), higher is better", fraction=0.04, pad=0.02)
+    _title(ax, "Quantization error by scheme", len(idx), n, "lowest NVFP4 SQNR")
     files.append(_save(fig, out / "error_by_scheme.png"))
 
+    # 2. scale histograms: median and 10-90% band over tensors, the widest-spread tensors drawn alone
     from ..formats import E4M3
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     panels = ((axes[0], "nvfp4", "NVFP4: E4M3 block scales", np.log2(np.where(E4M3.values[:256] > 0,
                                                                               E4M3.values[:256], np.nan))),
               (axes[1], "mxfp4_rceil", "MXFP4 (rceil): UE8M0 block scales", np.arange(256.0) - 127))
     for ax, s, title, xval in panels:
-        if s in schemes:
-            lo, hi = np.inf, -np.inf
-            for i, n in enumerate(short):
-                h = ds.scale_hist.values[i, schemes.index(s)].astype(float)
-                ok = np.isfinite(xval) & (h > 0)
-                if ok.any():
-                    order = np.argsort(xval[ok])
-                    ax.plot(xval[ok][order], (h[ok] / h.sum())[order], marker=".", ms=3, lw=1, label=n)
-                    lo, hi = min(lo, xval[ok].min()), max(hi, xval[ok].max())
-            if s == "nvfp4":
-                ax.axvspan(-10, -6, color="0.9", zorder=0, label="E4M3 subnormal scales")
-            if np.isfinite(lo):
-                ax.set_xlim(lo - 1, hi + 1)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("log2(decoded scale)")
         ax.set_ylabel("fraction of blocks")
-        ax.legend(fontsize=6)
+        if s not in schemes:
+            continue
+        h = ds.scale_hist.values[:, schemes.index(s)].astype(float)
+        use = h.sum(1) > 0
+        if not use.any():
+            continue
+        ok = np.isfinite(xval) & (h[use].sum(0) > 0)
+        order = np.argsort(xval[ok])
+        xs = xval[ok][order]
+        frac = (h[use] / h[use].sum(1, keepdims=True))[:, ok][:, order]
+        ax.fill_between(xs, np.percentile(frac, 10, 0), np.percentile(frac, 90, 0), color="0.8",
+                        label=f"10-90% of {int(use.sum())} tensors")
+        ax.plot(xs, np.median(frac, 0), "k-", lw=1.5, label="median tensor")
+        spread = list(np.flatnonzero(use))
+        sv = ds.scale_std.values[spread, schemes.index(s)]
+        for i in [spread[k] for k in np.argsort(-np.nan_to_num(sv))[:3]]:
+            hi = h[i][ok][order] / h[i].sum()
+            ax.plot(xs, hi, lw=1, marker=".", ms=3, label=f"{names[i]} (widest spread)")
+        if s == "nvfp4":
+            ax.axvspan(-10, -6, color="0.93", zorder=0, label="E4M3 subnormal scales")
+        ax.set_xlim(xs.min() - 1, xs.max() + 1)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
     files.append(_save(fig, out / "scale_histograms.png"))
 
-    top = list(np.argsort(-np.nan_to_num(ds.kurtosis.values))[:4])
-    fig, axes = plt.subplots(1, len(top), figsize=(3.4 * len(top), 3.6), squeeze=False)
-    for ax, i in zip(axes[0], top):
-        m = ds.absmax_map.values[i]
-        with np.errstate(divide="ignore"):
-            im = ax.imshow(np.log10(m), aspect="auto", cmap="magma", interpolation="nearest")
-        ax.set_title(f"{short[i]}\nkurtosis {ds.kurtosis.values[i]:.0f}", fontsize=8)
-        ax.set_xlabel("feature (last axis), pooled")
-        ax.set_ylabel("row, pooled")
-        fig.colorbar(im, ax=ax, label="log10 max|x|")
-    fig.suptitle("Outlier maps: the most heavy-tailed tensors (64 x 64 max-pooled |x|)", fontsize=10)
-    files.append(_save(fig, out / "outlier_maps.png"))
+    # 3. outlier maps of the four most heavy-tailed tensors
+    top4 = _pick(ds.kurtosis.values, 4)
+    if top4:
+        fig, axes = plt.subplots(1, len(top4), figsize=(3.6 * len(top4), 4.0), squeeze=False)
+        for ax, i in zip(axes[0], top4):
+            m = ds.absmax_map.values[i]
+            with np.errstate(divide="ignore"):
+                im = ax.imshow(np.log10(m), aspect="auto", cmap="magma", interpolation="nearest")
+            ax.set_title("\n".join(textwrap.wrap(names[i], 34)) + f"\nkurtosis {ds.kurtosis.values[i]:.0f}",
+                         fontsize=7)
+            ax.set_xlabel("feature (last axis), pooled", fontsize=8)
+            ax.set_ylabel("row, pooled", fontsize=8)
+            fig.colorbar(im, ax=ax, label="log10 max|x|")
+        fig.suptitle("Outlier maps: the most heavy-tailed tensors (64 x 64 max-pooled |x|)", fontsize=10)
+        files.append(_save(fig, out / "outlier_maps.png"))
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    x = np.arange(len(names))
-    ax.bar(x - 0.2, ds.kurtosis.values, 0.4, label="kurtosis (Gaussian: 3)")
-    ax.bar(x + 0.2, 100 * ds.outlier_block_err_share.values, 0.4,
-           label="% of NVFP4 squared error in blocks holding |x| > 6 sigma")
-    ax.set_yscale("log")
-    ax.set_xticks(x, short, rotation=30, ha="right", fontsize=8)
-    ax.set_title("Outliers and the error they carry")
-    ax.legend(fontsize=8)
-    files.append(_save(fig, out / "outliers.png"))
+    # 4. outliers and the error they carry
+    idx = _pick(ds.kurtosis.values, top)
+    if idx:
+        fig, axes = plt.subplots(1, 2, figsize=(13, _height(len(idx))), sharey=True)
+        y = np.arange(len(idx))
+        axes[0].barh(y, ds.kurtosis.values[idx], color="C0")
+        axes[0].set_xscale("log")
+        axes[0].set_xlabel("kurtosis (Gaussian: 3)")
+        axes[0].axvline(3, color="gray", lw=0.8)
+        axes[1].barh(y, 100 * ds.outlier_block_err_share.values[idx], color="C1")
+        axes[1].set_xlabel("% of NVFP4 squared error in blocks holding |x| > 6 sigma")
+        axes[0].set_yticks(y, [names[i] for i in idx], fontsize=7)
+        axes[0].invert_yaxis()
+        _title(axes[0], "Outliers and the error they carry", len(idx), n, "most heavy-tailed")
+        files.append(_save(fig, out / "outliers.png"))
 
+    # 5. Hadamard effect (mean over tensors)
     if "rht_rel_mse" in ds:
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(7.5, 4))
         dims = ds.rht_d.values
         for s, ls in (("nvfp4", "-"), ("mxfp4", "--")):
             r = ds.rht_rel_mse.sel(rht_scheme=s, rht_signs="random").values  # (tensor, d)
-            base = r[:, 0:1]
-            rel = np.nanmean(r / base, axis=0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                rel = np.nanmean(r / r[:, 0:1], axis=0)
             ok = np.isfinite(rel)
             ax.plot(np.where(dims == 0, 1, dims)[ok], rel[ok], ls, marker="o", label=f"{s} (random signs)")
         ax.set_xscale("log", base=2)
         ax.axhline(1, color="gray", lw=0.8)
         ax.set_xlabel("Hadamard size d (1 = no transform)")
-        ax.set_ylabel("rel-MSE after / before (mean over tensors)")
-        ax.set_title("Random Hadamard transform effect")
-        ax.legend(fontsize=8)
+        ax.set_ylabel(f"rel-MSE after / before (mean of {n} tensors)")
+        ax.set_title("Random Hadamard transform effect", fontsize=10)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         files.append(_save(fig, out / "rht_effect.png"))
 
+    # 6. gradient bias and the weight-gradient GEMM
     g = [i for i, r in enumerate(ds.role.values) if r == "gradient"]
     if g:
+        gi = [g[k] for k in _pick(np.abs(ds.grad_shrink_rne.values[g]), top)] or g[:top]
         pairs = "pair" in ds.coords
-        fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4.2), squeeze=False)
+        rows = max(len(gi), ds.sizes.get("pair", 0) if pairs else 0)
+        fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(14 if pairs else 8, _height(min(rows, top))),
+                                 squeeze=False)
         ax = axes[0][0]
-        x = np.arange(len(g))
+        y = np.arange(len(gi))
         for k, (v, lab) in enumerate((("grad_shrink_rne", "RNE"), ("grad_shrink_sr", "SR, one seed"),
                                       ("grad_shrink_sr_expected", "SR, exact expectation (256 draws)"))):
-            ax.bar(x + (k - 1) * 0.27, ds[v].values[g], 0.27, label=lab)
-        ax.axhline(0, color="gray", lw=0.8)
-        ax.set_xticks(x, [short[i] for i in g], rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("mean error along sign(g) / mean |g|")
-        ax.set_title("Gradient rounding bias in NVFP4 (negative = toward zero)", fontsize=10)
-        ax.legend(fontsize=7)
+            ax.barh(y + (k - 1) * 0.27, ds[v].values[gi], 0.27, label=lab)
+        ax.axvline(0, color="gray", lw=0.8)
+        ax.set_yticks(y, [names[i] for i in gi], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("mean error along sign(g) / mean |g| (negative = toward zero)")
+        _title(ax, "Gradient rounding bias in NVFP4", len(gi), len(g), "most biased under RNE")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
         if pairs:
             ax = axes[0][1]
             p = [str(v) for v in ds.pair.values]
-            xp = np.arange(len(p))
-            ax.bar(xp - 0.2, ds.wgrad_rel_err_rne.values, 0.4, label="RNE")
-            ax.bar(xp + 0.2, ds.wgrad_rel_err_sr_mean.values, 0.4, label="SR, mean of seeds")
-            ax.set_xticks(xp, [short_name(n) for n in p], fontsize=8)
-            ax.set_ylabel("||W_q - W|| / ||W||")
-            ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT)", fontsize=10)
-            ax.legend(fontsize=7)
+            pi = _pick(ds.wgrad_rel_err_rne.values, top)
+            yp = np.arange(len(pi))
+            ax.barh(yp - 0.2, ds.wgrad_rel_err_rne.values[pi], 0.4, label="RNE")
+            ax.barh(yp + 0.2, ds.wgrad_rel_err_sr_mean.values[pi], 0.4, label="SR, mean of seeds")
+            ax.set_yticks(yp, [p[i] for i in pi], fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlabel("||W_q - W|| / ||W||")
+            ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT)", fontsize=10, loc="left")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
         files.append(_save(fig, out / "sr_bias.png"))
     return files
