@@ -145,3 +145,16 @@ def test_analysis_memory_stays_within_three_tensors(tmp_path):
     tracemalloc.stop()
     extra = peak - x.nbytes                          # beyond the loaded tensor itself
     assert extra <= 3.0 * x.nbytes, f"peak extra memory {extra / x.nbytes:.2f}x the tensor"
+
+
+def test_wgrad_study_tiles_give_the_same_numbers_in_bounded_memory():
+    rng = np.random.default_rng(1)
+    X, G = heavy((64, 192), 2), rng.standard_normal((64, 48)).astype(np.float32)
+    whole = wgrad_gemm(X, G, seeds=3, budget_bytes=1 << 30)
+    tracemalloc.start()
+    tiled = wgrad_gemm(X, G, seeds=3)                # W is 48 x 192: larger than either operand
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    for k, v in whole.items():
+        assert tiled[k] == pytest.approx(v, rel=1e-9), k
+    assert peak <= 3.5 * X.nbytes, peak / X.nbytes

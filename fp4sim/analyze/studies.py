@@ -220,29 +220,78 @@ def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_ele
                 grad_shrink_sr_expected=rel(sums(exp, s, True)))
 
 
-def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8) -> dict:
+def _rne_along_tokens(X, use_rht, cols):
+    """fake_quantize(rht(X) along tokens, NVFP4, blocks along tokens) built ``cols`` columns at a time (the
+    transform and the blocks never mix columns; the tensor amax of the transformed X comes from a first pass)."""
+    f = (lambda a: rht(a, 16, "te", axis=0)) if use_rht else (lambda a: a)  # noqa: E731
+    amax = np.float32(0)
+    for c0 in range(0, X.shape[1], cols):
+        amax = max(amax, _amax(np.ascontiguousarray(f(X[:, c0:c0 + cols]))))
+    out = np.empty(X.shape, np.float32)
+    for c0 in range(0, X.shape[1], cols):
+        out[:, c0:c0 + cols] = fake_quantize(f(X[:, c0:c0 + cols]), "nvfp4", axis=0, global_amax=amax)
+    return out
+
+
+def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8, budget_bytes: int | None = None) -> dict:
     """The weight-gradient GEMM W = G^T X of a linear layer with both operands in NVFP4 as the paper's recipe:
     16-point RHT ('te' signs) along the token dimension, blocks along tokens, SR for the gradient (RNE for
     the activation), against the exact float64 product; also with RNE for both. Bias = mean(W_q - W)/mean|W|
-    (SR averaged over seeds), relative error = ||W_q - W|| / ||W||, relative variance of SR across seeds."""
+    (SR averaged over seeds), relative error = ||W_q - W|| / ||W||, relative variance of SR across seeds.
+
+    W is never held whole: it is computed in column tiles (and the products in token chunks) whose float64
+    buffers fit in half of ``budget_bytes`` (default: the larger operand's size), and only running sums are
+    kept; the quantized operands add about two operand sizes, so the study's extra memory stays near 3x the
+    larger operand."""
     X, G = as_rows(x), as_rows(g)
     if X.shape[0] != G.shape[0]:
         raise ValueError(f"activation has {X.shape[0]} tokens and gradient {G.shape[0]}")
-    T = X.shape[0]
-    W = G.astype(np.float64).T @ X.astype(np.float64)
-    mW, nW = float(np.mean(np.abs(W))), float(np.linalg.norm(W))
+    T, Nx, Ng = X.shape[0], X.shape[1], G.shape[1]
+    budget = max(X.nbytes, G.nbytes) if budget_bytes is None else budget_bytes
     use_rht = T % 16 == 0
-    Xr = rht(X, 16, "te", axis=0) if use_rht else X
+    Xq = _rne_along_tokens(X, use_rht, max(16, budget // max(1, 16 * T)))
     Gr = rht(G, 16, "te", axis=0) if use_rht else G
-    Xq = dequantize(quantize(Xr, "nvfp4", axis=0)).astype(np.float64)
-    Gq = dequantize(quantize(Gr, "nvfp4", axis=0)).astype(np.float64)
-    W_rne = Gq.T @ Xq
-    ws = np.stack([dequantize(quantize(Gr, "nvfp4", axis=0, rounding="sr", seed=s)).astype(np.float64).T @ Xq
-                   for s in range(seeds)])
-    W_sr = ws.mean(0)
-    return dict(tokens=T, rht=use_rht, wgrad_bias_rne=float(np.mean(W_rne - W) / mW),
-                wgrad_bias_sr=float(np.mean(W_sr - W) / mW),
-                wgrad_rel_err_rne=float(np.linalg.norm(W_rne - W) / nW),
-                wgrad_rel_err_sr_one_seed=float(np.linalg.norm(ws[0] - W) / nW),
-                wgrad_rel_err_sr_mean=float(np.linalg.norm(W_sr - W) / nW),
-                wgrad_rel_var_sr=float(np.mean(ws.var(0)) / np.mean(W ** 2)))
+    Gq_rne = fake_quantize(Gr, "nvfp4", axis=0)
+    cached = seeds * G.nbytes <= budget
+
+    def gq(s):
+        return fake_quantize(Gr, "nvfp4", axis=0, rounding="sr", seed=s)
+
+    gqs = [gq(s) for s in range(seeds)] if cached else None
+    bx = int(max(1, min(Nx, budget // 2 // max(1, Ng * 8 * 6))))  # six float64 tiles: W, d, s1, s2, ws, mean
+    bt = int(max(16, min(T, budget // max(1, 8 * (Ng + bx) * 4))))
+
+    def prod(A, B):  # A^T B in float64, summed over token chunks
+        acc = np.zeros((A.shape[1], B.shape[1]))
+        for t0 in range(0, T, bt):
+            acc += A[t0:t0 + bt].astype(np.float64).T @ B[t0:t0 + bt].astype(np.float64)
+        return acc
+
+    tot = dict(abs_w=0.0, w2=0.0, d_rne=0.0, d2_rne=0.0, d_sr=0.0, d2_sr=0.0, d2_one=0.0, var=0.0)
+    for c0 in range(0, Nx, bx):
+        Xc, Xqc = X[:, c0:c0 + bx], Xq[:, c0:c0 + bx]
+        W = prod(G, Xc)
+        tot["abs_w"] += float(np.abs(W).sum())
+        tot["w2"] += float((W * W).sum())
+        d = prod(Gq_rne, Xqc) - W
+        tot["d_rne"] += float(d.sum())
+        tot["d2_rne"] += float((d * d).sum())
+        s1 = np.zeros_like(W)
+        s2 = np.zeros_like(W)
+        for s in range(seeds):
+            ws = prod(gqs[s] if cached else gq(s), Xqc)
+            if s == 0:
+                tot["d2_one"] += float(((ws - W) ** 2).sum())
+            s1 += ws
+            s2 += ws * ws
+        mean = s1 / seeds
+        tot["d_sr"] += float((mean - W).sum())
+        tot["d2_sr"] += float(((mean - W) ** 2).sum())
+        tot["var"] += float(np.maximum(s2 / seeds - mean * mean, 0).sum())
+    n = Ng * Nx
+    mW, nW = tot["abs_w"] / n, np.sqrt(tot["w2"])
+    return dict(tokens=T, rht=use_rht, wgrad_bias_rne=tot["d_rne"] / n / mW, wgrad_bias_sr=tot["d_sr"] / n / mW,
+                wgrad_rel_err_rne=float(np.sqrt(tot["d2_rne"]) / nW),
+                wgrad_rel_err_sr_one_seed=float(np.sqrt(tot["d2_one"]) / nW),
+                wgrad_rel_err_sr_mean=float(np.sqrt(tot["d2_sr"]) / nW),
+                wgrad_rel_var_sr=float(tot["var"] / n / (tot["w2"] / n)))
