@@ -10,9 +10,10 @@ from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
 from .hadamard import rht
 from .qtensor import QuantizedTensor
 from .quantize import dequantize, fake_quantize, quantize
+from .gemm import gemm
 from .schemes import SCHEMES, get_scheme
-from . import layout, rng, threads
+from . import layout, rng, threads, training
 
 __version__ = "0.1.0"
-__all__ = ["layout", "rng", "threads", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
+__all__ = ["layout", "rng", "threads", "training", "gemm", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
            "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]

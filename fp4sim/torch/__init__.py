@@ -1,4 +1,6 @@
-"""PyTorch bridge: dump the tensors of a model's linear layers for ``python -m fp4sim.analyze``.
+"""PyTorch bridge: emulated low-precision training (:class:`QuantLinear`, :func:`convert`, :func:`set_recipe`,
+:func:`collect_stats`, :func:`suggest_high_precision`) and dumps of a model's linear layers for
+``python -m fp4sim.analyze``.
 
     from fp4sim.torch import dump_linear_tensors
     dump_linear_tensors(model, lambda: model(batch).loss.backward(), "dump.npz")
@@ -12,7 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["dump_linear_tensors", "to_numpy"]
+__all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
+           "suggest_high_precision"]
+_LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision"}
+
+
+def __getattr__(name):
+    if name in _LINEAR:  # imports torch only when used
+        from . import linear
+        return getattr(linear, name)
+    raise AttributeError(f"module 'fp4sim.torch' has no attribute {name!r}")
 
 
 def to_numpy(t) -> np.ndarray:

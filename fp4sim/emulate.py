@@ -1,0 +1,132 @@
+"""The three GEMMs of a linear layer under a :class:`~fp4sim.training.Recipe`, on NumPy or CuPy arrays.
+
+Each operand is quantized from the high-precision tensor along its GEMM's dot-product axis (after the
+GEMM's RHT, if any, with the tensor amax taken after the transform), and the GEMM is :func:`fp4sim.gemm`.
+Stochastic rounding draws Philox bits keyed by ``layer_seed(recipe.seed, layer)`` with the stream
+``8 * call + operand``: the same seed and the same sequence of calls give the same bits on any backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._xp import xp_of
+from .gemm import gemm
+from .hadamard import rht
+from .quantize import dequantize, quantize
+from .training import OPERANDS, Operand, Recipe
+
+__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "quantize_operand"]
+
+_OP_INDEX = {op: i for i, op in enumerate(OPERANDS)}
+_GOLD = 0x9E3779B97F4A7C15
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The Philox key of one layer: the recipe seed mixed with the layer's index (64 bits)."""
+    return (int(seed) + (int(layer) + 1) * _GOLD) % (1 << 64)
+
+
+def _signs(op: Operand, recipe: Recipe, layer: int, call: int, gemm_id: int):
+    if op.rht_signs == "te":
+        return "te"
+    if op.rht_signs == "none":
+        return None
+    if op.rht_signs == "fixed":
+        return int(recipe.seed)
+    return layer_seed(recipe.seed, layer) ^ ((call * 4 + gemm_id) & 0xFFFFFFFF)  # per_transform
+
+
+def _pad_axis(a, axis, mult):
+    n = a.shape[axis]
+    p = -(-n // mult) * mult
+    if p == n:
+        return a
+    xp = xp_of(a)
+    shape = list(a.shape)
+    shape[axis] = p
+    out = xp.zeros(shape, np.float32)
+    sl = [slice(None)] * a.ndim
+    sl[axis] = slice(0, n)
+    out[tuple(sl)] = a
+    return out
+
+
+def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call: int, name: str, signs=None,
+                     stats=None):
+    """One operand: (padded and rotated along ``axis`` when the operand has an RHT) quantized along ``axis``.
+    Returns a QuantizedTensor, or the float32 array itself for an unquantized operand."""
+    if op.rht:
+        a = _pad_axis(a, axis, op.rht)
+        a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype)
+    if not op.quantized:
+        return a
+    kw = {}
+    if op.block is not None:
+        kw["block"] = op.block
+    if op.rounding == "sr":
+        kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer),
+                  stream=(call * 8 + _OP_INDEX[name]) & 0xFFFFFFFF)
+    q = quantize(a, op.scheme, axis=axis, **kw)
+    if stats is not None:
+        stats.append(_operand_stats(a, q, name))
+    return q
+
+
+def _operand_stats(a, q, name):
+    """What TE's LogNvfp4TensorStats logs: relative MSE, underflow (nonzero -> 0) and saturation fractions."""
+    xp = xp_of(a)
+    y = dequantize(q)
+    a64, y64 = a.astype(np.float64), y.astype(np.float64)
+    ms = float((a64 * a64).mean())
+    err = float(((y64 - a64) ** 2).mean())
+    nz = a64 != 0
+    n_nz = int(nz.sum())
+    fmax = getattr(q.scheme, "elem", None)
+    sat = 0.0
+    if fmax is not None and q.scales is not None and q.scheme.name.startswith(("nvfp4", "mxfp4")):
+        from .layout import unpack_fp4
+        codes = unpack_fp4(q.codes.reshape(q.lead[0], -1))[:, : q.K]
+        codes = codes if q.axis == 1 else codes.T
+        sat = float(((codes & 7) == 7).mean())
+    return dict(operand=name, rel_mse=err / ms if ms > 0 else float("nan"),
+                underflow=float((nz & (y64 == 0)).sum()) / n_nz if n_nz else 0.0, saturation=sat,
+                amax=float(xp.abs(a).max()) if a.size else 0.0)
+
+
+def _matmul(qa, qb, recipe, a_axis, b_axis):
+    """A·Bᵀ of two operands along their dot axes (quantized or float32)."""
+    if hasattr(qa, "codes"):
+        return gemm(qa, qb, accumulate=recipe.accumulate)
+    xp = xp_of(qa)
+    A = qa if a_axis == 1 else qa.T
+    B = qb if b_axis == 1 else qb.T
+    return xp.matmul(A, B.T).astype(np.float32)
+
+
+def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None):
+    """y = x · Wᵀ: x (M, K), w (N, K) -> (M, N) float32. Returns (y, the quantized weight for reuse)."""
+    s = _signs(recipe.fprop_x, recipe, layer, call, 0) if recipe.fprop_x.rht else None
+    qx = quantize_operand(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s, stats)
+    qw = quantize_operand(w, recipe.fprop_w, 1, recipe, layer, call, "fprop_w", s, stats)
+    return _matmul(qx, qw, recipe, 1, 1), qw
+
+
+def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None):
+    """dx = dy · W: dy (M, N), w (N, K) -> (M, K) float32."""
+    s = _signs(recipe.dgrad_dy, recipe, layer, call, 1) if recipe.dgrad_dy.rht else None
+    qdy = quantize_operand(dy2, recipe.dgrad_dy, 1, recipe, layer, call, "dgrad_dy", s, stats)
+    if recipe.dgrad_w_reuse_fprop and qw_fprop is not None and recipe.dgrad_w.quantized:
+        # simulation only: the Fprop weight (quantized along K) used as it is along N
+        wv = dequantize(qw_fprop) if hasattr(qw_fprop, "codes") else qw_fprop
+        dyv = dequantize(qdy) if hasattr(qdy, "codes") else qdy
+        return xp_of(wv).matmul(dyv, wv).astype(np.float32)
+    qw = quantize_operand(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s, stats)
+    return _matmul(qdy, qw, recipe, 1, 0)
+
+
+def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None):
+    """dW = dyᵀ · x: dy (M, N), x (M, K) -> (N, K) float32."""
+    s = _signs(recipe.wgrad_dy, recipe, layer, call, 2) if recipe.wgrad_dy.rht else None
+    qdy = quantize_operand(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s, stats)
+    qx = quantize_operand(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s, stats)
+    return _matmul(qdy, qx, recipe, 0, 0)

@@ -1,0 +1,156 @@
+"""Emulated block-scaled GEMM: ``gemm(qa, qb) = A · Bᵀ`` as a block-scaled tensor core computes it.
+
+``qa`` and ``qb`` are :class:`QuantizedTensor` s of 2-D matrices quantized along their dot-product axis (the
+``axis`` they were quantized along; the other axis is the matrix's row). The result is float32 of shape
+(rows of A, rows of B).
+
+Rules (``accumulate="exact"``, the default):
+
+- NVFP4 × NVFP4 (1×16 or 16×16 tiles on either side): for each 16-element K block, the inner product of the
+  E2M1 values (exact in float32: every partial sum is a multiple of 1/4 below 2^10), times ``fl(s_a · s_b)``
+  of the two decoded E4M3 block scales, accumulated in float32 in block order; then multiplied by
+  ``alpha = fl(fl(amax_a · amax_b) / (6·6·448·448))``. This is TransformerEngine 2.20.2's reference ``qgemm``
+  (``custom_recipes/reference_nvfp4.py``) operation by operation, and matches it bit for bit.
+- MXFP4 × MXFP4: the same with 32-element blocks and power-of-two UE8M0 scales ``2^(e-127)``, no alpha (TE's
+  ``pow_2_scales`` path).
+- MXFP8, FP8 blockwise (1×128 / 128×128) and FP8 per-tensor: an FP8 block inner product is not exact in float32,
+  so each block's (32 for MX, 128 for blockwise and per-tensor) inner product is computed in float64 (exact for
+  E4M3 × E4M3: at most 50 significant bits) and rounded once to float32 — the per-block promotion to float32 of
+  DeepSeek-V3's FP8 GEMMs — then multiplied by ``fl(s_a · s_b)`` and accumulated in float32 in block order; FP8
+  per-tensor applies ``fl(s_a · s_b)`` once at the end instead.
+- BF16 × BF16: the whole inner product in float64, rounded once to float32.
+
+K not a multiple of the block: the zero padding contributes nothing. ``accumulate="fast"`` dequantizes both
+operands and does one float32 BLAS matmul: faster, but it rounds differently (the scales are folded into the
+values first and the sum order is BLAS's), so it is not bit-exact with the tensor core; the difference is of
+the order of float32 rounding of the sum.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._xp import xp_of
+from .formats import E2M1, E4M3
+from .layout import unpack_fp4
+from .planning import POW2_DEC
+from .qtensor import QuantizedTensor
+from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor
+
+__all__ = ["gemm"]
+
+f32 = np.float32
+NVFP4_ALPHA_DIV = f32(6.0 * 6.0 * 448.0 * 448.0)
+
+
+def _check(q, name):
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"{name} must be a QuantizedTensor (fp4sim.quantize of a 2-D matrix), not {type(q).__name__}")
+    if len(q.shape) != 2:
+        raise ValueError(f"{name} holds a tensor of shape {q.shape}; gemm takes 2-D matrices (reshape to (rows, K))")
+    return q
+
+
+def _kind(sch):
+    if isinstance(sch, NVFP4):
+        return "nvfp4"
+    if isinstance(sch, MX):
+        return "mxfp4" if sch.elem is E2M1 else f"mx_{sch.elem.name}"
+    if isinstance(sch, FP8Blockwise):
+        return "fp8_blockwise"
+    if isinstance(sch, FP8Tensor):
+        return f"fp8_{sch.elem.name}"
+    if isinstance(sch, BF16Cast):
+        return "bf16"
+    raise TypeError(f"unsupported scheme {sch!r}")
+
+
+def _values(q, xp):
+    """Element values (rows, Kp) float32 (codes decoded, no scales)."""
+    rows = q.lead[0]
+    codes = q.codes.reshape(rows, -1)
+    sch = q.scheme
+    if isinstance(sch, BF16Cast):
+        return (codes.astype(np.uint32) << 16).view(np.float32)
+    c = unpack_fp4(codes) if sch.elem is E2M1 else codes
+    tab = sch.elem.values if xp is np else xp.asarray(sch.elem.values)
+    return tab[c]
+
+
+def _block_scales(q, xp):
+    """Decoded float32 scale per (row, K block)."""
+    sch = q.scheme
+    if isinstance(sch, NVFP4):
+        tab = E4M3.values if xp is np else xp.asarray(E4M3.values)
+        return tab[q.scales_per_row()]
+    if isinstance(sch, MX):
+        tab = POW2_DEC if xp is np else xp.asarray(POW2_DEC)
+        return tab[q.linear_scales()]
+    rows = q.lead[0]
+    s = q.scales.reshape(-(-rows // sch.block[0]), -1)
+    return xp.repeat(s, sch.block[0], axis=0)[:rows].astype(np.float32)
+
+
+def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
+    """``A · Bᵀ`` (float32, shape (rows of A, rows of B)) from two quantized matrices; see the module docstring
+    for the exact rule of each scheme. NumPy or CuPy operands (both on the same side)."""
+    qa, qb = _check(qa, "qa"), _check(qb, "qb")
+    if accumulate not in ("exact", "fast"):
+        raise ValueError(f"accumulate={accumulate!r}: use 'exact' (the tensor core's rule) or 'fast' (one BLAS matmul)")
+    ka, kb = _kind(qa.scheme), _kind(qb.scheme)
+    if ka != kb:
+        raise ValueError(f"qa is {qa.scheme.name} and qb is {qb.scheme.name}: a block-scaled GEMM takes two operands "
+                         "of the same format (quantize both with one scheme family)")
+    if qa.K != qb.K:
+        raise ValueError(f"the dot-product lengths differ: qa has K={qa.K} (axis {qa.axis} of {qa.shape}), qb has "
+                         f"K={qb.K} (axis {qb.axis} of {qb.shape})")
+    xp = xp_of(qa.codes, qb.codes)
+    if accumulate == "fast":
+        from .quantize import dequantize
+        a = dequantize(qa)
+        b = dequantize(qb)
+        a = a if qa.axis == 1 else a.T
+        b = b if qb.axis == 1 else b.T
+        return xp.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b).T).astype(np.float32)
+    va, vb = _values(qa, xp), _values(qb, xp)
+    M, N = va.shape[0], vb.shape[0]
+    if ka == "bf16":
+        return (va.astype(np.float64) @ vb.astype(np.float64).T).astype(np.float32)
+    if ka == "nvfp4" or ka == "mxfp4":
+        bk = 16 if ka == "nvfp4" else 32
+        exact_dot = True
+    elif ka.startswith("mx_"):
+        bk, exact_dot = 32, False
+    else:
+        bk, exact_dot = 128, False
+    Kp = -(-qa.K // bk) * bk
+    va, vb = _pad(va, Kp, xp), _pad(vb, Kp, xp)
+    per_tensor = ka in ("fp8_e4m3", "fp8_e5m2")
+    if not per_tensor:
+        sa, sb = _block_scales(qa, xp), _block_scales(qb, xp)
+    y = xp.zeros((M, N), np.float32)
+    for j in range(Kp // bk):
+        a, b = va[:, j * bk:(j + 1) * bk], vb[:, j * bk:(j + 1) * bk]
+        if exact_dot:
+            dot = xp.matmul(a, b.T)                           # exact: dyadic partial sums below 2^10
+        else:
+            dot = xp.matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
+        if per_tensor:
+            y += dot
+        else:
+            y += xp.multiply.outer(sa[:, j], sb[:, j]).astype(np.float32) * dot
+    if per_tensor:
+        sab = f32(f32(np.asarray(qa.scales).reshape(-1)[0]) * f32(np.asarray(qb.scales).reshape(-1)[0]))
+        y = y * sab
+    elif ka == "nvfp4":
+        with np.errstate(over="ignore"):
+            alpha = f32(f32(f32(qa.global_amax) * f32(qb.global_amax)) / NVFP4_ALPHA_DIV)
+        y = alpha * y
+    return y
+
+
+def _pad(v, Kp, xp):
+    if v.shape[1] == Kp:
+        return xp.ascontiguousarray(v)
+    out = xp.zeros((v.shape[0], Kp), np.float32)
+    out[:, : v.shape[1]] = v[:, :Kp]
+    return out

@@ -1,0 +1,264 @@
+"""What a low-precision training recipe quantizes: the six operands of a linear layer's three GEMMs.
+
+A linear layer ``y = x Wᵀ`` runs three GEMMs per step:
+
+=======  =====================  ==========================  ==========================
+GEMM     computes               operand 1 (along the dot)   operand 2 (along the dot)
+=======  =====================  ==========================  ==========================
+Fprop    y  = x · Wᵀ            ``fprop_x``: x along K      ``fprop_w``: W along K
+Dgrad    dx = dy · W            ``dgrad_dy``: dy along N    ``dgrad_w``: W along N
+Wgrad    dW = dyᵀ · x           ``wgrad_dy``: dy along M    ``wgrad_x``: x along M
+=======  =====================  ==========================  ==========================
+
+(M tokens, K input features, N output features.) Each operand is quantized from the high-precision tensor
+along its GEMM's dot-product axis, with its own :class:`Operand` settings; an RHT of size d, when set on both
+operands of a GEMM, rotates both along the dot axis with the same signs (the product is unchanged in exact
+arithmetic). :meth:`Recipe.preset` builds the paper's recipes and their ablations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["Operand", "Recipe", "PRESETS", "OPERANDS"]
+
+OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w": "dgrad", "wgrad_x": "wgrad",
+           "wgrad_dy": "wgrad"}
+_SCHEMES = ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2", "bf16")
+SIGNS = ("te", "fixed", "per_transform", "none")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one GEMM operand is quantized.
+
+    scheme : an fp4sim scheme name (``"nvfp4"``, ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"fp8_blockwise"``, ``"fp8_e4m3"``,
+        ``"bf16"``, ...) or None (kept in float32).
+    block : ``(1, 16)`` or ``(16, 16)`` for NVFP4, ``(1, 128)`` or ``(128, 128)`` for FP8 blockwise; None for
+        the scheme's default.
+    rounding : ``"rne"`` or ``"sr"`` (stochastic, Philox bits keyed by the recipe seed and a per-call counter).
+    rht : None, or the Hadamard size d (2..128) applied along the dot axis before quantizing (the tensor amax is
+        taken after the transform).
+    rht_signs : ``"te"`` (TransformerEngine's 16-element vector; d = 16), ``"fixed"`` (one vector from the
+        recipe seed), ``"per_transform"`` (a new vector for every GEMM call) or ``"none"`` (all +1).
+    """
+    scheme: str | None = None
+    block: tuple | None = None
+    rounding: str = "rne"
+    rht: int | None = None
+    rht_signs: str = "te"
+
+    def __post_init__(self):
+        if self.scheme is not None and self.scheme not in _SCHEMES:
+            raise ValueError(f"Operand scheme={self.scheme!r}: use one of {list(_SCHEMES)} or None")
+        if self.rounding not in ("rne", "sr"):
+            raise ValueError(f"Operand rounding={self.rounding!r}: use 'rne' or 'sr'")
+        if self.rht is not None and (not isinstance(self.rht, int) or self.rht < 2 or self.rht > 128
+                                     or self.rht & (self.rht - 1)):
+            raise ValueError(f"Operand rht={self.rht!r}: a power of two in 2..128, or None")
+        if self.rht_signs not in SIGNS:
+            raise ValueError(f"Operand rht_signs={self.rht_signs!r}: use one of {list(SIGNS)}")
+        if self.rht_signs == "te" and self.rht not in (None, 16):
+            raise ValueError(f"rht_signs='te' is TransformerEngine's 16-element vector; rht={self.rht} needs "
+                             "'fixed', 'per_transform' or 'none'")
+        if self.block is not None:
+            object.__setattr__(self, "block", tuple(self.block))
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme is not None
+
+    def label(self) -> str:
+        if self.scheme is None:
+            return "fp32"
+        b = f" {self.block[0]}x{self.block[1]}" if self.block else ""
+        r = f" RHT{self.rht}" if self.rht else ""
+        return f"{self.scheme}{b} {self.rounding.upper()}{r}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The six operands (see the module docstring), which layers stay in high precision, and the RNG seed.
+
+    keep : name globs of linear layers that stay in high precision (``high_precision``), e.g. ``("lm_head",)``.
+    keep_first, keep_last : the first / last N transformer blocks stay in high precision; a layer's block is the
+        first integer component of its name (``layers.11.mlp.up`` is block 11; ``block_pattern`` changes the rule).
+    high_precision : the scheme of the layers kept: ``"bf16"`` (default: all six operands rounded to bf16, as the
+        paper's BF16 layers) or None (plain float32).
+    rht_dtype : ``"bf16"`` (default; TransformerEngine's kernels round the rotated tensor to bf16) or ``"fp32"``.
+    dgrad_w_reuse_fprop : simulation-only: Dgrad uses the weight exactly as quantized for Fprop (along K), not
+        re-quantized along N (the paper's Fig. 14 "same dim" case for 1x16 weights).
+    accumulate : ``"exact"`` (the tensor core's rule, :func:`fp4sim.gemm`) or ``"fast"`` (dequantize + BLAS).
+    seed : the Philox key of stochastic rounding and of ``"fixed"`` / ``"per_transform"`` RHT signs.
+    """
+    fprop_x: Operand = Operand()
+    fprop_w: Operand = Operand()
+    dgrad_dy: Operand = Operand()
+    dgrad_w: Operand = Operand()
+    wgrad_x: Operand = Operand()
+    wgrad_dy: Operand = Operand()
+    keep: tuple = ()
+    keep_first: int = 0
+    keep_last: int = 0
+    block_pattern: str = r"(?:^|\.)(\d+)(?:\.|$)"
+    high_precision: str | None = "bf16"
+    rht_dtype: str = "bf16"
+    dgrad_w_reuse_fprop: bool = False
+    accumulate: str = "exact"
+    seed: int = 0
+    name: str = "custom"
+    identity: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        for op in OPERANDS:
+            if not isinstance(getattr(self, op), Operand):
+                raise TypeError(f"Recipe.{op} must be an Operand, not {type(getattr(self, op)).__name__}")
+        if self.rht_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"rht_dtype={self.rht_dtype!r}: use 'bf16' or 'fp32'")
+        if self.accumulate not in ("exact", "fast"):
+            raise ValueError(f"accumulate={self.accumulate!r}: use 'exact' or 'fast'")
+        if self.high_precision not in (None, "bf16"):
+            raise ValueError(f"high_precision={self.high_precision!r}: use 'bf16' or None (float32)")
+        if isinstance(self.keep, str):
+            object.__setattr__(self, "keep", (self.keep,))
+        for k in ("keep_first", "keep_last"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{k}={v!r}: a number of blocks >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"seed={self.seed!r}: an integer in [0, 2**63)")
+        for g in ("fprop", "dgrad", "wgrad"):
+            a, b = [getattr(self, op) for op in OPERANDS if GEMM_OF[op] == g]
+            if (a.rht, a.rht_signs if a.rht else None) != (b.rht, b.rht_signs if b.rht else None):
+                raise ValueError(f"the {g} GEMM's operands must share one RHT (size and signs), or neither has one: "
+                                 f"{a.rht}/{a.rht_signs} vs {b.rht}/{b.rht_signs}")
+            if a.quantized != b.quantized:
+                raise ValueError(f"the {g} GEMM quantizes one operand and not the other; quantize both or neither")
+
+    # ------------------------------------------------------------------------------------------ layers
+    def block_of(self, name: str):
+        m = re.search(self.block_pattern, name)
+        return int(m.group(1)) if m else None
+
+    def keeps(self, name: str, n_blocks: int | None) -> bool:
+        """Whether the layer ``name`` stays in high precision (``n_blocks``: how many blocks the model has)."""
+        if any(fnmatch.fnmatchcase(name, g) for g in self.keep):
+            return True
+        b = self.block_of(name)
+        if b is None or n_blocks is None:
+            return False
+        return b < self.keep_first or b >= n_blocks - self.keep_last
+
+    def high_precision_recipe(self) -> "Recipe":
+        """The recipe a kept layer runs under."""
+        if self.high_precision is None:
+            return Recipe.preset("none", seed=self.seed)
+        return Recipe.preset("bf16", seed=self.seed, accumulate=self.accumulate)
+
+    def table(self) -> str:
+        """The six operands as a Markdown table (the paper's Fig. 5)."""
+        rows = ["| GEMM | operand | quantization |", "|---|---|---|"]
+        for op in OPERANDS:
+            rows.append(f"| {GEMM_OF[op]} | {op.split('_')[1]} | {getattr(self, op).label()} |")
+        return "\n".join(rows)
+
+    # ------------------------------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "Recipe":
+        """A named recipe with switches and field overrides.
+
+        Names: ``"none"`` (no quantization: exactly ``nn.Linear``), ``"bf16"``, ``"nvfp4_paper"``, ``"mxfp4_paper"``,
+        ``"mxfp8"``, ``"fp8_blockwise"``. Switches (TransformerEngine's names, then the paper's ablations):
+        ``disable_rht``, ``disable_stochastic_rounding``, ``disable_2d_quantization``, ``sr_activations``,
+        ``sr_weights``, ``sr_backward`` (SR on every backward operand), ``rht_fprop``, ``rht_dgrad``,
+        ``rht_size=d``, ``rht_signs=`` ``"te" | "fixed" | "per_transform" | "none"``, ``weights_1d_reuse``
+        (1x16 weights quantized once along K and reused in Dgrad). Any other keyword is a Recipe field.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"preset {name!r} is not known; use one of {list(PRESETS)}")
+        sw = {k: overrides.pop(k) for k in list(overrides) if k in _SWITCHES}
+        bad = [k for k in overrides if k not in {f.name for f in dataclasses.fields(cls)}]
+        if bad:
+            raise ValueError(f"Recipe.preset({name!r}): unknown switches or fields {bad}; switches: "
+                             f"{sorted(_SWITCHES)}")
+        r = PRESETS[name]()
+        ops = {op: getattr(r, op) for op in OPERANDS}
+        rep = dataclasses.replace
+        if name == "none" and sw:
+            raise ValueError("the 'none' preset quantizes nothing; its switches do not apply")
+        if sw.get("disable_2d_quantization"):
+            for op in ("fprop_w", "dgrad_w"):
+                if ops[op].block and ops[op].block[0] > 1:
+                    ops[op] = rep(ops[op], block=(1, ops[op].block[1]))
+        if sw.get("weights_1d_reuse"):
+            for op in ("fprop_w", "dgrad_w"):
+                if ops[op].block and ops[op].block[0] > 1:
+                    ops[op] = rep(ops[op], block=(1, ops[op].block[1]))
+            overrides["dgrad_w_reuse_fprop"] = True
+        if sw.get("sr_activations"):
+            for op in ("fprop_x", "wgrad_x"):
+                ops[op] = rep(ops[op], rounding="sr")
+        if sw.get("sr_weights"):
+            for op in ("fprop_w", "dgrad_w"):
+                ops[op] = rep(ops[op], rounding="sr")
+        if sw.get("sr_backward"):
+            for op in ("dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy"):
+                ops[op] = rep(ops[op], rounding="sr")
+        if sw.get("disable_stochastic_rounding"):
+            for op in OPERANDS:
+                ops[op] = rep(ops[op], rounding="rne")
+        d_default = next((ops[op].rht for op in OPERANDS if ops[op].rht), 16)
+        d = sw.get("rht_size", d_default)
+        signs = sw.get("rht_signs")
+        gemms = {"wgrad"} if any(ops[op].rht for op in ("wgrad_x", "wgrad_dy")) else set()
+        if sw.get("rht_fprop"):
+            gemms.add("fprop")
+        if sw.get("rht_dgrad"):
+            gemms.add("dgrad")
+        if sw.get("disable_rht"):
+            gemms = set()
+        for op in OPERANDS:
+            if GEMM_OF[op] in gemms:
+                cur = ops[op].rht_signs if ops[op].rht else ("te" if d == 16 else "fixed")
+                s = signs or cur
+                if s == "te" and d != 16:
+                    s = "fixed"
+                ops[op] = rep(ops[op], rht=d, rht_signs=s)
+            else:
+                ops[op] = rep(ops[op], rht=None, rht_signs="te")
+        return rep(r, **ops, **overrides)
+
+
+_SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",
+             "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse"}
+
+
+def _uniform(op: Operand, name: str) -> Recipe:
+    return Recipe(**{o: op for o in OPERANDS}, name=name)
+
+
+def _paper(scheme, d, signs, wblock, ablock) -> Recipe:
+    act = Operand(scheme, ablock)
+    w = Operand(scheme, wblock)
+    g = Operand(scheme, ablock, rounding="sr")
+    return Recipe(fprop_x=act, fprop_w=w, dgrad_dy=g, dgrad_w=w,
+                  wgrad_x=dataclasses.replace(act, rht=d, rht_signs=signs),
+                  wgrad_dy=dataclasses.replace(g, rht=d, rht_signs=signs), name=f"{scheme}_paper")
+
+
+PRESETS = {
+    "none": lambda: Recipe(name="none", identity=True),
+    "bf16": lambda: _uniform(Operand("bf16"), "bf16"),
+    "nvfp4_paper": lambda: _paper("nvfp4", 16, "te", (16, 16), (1, 16)),
+    "mxfp4_paper": lambda: _paper("mxfp4", 32, "fixed", None, None),
+    "mxfp8": lambda: _uniform(Operand("mxfp8_e4m3"), "mxfp8"),
+    "fp8_blockwise": lambda: Recipe(fprop_x=Operand("fp8_blockwise", (1, 128)),
+                                    fprop_w=Operand("fp8_blockwise", (128, 128)),
+                                    dgrad_dy=Operand("fp8_blockwise", (1, 128)),
+                                    dgrad_w=Operand("fp8_blockwise", (128, 128)),
+                                    wgrad_x=Operand("fp8_blockwise", (1, 128)),
+                                    wgrad_dy=Operand("fp8_blockwise", (1, 128)), name="fp8_blockwise"),
+}
