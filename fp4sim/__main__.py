@@ -13,9 +13,14 @@ from fp4sim.formats import spec_markdown
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp4sim", description=__doc__)
     p.add_argument("--spec", action="store_true", help="print only the Markdown format table (README section)")
+    p.add_argument("--recipes", action="store_true", help="print only the Markdown table of the training presets")
     args = p.parse_args(argv)
     if args.spec:
         print(spec_markdown(), end="")
+        return 0
+    if args.recipes:
+        from fp4sim.training import presets_markdown
+        print(presets_markdown(), end="")
         return 0
     print(f"fp4sim {fs.__version__}: element formats\n")
     print(spec_markdown())

@@ -22,7 +22,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Operand", "Recipe", "PRESETS", "OPERANDS"]
+__all__ = ["Operand", "Recipe", "PRESETS", "OPERANDS", "presets_markdown"]
 
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w": "dgrad", "wgrad_x": "wgrad",
@@ -230,6 +230,18 @@ class Recipe:
             else:
                 ops[op] = rep(ops[op], rht=None, rht_signs="te")
         return rep(r, **ops, **overrides)
+
+
+def presets_markdown() -> str:
+    """Every preset's six operands as one Markdown table (README's recipe table; ``python -m fp4sim --recipes``)."""
+    names = [n for n in PRESETS if n != "none"]
+    recs = [Recipe.preset(n) for n in names]
+    rows = ["| GEMM | operand | " + " | ".join(f"`{n}`" for n in names) + " |",
+            "|---|---|" + "---|" * len(names)]
+    for op in OPERANDS:
+        rows.append(f"| {GEMM_OF[op]} | {op.split('_')[1]} | " + " | ".join(getattr(r, op).label() for r in recs)
+                    + " |")
+    return "\n".join(rows) + "\n"
 
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",

@@ -33,3 +33,10 @@ def test_readme_python_examples_run():
     for b in runnable:
         exec(compile(b, "README.md", "exec"), ns)  # noqa: S102 - the project's own documentation
     assert ns["q"].scheme.name == "mxfp4" and ns["y"].shape == ns["g"].shape
+
+
+def test_readme_recipe_table_is_generated_from_the_code():
+    from fp4sim.training import presets_markdown
+    m = re.search(r"<!-- recipes:begin -->\n(.*?)<!-- recipes:end -->", README.read_text(), re.S)
+    assert m, "README.md lost its recipe markers"
+    assert m.group(1) == presets_markdown(), "README recipe table drifted: run `python -m fp4sim --recipes`"
