@@ -151,6 +151,7 @@ def test_wgrad_study_tiles_give_the_same_numbers_in_bounded_memory():
     rng = np.random.default_rng(1)
     X, G = heavy((64, 192), 2), rng.standard_normal((64, 48)).astype(np.float32)
     whole = wgrad_gemm(X, G, seeds=3, budget_bytes=1 << 30)
+    wgrad_gemm(X, G, seeds=3)                        # compile every kernel signature first (not data memory)
     tracemalloc.start()
     tiled = wgrad_gemm(X, G, seeds=3)                # W is 48 x 192: larger than either operand
     _, peak = tracemalloc.get_traced_memory()
