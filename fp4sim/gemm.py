@@ -137,9 +137,9 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
         if per_tensor:
             y += dot
         else:
-            y += xp.multiply.outer(sa[:, j], sb[:, j]).astype(np.float32) * dot
+            y += (sa[:, j, None] * sb[None, :, j]) * dot     # fl(fl(s_a * s_b) * dot), then fl(y + .)
     if per_tensor:
-        sab = f32(f32(np.asarray(qa.scales).reshape(-1)[0]) * f32(np.asarray(qb.scales).reshape(-1)[0]))
+        sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
         y = y * sab
     elif ka == "nvfp4":
         with np.errstate(over="ignore"):
