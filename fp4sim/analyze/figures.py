@@ -183,9 +183,10 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
     if g:
         gi = [g[k] for k in _pick(np.abs(ds.grad_shrink_rne.values[g]), top)] or g[:top]
         pairs = "pair" in ds.coords
-        rows = max(len(gi), ds.sizes.get("pair", 0) if pairs else 0)
-        fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(14 if pairs else 8, _height(min(rows, top))),
-                                 squeeze=False)
+        npair = min(ds.sizes.get("pair", 0), top) if pairs else 0
+        hs = [max(2.6, _height(len(gi)))] + ([max(2.2, _height(npair))] if pairs else [])
+        fig, axes = plt.subplots(len(hs), 1, figsize=(10, sum(hs) + 1.2 * len(hs)), squeeze=False,
+                                 gridspec_kw={"height_ratios": hs, "hspace": 0.55})
         ax = axes[0][0]
         y = np.arange(len(gi))
         for k, (v, lab) in enumerate((("grad_shrink_rne", "RNE"), ("grad_shrink_sr", "SR, one seed"),
@@ -196,9 +197,9 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
         ax.invert_yaxis()
         ax.set_xlabel("mean error along sign(g) / mean |g| (negative = toward zero)")
         _title(ax, "Gradient rounding bias in NVFP4", len(gi), len(g), "most biased under RNE")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         if pairs:
-            ax = axes[0][1]
+            ax = axes[1][0]
             p = [str(v) for v in ds.pair.values]
             pi = _pick(ds.wgrad_rel_err_rne.values, top)
             yp = np.arange(len(pi))
@@ -208,6 +209,6 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
             ax.invert_yaxis()
             ax.set_xlabel("||W_q - W|| / ||W||")
             ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT)", fontsize=10, loc="left")
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         files.append(_save(fig, out / "sr_bias.png"))
     return files
