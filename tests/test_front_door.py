@@ -389,3 +389,18 @@ def test_dump_linear_tensors_max_rows_and_stale_gradients(tmp_path):
     assert np.allclose(model[0].weight.grad.numpy(), stale.numpy() * 3, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="max_rows"):
         dump_linear_tensors(model, step, tmp_path / "f.npz", max_rows=0)
+
+
+def test_round_up_exponent_of_amax_over_six_is_the_same_computed_either_way():
+    """TE's pow_2_scales path rounds fl(amax / 6) up to a power of two; MX rceil rounds fl(amax * fl(1/6)). Every
+    float32 mantissa of several binades (2^23 each) gives the same exponent, so that path is mxfp4 rceil."""
+    m = np.arange(1 << 23, dtype=np.uint32)
+
+    def up(v):
+        b = v.view(np.uint32)
+        return (b >> 23).astype(np.int64) + ((b & 0x7FFFFF) != 0)
+
+    for E in (1, 2, 100, 127, 128, 200, 254):
+        a = ((np.uint32(E) << 23) | m).view(np.float32)
+        with np.errstate(over="ignore"):
+            assert np.array_equal(up(a / f32(6)), up(a * (f32(1) / f32(6)))), E

@@ -211,3 +211,29 @@ def test_peer_outputs_validate_exact_under_their_flavour_and_are_named(te_ref):
         assert r.verdict == "mismatch" and r.diagnosis["exact_match"], flavor
         named = r.diagnosis["best"]["label"]
         assert named.startswith(f"flavor={flavor!r}") or (flavor == "te" and named.startswith("flavor='paper'"))
+
+
+def test_te_pow2_scales_path_is_mxfp4_rceil(te_ref):
+    """TE's pow_2_scales NVFP4 path (1x32 blocks, E8M0 round-up of amax/6, no tensor scale) is fp4sim's MXFP4
+    with rceil scales: the same codes and scales, except where TE's reference takes the float32 log2 of
+    amax/6 just above a power of two (one binade low there; fp4sim follows the exact bit rule)."""
+    torch = torch_or_skip()
+    rng = np.random.default_rng(3)
+    x = heavy((64, 128), 5)
+    near = (np.float32(6.0) * np.float32(2.0) ** rng.integers(-20, 20, 64).astype(np.float32))
+    x[:, 0] = (near.view(np.uint32) + rng.integers(0, 4, 64).astype(np.uint32)).view(np.float32)  # just above 6*2^k
+    codes, dec = te_ref.NVFP4QuantizerRef._quantize_blockwise_reference(
+        torch.from_numpy(x), torch.tensor(0.0), 32, 1, pow_2_scales=True, eps=0.0)
+    q = fs.quantize(x, "mxfp4", scale_mode="rceil")
+    ours = 2.0 ** (q.scales.astype(np.float64) - 127)
+    te = dec.numpy().astype(np.float64)
+    same = ours == te
+    assert same.mean() > 0.9
+    amax = np.abs(x.reshape(64, -1, 32)).max(-1)
+    v = (amax / np.float32(6)).astype(np.float32)
+    for r, b in np.argwhere(~same):
+        assert te[r, b] == ours[r, b] / 2                              # TE one binade low ...
+        assert np.log2(np.float32(v[r, b])) == np.floor(np.log2(float(v[r, b])))  # ... where float32 log2 is exact-looking
+        assert v[r, b] > ours[r, b] / 2                                # although amax/6 exceeds that power of two
+    rows = np.flatnonzero(same.all(1))
+    np.testing.assert_array_equal(codes.numpy()[rows], q.codes[rows])
