@@ -9,8 +9,10 @@ Rules (``accumulate="exact"``, the default):
 - NVFP4 × NVFP4 (1×16 or 16×16 tiles on either side): for each 16-element K block, the inner product of the
   E2M1 values (exact in float32: every partial sum is a multiple of 1/4 below 2^10), times ``fl(s_a · s_b)``
   of the two decoded E4M3 block scales, accumulated in float32 in block order; then multiplied by
-  ``alpha = fl(fl(amax_a · amax_b) / (6·6·448·448))``. This is TransformerEngine 2.20.2's reference ``qgemm``
-  (``custom_recipes/reference_nvfp4.py``) operation by operation, and matches it bit for bit.
+  ``alpha = fl(fl(amax_a · amax_b) / (6·6·448·448))`` — per output row (column) when A (B) is row-scaled.
+  This is TransformerEngine 2.20.2's reference ``qgemm`` (``custom_recipes/reference_nvfp4.py``) operation by
+  operation, and matches it bit for bit. torchao / modelopt operands use ``alpha = fl(pts_a · pts_b)``, their
+  per-tensor decode scales (1 without a tensor scale).
 - MXFP4 × MXFP4: the same with 32-element blocks and power-of-two UE8M0 scales ``2^(e-127)``, no alpha (TE's
   ``pow_2_scales`` path).
 - MXFP8, FP8 blockwise (1×128 / 128×128) and FP8 per-tensor: an FP8 block inner product is not exact in float32,
@@ -142,10 +144,34 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
         sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
         y = y * sab
     elif ka == "nvfp4":
-        with np.errstate(over="ignore"):
-            alpha = f32(f32(f32(qa.global_amax) * f32(qb.global_amax)) / NVFP4_ALPHA_DIV)
-        y = alpha * y
+        y = _nvfp4_alpha(qa, qb, xp) * y
     return y
+
+
+def _second_level(q, xp, side):
+    """The operand's second-level factor as a float32 column (side 0) or row (side 1) vector, or a scalar."""
+    sch = q.scheme
+    g = q.global_amax
+    if g is None:                                 # torchao without a tensor scale
+        v = np.ones(1, np.float32)
+    else:
+        v = np.asarray(g.get() if hasattr(g, "get") else g, np.float32).reshape(-1)
+    if sch.flavor not in ("te", "paper") and g is not None:
+        v = (v / f32(2688.0)).astype(np.float32)      # torchao / modelopt decode with pts = amax / 2688
+    v = xp.asarray(v) if xp is not np else v
+    if v.shape[0] == 1:
+        return v.reshape(1, 1)
+    return v.reshape(-1, 1) if side == 0 else v.reshape(1, -1)
+
+
+def _nvfp4_alpha(qa, qb, xp):
+    """te/paper: fl(fl(amax_a * amax_b) / (6*6*448*448)) (per output row / column for row-scaled operands, as TE's
+    qgemm); torchao/modelopt: fl(pts_a * pts_b), the product of their per-tensor decode scales."""
+    a, b = _second_level(qa, xp, 0), _second_level(qb, xp, 1)
+    with np.errstate(over="ignore"):
+        if qa.scheme.flavor in ("te", "paper") and qb.scheme.flavor in ("te", "paper"):
+            return (a * b) / NVFP4_ALPHA_DIV
+        return a * b
 
 
 def _pad(v, Kp, xp):

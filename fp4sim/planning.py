@@ -8,7 +8,9 @@ A backend ("kernels" object) provides::
     sr_bytes(sr, shape)                  the per-element random bytes of an SRPlan, in ``shape``
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
+    row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
     nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake) -> codes, scales, fake_values
+        (c0, c1: float32 vectors, dq: (n, 2); n = 1, or one per row for row-scaled NVFP4)
     mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake)               -> codes, scales, fake_values
     fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake)              -> codes, scales, fake_values
         (scale None: blockwise, tile x 128 blocks, float32 scales; else per-tensor with that scale)
@@ -130,20 +132,31 @@ def check_global_amax(global_amax):
     return g
 
 
-def nvfp4_constants(flavor: str, amax_g):
-    """Per-tensor float32 constants ``(c0, c1)`` a flavour's kernel takes, and its dequantize constants ``dq``."""
-    amax_g = f32(amax_g)
+def nvfp4_constants_rows(flavor: str, amax, per_tensor_scale: bool = True):
+    """The constants of :func:`nvfp4_constants` for a vector of second-level amaxes (one per row of a
+    row-scaled tensor, or one): arrays ``c0``, ``c1`` (float32, shape (n,)) and ``dq`` (float32, (n, 2)).
+    ``per_tensor_scale=False`` (torchao without a tensor scale): the per-tensor scale is exactly 1."""
+    a = np.asarray(amax, np.float32).reshape(-1)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if flavor in ("te", "paper"):
-            s_enc = f32(1.0) if amax_g == 0 else min(C2688 / amax_g, FLT_MAX)
-            s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
-            s_dec = f32(1.0) / s_enc
-            c0 = s_enc * R6 if flavor == "te" else s_enc
-            return (f32(c0), s_dec), np.array([amax_g, INV2688], np.float32)
-        pts = amax_g / C2688
+            s_enc = np.where(a == 0, f32(1.0), np.minimum(C2688 / a, FLT_MAX)).astype(np.float32)
+            s_enc = np.where(s_enc == 0, f32(1.0), s_enc).astype(np.float32)
+            s_dec = (f32(1.0) / s_enc).astype(np.float32)
+            c0 = (s_enc * R6).astype(np.float32) if flavor == "te" else s_enc
+            dq = np.stack([a, np.full(a.shape, INV2688, np.float32)], axis=1)
+            return c0, s_dec, dq.astype(np.float32)
+        pts = (a / C2688).astype(np.float32) if per_tensor_scale else np.ones(a.shape, np.float32)
         if flavor == "torchao":
-            return (pts, f32(1.0) / pts), np.array([pts, 0], np.float32)
-        return (f32(6.0) * pts, pts), np.array([pts, 0], np.float32)  # modelopt: wsf2 = pts
+            c0, c1 = pts, (f32(1.0) / pts).astype(np.float32)
+        else:
+            c0, c1 = (f32(6.0) * pts).astype(np.float32), pts  # modelopt: wsf2 = pts
+        return c0, c1, np.stack([pts, np.zeros(a.shape, np.float32)], axis=1).astype(np.float32)
+
+
+def nvfp4_constants(flavor: str, amax_g, per_tensor_scale: bool = True):
+    """Per-tensor float32 constants ``(c0, c1)`` a flavour's kernel takes, and its dequantize constants ``dq``."""
+    c0, c1, dq = nvfp4_constants_rows(flavor, [amax_g], per_tensor_scale)
+    return (c0[0], c1[0]), dq[0]
 
 
 # Above this tensor amax the te/paper decode factor fl(s * amax_g) overflows float32 for the largest scale byte.
@@ -204,8 +217,9 @@ class QuantPlan:
 
 def plan_quantize(shape, scheme, axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
                   global_amax=None, rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te",
-                  scale_layout="linear", fake=False) -> QuantPlan:
-    sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode)
+                  scale_layout="linear", fake=False, row_scaled=None, per_tensor_scale=None) -> QuantPlan:
+    sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode, row_scaled=row_scaled,
+                     per_tensor_scale=per_tensor_scale)
     scale_layout = _inputs.check_choice(scale_layout, "scale_layout", ("linear", "swizzled"))
     if scale_layout == "swizzled" and not isinstance(sch, (NVFP4, MX)):
         raise ValueError(f"scale_layout='swizzled' applies to NVFP4 and MX schemes, not {sch.name!r}")
@@ -219,12 +233,32 @@ def plan_quantize(shape, scheme, axis=-1, rounding="rne", flavor=None, block=Non
         raise ValueError(f"x has shape {shape} with no elements; nothing to quantize")
     rounding = _inputs.check_choice(rounding, "rounding", ROUNDINGS)
     sr = plan_sr(size, shape, rounding, rbits, seed, sr_bits, stream, rbits_mapping)
-    g = check_global_amax(global_amax)
+    R = size // K
+    if isinstance(sch, NVFP4) and sch.row_scaled:
+        g = None if global_amax is None else _row_amaxes(global_amax, R)
+    else:
+        g = check_global_amax(global_amax)
     if g is not None and not isinstance(sch, (NVFP4, FP8Tensor)):
         raise ValueError(f"global_amax applies to NVFP4 and FP8 per-tensor schemes only, not {sch.name!r}")
+    if g is not None and isinstance(sch, NVFP4) and not sch.per_tensor_scale:
+        raise ValueError("global_amax sets the FP32 tensor scale, which per_tensor_scale=False does not have")
     lead = tuple(s for i, s in enumerate(shape) if i != ax)
-    return QuantPlan(sch, ax, shape, K, size // K, lead, rounding, ids.MODES[rounding], sr, g, scale_layout,
-                     bool(fake))
+    return QuantPlan(sch, ax, shape, K, R, lead, rounding, ids.MODES[rounding], sr, g, scale_layout, bool(fake))
+
+
+def _row_amaxes(global_amax, R):
+    """A row-scaled tensor's second-level amaxes: one non-negative number per row (rows = all axes but the
+    block axis, flattened in order)."""
+    try:
+        a = np.asarray(global_amax.get() if hasattr(global_amax, "get") else global_amax, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise TypeError(f"global_amax must be an array of numbers, not {type(global_amax).__name__}") from None
+    a = a.reshape(-1)
+    if a.size != R:
+        raise ValueError(f"row_scaled NVFP4 takes one global amax per row: {R} values, not {a.size}")
+    if np.isnan(a).any() or (a < 0).any():
+        raise ValueError("global_amax for a row-scaled tensor must hold non-negative numbers (each row's |x| max)")
+    return a
 
 
 def finish(sch, codes, scales, gamax, lead, axis, shape, scale_layout, extras=None) -> QuantizedTensor:
@@ -248,11 +282,12 @@ def finish(sch, codes, scales, gamax, lead, axis, shape, scale_layout, extras=No
 
 def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
                  global_amax=None, rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te",
-                 scale_layout="linear", fake=False, return_intermediates=False):
+                 scale_layout="linear", fake=False, return_intermediates=False, row_scaled=None,
+                 per_tensor_scale=None):
     """:func:`fp4sim.quantize` (or ``fake_quantize`` with ``fake=True``) on the backend ``kern``."""
     xs = kern.as_float32(x)
     p = plan_quantize(xs.shape, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed,
-                      stream, sr_bits, rbits_mapping, scale_layout, fake)
+                      stream, sr_bits, rbits_mapping, scale_layout, fake, row_scaled, per_tensor_scale)
     xp, sch = kern.xp, p.scheme
     x2 = p.to2d(xp, xs)
     use_rb = p.sr.kind != ids.SR_NONE
@@ -267,12 +302,20 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     has_inf = bool(np.isinf(amax_t))
     extras, gamax = {}, None
     if isinstance(sch, NVFP4):
-        amax_g = amax_t if p.global_amax is None else p.global_amax
-        warn_specials(sch, amax_g, has_nan, has_inf)
-        (c0, c1), dq = nvfp4_constants(sch.flavor, amax_g)
+        if sch.row_scaled:
+            amax_g = kern.row_absmax(x2) if p.global_amax is None else p.global_amax
+            warn_specials(sch, f32(np.max(amax_g)), has_nan, has_inf)
+        elif not sch.per_tensor_scale:
+            amax_g = f32(1.0)
+            warn_specials(sch, amax_g, has_nan, has_inf)
+        else:
+            amax_g = amax_t if p.global_amax is None else p.global_amax
+            warn_specials(sch, amax_g, has_nan, has_inf)
+        c0, c1, dq = nvfp4_constants_rows(sch.flavor, amax_g, sch.per_tensor_scale)
         codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
                                        c0, c1, dq, fake)
-        gamax = f32(amax_g)
+        gamax = (np.asarray(amax_g, np.float32).reshape(-1) if sch.row_scaled else
+                 None if not sch.per_tensor_scale else f32(amax_g))
         if return_intermediates:
             extras = {"s_enc_constants": (c0, c1), "dequant_constants": dq, "tensor_amax": f32(amax_t)}
     elif isinstance(sch, MX):
@@ -293,7 +336,8 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
 @dataclass(frozen=True)
 class DequantPlan:
     """How a QuantizedTensor's codes become values: kind (ids.DQ_*), block length, the NVFP4 flavour id and its
-    dequantize constants, the FP8 blockwise tile rows, rows R and length K."""
+    dequantize constants (``dq``: (1, 2), or (R, 2) for a row-scaled tensor), the FP8 blockwise tile rows, rows R
+    and length K."""
     kind: int
     R: int
     K: int
@@ -311,11 +355,12 @@ def plan_dequantize(q) -> DequantPlan:
     if isinstance(sch, BF16Cast):
         return DequantPlan(-1, R, q.K, q.K)
     if isinstance(sch, NVFP4):
-        g = f32(q.global_amax)
-        if sch.flavor in ("te", "paper") and np.isfinite(g) and g > NVFP4_DEQUANT_AMAX_LIMIT:
-            warnings.warn(f"global amax {float(g):.4g} > FLT_MAX/448: blocks with large scale bytes dequantize to "
-                          "Inf/NaN (fl(s * amax) overflows float32)", RuntimeWarning, 4)
-        _, dq = nvfp4_constants(sch.flavor, g)
+        g = np.asarray(1.0 if q.global_amax is None else q.global_amax, np.float32).reshape(-1)
+        big = g[np.isfinite(g)]
+        if sch.flavor in ("te", "paper") and big.size and big.max() > NVFP4_DEQUANT_AMAX_LIMIT:
+            warnings.warn(f"global amax {float(big.max()):.4g} > FLT_MAX/448: blocks with large scale bytes "
+                          "dequantize to Inf/NaN (fl(s * amax) overflows float32)", RuntimeWarning, 4)
+        _, _, dq = nvfp4_constants_rows(sch.flavor, g, sch.per_tensor_scale)
         return DequantPlan(ids.DQ_NVFP4, R, q.K, 16, ids.FLAVOR_IDS[sch.flavor], dq)
     if isinstance(sch, MX):
         return DequantPlan(ids.DQ_MX, R, q.K, 32)

@@ -25,7 +25,8 @@ class QuantizedTensor:
         ``"linear"`` layout — for 16x16 NVFP4 ``(ceil(R/16), Kp // 16)`` with ``R = prod(lead)`` — or the
         1-D ``"swizzled"`` 128x4 layout; float32 decode scales for FP8 blockwise; for FP8 per-tensor one
         float32 ``fl(1/scale)``; None for BF16.
-    global_amax : float32 tensor amax used for NVFP4's second-level scale (None for other schemes).
+    global_amax : float32 tensor amax used for NVFP4's second-level scale (a float32 vector, one per row, for
+        row-scaled NVFP4; None for other schemes and for NVFP4 without a tensor scale).
     scheme : the scheme object; axis : the quantized axis of the original input; shape : original shape.
     scale_layout : ``"linear"`` or ``"swizzled"``.
     extras : intermediates for analysis (``block_amax`` etc.) when asked for with ``return_intermediates``.
@@ -78,7 +79,9 @@ class QuantizedTensor:
         return s
 
     def __repr__(self) -> str:
-        ga = "" if self.global_amax is None else f", global_amax={float(self.global_amax)!r}"
+        g = self.global_amax
+        ga = "" if g is None else (f", global_amax={float(g)!r}" if np.ndim(g) == 0 else
+                                   f", global_amax=<one per row, {np.size(g)}>")
         return (f"QuantizedTensor({self.scheme.name}, shape={self.shape}, axis={self.axis}, "
                 f"codes={self.codes.shape}, scales={None if self.scales is None else self.scales.shape}, "
                 f"scale_layout={self.scale_layout!r}{ga})")

@@ -24,7 +24,8 @@ def _kernels(a):
 def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: str | None = None,
              block=None, scale_mode: str | None = None, global_amax=None, rbits=None, seed=None,
              stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", scale_layout: str = "linear",
-             return_intermediates: bool = False) -> QuantizedTensor:
+             return_intermediates: bool = False, row_scaled: bool | None = None,
+             per_tensor_scale: bool | None = None) -> QuantizedTensor:
     """Quantize ``x`` with a block-scaled scheme; returns a :class:`QuantizedTensor`.
 
     Parameters
@@ -45,18 +46,26 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
         or the amax of a whole tensor quantized in row chunks).
     scale_layout : ``"linear"`` (default) or ``"swizzled"`` (cuBLAS 128x4).
     return_intermediates : keep per-tensor constants in ``q.extras`` for analyses.
+    row_scaled : NVFP4 (1x16, te/paper) with one FP32 second-level scale per row (TransformerEngine's
+        ``row_scaled_nvfp4``); ``q.global_amax`` is then a float32 vector with one amax per row, and a
+        ``global_amax`` override must be such a vector.
+    per_tensor_scale : ``False`` for torchao's single-level NVFP4 (``flavor="torchao"``, no FP32 tensor scale;
+        ``q.global_amax`` is None).
     """
     return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
-                                 rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, False, return_intermediates)
+                                 rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, False, return_intermediates,
+                                 row_scaled, per_tensor_scale)
 
 
 def fake_quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: str | None = None,
                   block=None, scale_mode: str | None = None, global_amax=None, rbits=None, seed=None,
-                  stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te") -> np.ndarray:
+                  stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", row_scaled: bool | None = None,
+                  per_tensor_scale: bool | None = None):
     """``dequantize(quantize(x, ...))`` in one fused pass: float32 in ``x``'s shape, bit-identical to the
     two-step result."""
     return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
-                                 rbits, seed, stream, sr_bits, rbits_mapping, "linear", True)
+                                 rbits, seed, stream, sr_bits, rbits_mapping, "linear", True, False, row_scaled,
+                                 per_tensor_scale)
 
 
 def dequantize(q: QuantizedTensor) -> np.ndarray:

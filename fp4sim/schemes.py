@@ -28,16 +28,29 @@ def _check_block(block, allowed_rows, cols) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class NVFP4:
-    """E2M1 elements, 16-element blocks (or 16x16 tiles), E4M3 block scale, FP32 tensor scale."""
+    """E2M1 elements, 16-element blocks (or 16x16 tiles), E4M3 block scale, FP32 tensor scale.
+
+    Variants: ``row_scaled=True`` (TransformerEngine's ``row_scaled_nvfp4``, 1x16 te/paper only): one FP32
+    second-level scale per row from that row's amax, so ``global_amax`` is a vector; ``per_tensor_scale=False``
+    (torchao's ``nvfp4_quantize(..., per_tensor_scale=None)``, torchao flavour only): no FP32 tensor scale, the
+    E4M3 block scale is ``fl(amax_b/6)`` clamped to [2^-6, 448]."""
     block: tuple[int, int] = (1, 16)
     flavor: str = "te"
     elem: Format = E2M1
     scale_fmt: Format = E4M3
+    row_scaled: bool = False
+    per_tensor_scale: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "block", _check_block(self.block, (1, 16), 16))
         if self.flavor not in FLAVORS:
             raise ValueError(f"flavor={self.flavor!r} is not an NVFP4 flavour; use one of {list(FLAVORS)}")
+        if self.row_scaled and (self.block != (1, 16) or self.flavor not in ("te", "paper")):
+            raise ValueError("row_scaled=True is TransformerEngine's per-row tensor scale: it takes 1x16 blocks and "
+                             f"the te or paper flavour, not block={self.block}, flavor={self.flavor!r}")
+        if not self.per_tensor_scale and self.flavor != "torchao":
+            raise ValueError("per_tensor_scale=False is torchao's single-level NVFP4: use flavor='torchao' "
+                             f"(not {self.flavor!r})")
 
     @property
     def name(self) -> str:
@@ -110,7 +123,8 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
-def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None) -> Scheme:
+def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None, row_scaled=None,
+               per_tensor_scale=None) -> Scheme:
     """Resolve a scheme name or object and apply keyword overrides (``None`` keeps the scheme's own)."""
     if isinstance(scheme, str):
         if scheme.lower() not in SCHEMES:
@@ -119,7 +133,8 @@ def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None) -> Scheme:
     elif not isinstance(scheme, (NVFP4, MX, FP8Tensor, FP8Blockwise, BF16Cast)):
         raise TypeError(f"scheme must be a scheme name or object, not {type(scheme).__name__}")
     changes = {}
-    for key, val in (("flavor", flavor), ("block", block), ("scale_mode", scale_mode)):
+    for key, val in (("flavor", flavor), ("block", block), ("scale_mode", scale_mode), ("row_scaled", row_scaled),
+                     ("per_tensor_scale", per_tensor_scale)):
         if val is None:
             continue
         if not any(f.name == key for f in dataclasses.fields(scheme)):

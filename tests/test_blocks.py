@@ -34,6 +34,31 @@ def test_nvfp4_matches_reference(case, flavor, tile):
     np.testing.assert_array_equal(_codes(q), codes)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("variant", [dict(flavor="te", row_scaled=True), dict(flavor="paper", row_scaled=True),
+                                     dict(flavor="torchao", per_tensor_scale=False)])
+def test_nvfp4_variants_match_reference(case, variant):
+    x = CASES[case] * np.float32(2.0) ** np.arange(-(CASES[case].shape[0] // 2), CASES[case].shape[0]
+                                                   - CASES[case].shape[0] // 2, dtype=np.float32)[:, None]
+    q = fs.quantize(x, "nvfp4", **variant)
+    codes, scales = ref.nvfp4_ref(x, **variant)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    np.testing.assert_array_equal(_codes(q), codes)
+    r = np.random.default_rng(5).integers(0, 256, x.shape, dtype=np.uint8)
+    q = fs.quantize(x, "nvfp4", rounding="sr", rbits=r, **variant)
+    codes, scales = ref.nvfp4_ref(x, rounding="sr", rb=r, **variant)
+    np.testing.assert_array_equal(_codes(q), codes)
+
+
+def test_nvfp4_variants_match_reference_on_a_million_elements():
+    x = (np.random.default_rng(8).standard_normal((1024, 1024)) * np.exp(3 * np.random.default_rng(9)
+                                                                          .standard_normal((1024, 1)))).astype(np.float32)
+    for variant in (dict(row_scaled=True), dict(flavor="torchao", per_tensor_scale=False)):
+        q = fs.quantize(x, "nvfp4", **variant)
+        codes, scales = ref.nvfp4_ref(x, **variant)
+        assert np.array_equal(q.linear_scales(), scales) and np.array_equal(_codes(q), codes), variant
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_nvfp4_sr_matches_reference_with_given_and_seeded_bits(flavor):
     x = CASES["heavy"]

@@ -237,3 +237,75 @@ def test_te_pow2_scales_path_is_mxfp4_rceil(te_ref):
         assert v[r, b] > ours[r, b] / 2                                # although amax/6 exceeds that power of two
     rows = np.flatnonzero(same.all(1))
     np.testing.assert_array_equal(codes.numpy()[rows], q.codes[rows])
+
+
+ROW_INPUTS = {**INPUTS, "rows_over_many_binades": heavy((32, 64), 9) * np.float32(2.0) ** np.arange(-16, 16,
+                                                                                            dtype=np.float32)[:, None]}
+
+
+@pytest.mark.parametrize("name", list(ROW_INPUTS))
+@pytest.mark.parametrize("flavor", ["te", "paper"])
+def test_row_scaled_nvfp4_matches_transformer_engine_reference(te_ref, name, flavor):
+    """TE 2.20.2's row_scaled_nvfp4: one FP32 second-level scale per row from that row's amax (te's fused
+    multiplier; the paper flavour is the same with TE <= 2.13's order, compared against its formula here)."""
+    torch = torch_or_skip()
+    x = ROW_INPUTS[name].astype(np.float32)
+    rows = np.abs(np.nan_to_num(x)).max(1).astype(np.float32)
+    q = fs.quantize(x, "nvfp4", flavor=flavor, row_scaled=True)
+    assert q.global_amax.dtype == np.float32 and np.array_equal(q.global_amax, rows)
+    if flavor == "te":
+        codes, scales = te_ref.NVFP4QuantizerRef._quantize_blockwise_reference(
+            torch.from_numpy(x), torch.from_numpy(rows), 16, 1, pow_2_scales=False, row_scaled_nvfp4=True, eps=0.0)
+        np.testing.assert_array_equal(q.scales, scales.view(torch.uint8).numpy())
+        np.testing.assert_array_equal(q.codes, codes.numpy())
+    for r in range(x.shape[0]):          # each row equals that row quantized alone as its own tensor
+        one = fs.quantize(x[r:r + 1], "nvfp4", flavor=flavor, global_amax=rows[r])
+        assert np.array_equal(one.codes[0], q.codes[r]) and np.array_equal(one.scales[0], q.scales[r])
+    y = fs.dequantize(q)
+    for r in range(x.shape[0]):
+        one = fs.dequantize(fs.quantize(x[r:r + 1], "nvfp4", flavor=flavor, global_amax=rows[r]))
+        assert np.array_equal(one[0].view(np.uint32), y[r].view(np.uint32))
+
+
+@pytest.mark.parametrize("name", [n for n in INPUTS if n != "all_zero"] + ["all_zero"])
+def test_torchao_without_a_tensor_scale_matches_torchao(name):
+    torch = torch_or_skip()
+    nv = import_or_missing("torchao.prototype.mx_formats.nvfp4_tensor")
+    x = INPUTS[name]
+    big = x * np.float32(1e4)                                  # block scales above 448 clamp there
+    for a in (x, big):
+        scales, packed = nv.nvfp4_quantize(torch.from_numpy(np.ascontiguousarray(a)), 16, None)
+        q = fs.quantize(a, "nvfp4", flavor="torchao", per_tensor_scale=False)
+        assert q.global_amax is None
+        np.testing.assert_array_equal(q.scales, scales.view(torch.uint8).numpy())
+        np.testing.assert_array_equal(q.codes, packed.numpy())
+        want = fs.E2M1.values[fs.layout.unpack_fp4(q.codes)] * np.repeat(fs.E4M3.values[q.scales], 16, axis=1)
+        np.testing.assert_array_equal(fs.dequantize(q), want.astype(np.float32)[:, : a.shape[1]])
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_gemm_with_row_scaled_operands_equals_te_qgemm(te_ref, ta, tb):
+    """TE's qgemm applies alpha per output row (column) for a row-scaled first (second) operand."""
+    import types
+    torch = torch_or_skip()
+    A = heavy((32, 128), 11) * np.float32(2.0) ** np.arange(-8, 8, 0.5, dtype=np.float32)[:, None]
+    B = heavy((24, 128), 12)
+    qa, qb = fs.quantize(A, "nvfp4", row_scaled=ta), fs.quantize(B, "nvfp4", row_scaled=tb)
+    ref = object.__new__(te_ref.NVFP4QuantizerRef)
+    ref.pow_2_scales, ref.nvfp4_use_4over6, ref.nvfp4_e4m3_max = False, False, 448
+    amax = lambda q: torch.from_numpy(np.asarray(q.global_amax, np.float32).reshape(-1).copy())  # noqa: E731
+    rx = types.SimpleNamespace(global_amax_row=amax(qa), global_amax_col=amax(qa))
+    rw = types.SimpleNamespace(global_amax_row=amax(qb), global_amax_col=amax(qb))
+    sx = torch.from_numpy(fs.E4M3.values[qa.scales].astype(np.float32))
+    sw = torch.from_numpy(fs.E4M3.values[qb.scales].astype(np.float32))
+    got = fs.gemm(qa, qb)
+    if tb:  # TE's Fprop qgemm multiplies the two global_amax_row vectors elementwise: it has no form for this
+        for m, n in ((0, 0), (5, 17), (31, 23)):      # each output element = its two rows as their own tensors
+            one = fs.gemm(fs.quantize(A[m:m + 1], "nvfp4", global_amax=np.asarray(qa.global_amax).reshape(-1)[
+                m if ta else 0]), fs.quantize(B[n:n + 1], "nvfp4", global_amax=qb.global_amax[n]))
+            assert one.view(np.uint32)[0, 0] == got.view(np.uint32)[m, n]
+        return
+    y = ref.qgemm(torch.from_numpy(qa.codes.copy()), torch.from_numpy(qb.codes.copy()), None, torch.float32, sx, sw,
+                  qresult_x=rx, qresult_w=rw).numpy()
+    assert np.array_equal(got.view(np.uint32), y.view(np.uint32))

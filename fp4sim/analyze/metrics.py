@@ -48,7 +48,13 @@ DEFAULT_SCHEMES = (
     SchemeSpec("fp8_e4m3", "fp8_e4m3", block=1),
     SchemeSpec("bf16", "bf16", block=1),
 )
-SCHEMES_BY_LABEL = {s.label: s for s in DEFAULT_SCHEMES}
+# NVFP4 variants, chosen with --schemes: TE's per-row second-level scale, torchao without a tensor scale
+EXTRA_SCHEMES = (
+    SchemeSpec("nvfp4_row_scaled", "nvfp4", {"row_scaled": True}, fp4=True, block=16),
+    SchemeSpec("nvfp4_torchao_no_tensor_scale", "nvfp4", {"flavor": "torchao", "per_tensor_scale": False}, fp4=True,
+               block=16),
+)
+SCHEMES_BY_LABEL = {s.label: s for s in DEFAULT_SCHEMES + EXTRA_SCHEMES}
 
 
 def as_rows(x: np.ndarray) -> np.ndarray:
@@ -63,7 +69,8 @@ def chunks(x2: np.ndarray, chunk_elems: int):
 
 def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int):
     kw = spec.options(role)
-    if spec.scheme in ("nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2"):
+    tensor_scale = not kw.get("row_scaled") and kw.get("per_tensor_scale", True)  # the variants bring their own
+    if spec.scheme in ("nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2") and tensor_scale:
         kw["global_amax"] = amax
     if role == "gradient" and spec.fp4:
         kw.update(rounding="sr", seed=seed, stream=stream)

@@ -51,14 +51,21 @@ class CpuKernels:
         return f32(a), bool(n)
 
     @staticmethod
+    def row_absmax(x2):
+        a = np.abs(x2)
+        a[np.isnan(a)] = 0
+        return a.max(axis=1).astype(np.float32)
+
+    @staticmethod
     def nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake):
         R, K = x2.shape
         nbk = -(-K // 16)
         codes = np.empty((R, nbk * 8), np.uint8)
         scales = np.empty((-(-R // tile), nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
-        _b.nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, f32(0), dq, E4M3.values, codes, scales,
-                        fv, fake)
+        _b.nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, np.ascontiguousarray(c0, np.float32),
+                        np.ascontiguousarray(c1, np.float32), np.ascontiguousarray(dq, np.float32).reshape(-1, 2),
+                        E4M3.values, codes, scales, fv, fake)
         return codes, scales, fv
 
     @staticmethod
@@ -97,8 +104,9 @@ class CpuKernels:
         if p.kind in (ids.DQ_NVFP4, ids.DQ_MX):
             if p.kind == ids.DQ_NVFP4:
                 s = E4M3.values[q.scales_per_row()]
+                dq0, dq1 = p.dq[:, 0:1], p.dq[:, 1:2]          # one row, or one per tensor row
                 with np.errstate(invalid="ignore", over="ignore"):
-                    fac = (s * p.dq[0]) * p.dq[1] if p.flavor <= ids.PAPER else s * p.dq[0]
+                    fac = (s * dq0) * dq1 if p.flavor <= ids.PAPER else s * dq0
             else:
                 fac = POW2_DEC[q.linear_scales()]
             if sch.elem is E2M1:  # one fused pass

@@ -149,12 +149,13 @@ def row_padded(x2, r, K, Kp, buf):
 
 
 @nb.njit(parallel=True, cache=True)
-def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_vals,
+def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_vals,
                  codes, scales, fake, do_fake):
     """NVFP4 quantize. ``tile`` is 1 (1x16 blocks) or 16 (16x16 tiles, one scale per tile).
 
     codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); fake: (R, K) dequantized values when do_fake,
-    where ``dq`` holds the flavour's dequantize constants. Each task handles one group of ``tile`` rows in
+    where ``dqv`` holds the flavour's dequantize constants. ``c0v``, ``c1v``, ``dqv`` hold one set of per-tensor
+    constants, or one per row (row-scaled NVFP4, tile 1). Each task handles one group of ``tile`` rows in
     phases that vectorise: block amax (integer max over bit patterns), per-block scale (scalar), element
     codes over the whole padded row, nibble packing.
     """
@@ -174,6 +175,9 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, c2, dq, e4m3_v
         sdq = np.empty(nbk, np.float32)
         r0 = g * tile
         r1 = min(r0 + tile, R)
+        ci = np.int64(g) if c0v.shape[0] > 1 else np.int64(0)
+        c0, c1 = c0v[ci], c1v[ci]
+        dq = dqv[ci]
         for r in range(r0, r1):                       # phase 1: block amax over the group's rows
             xr = row_padded(x2, r, K, Kp, xrow)
             xb = xr.view(np.uint32)

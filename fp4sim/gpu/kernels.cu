@@ -232,16 +232,18 @@ __device__ int nvfp4_elem(double v, double fac, int flavor, int mode, int r, int
 }
 
 // One thread per (row group, 16-wide block). codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16);
-// fake: (R, K) float32 bit patterns when do_fake. c0, c1, dq0, dq1: the flavour's float32 constants (exact
-// in double); e4m3_vals: float64 table of the 256 E4M3 values.
+// fake: (R, K) float32 bit patterns when do_fake. c0v, c1v, dq0v, dq1v: the flavour's float32 constants (exact
+// in double), one set per row when per_row, else one; e4m3_vals: float64 table of the 256 E4M3 values.
 extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode,
-                                          int nsr, int flavor, int tile, double c0, double c1, double dq0,
-                                          double dq1, const double* e4m3_vals, u8* codes, u8* scales, u32* fake,
-                                          int do_fake) {
+                                          int nsr, int flavor, int tile, const double* c0v, const double* c1v,
+                                          const double* dq0v, const double* dq1v, int per_row,
+                                          const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
     i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ngroups * nbk) return;
     i64 g = t / nbk, j = t % nbk;
+    i64 ci = per_row ? g : 0;  // per-row second-level constants (row-scaled NVFP4, 1x16 groups) or one per tensor
+    double c0 = c0v[ci], c1 = c1v[ci], dq0 = dq0v[ci], dq1 = dq1v[ci];
     i64 r0 = g * tile, r1 = r0 + tile < R ? r0 + tile : R;
     i64 k0 = j * 16, k1 = k0 + 16 < K ? k0 + 16 : K;
     u32 m = 0;
@@ -428,7 +430,8 @@ extern "C" __global__ void rht(const float* x, i64 R, i64 K, int d, const double
 // codes: packed two per byte when packed, row stride cstride bytes; out: float32 bit patterns (R, K).
 extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cstride, const u8* sbytes,
                                              const u32* sfloat, i64 R, i64 K, i64 bk, int tile, int kind,
-                                             int flavor, double dq0, double dq1, const double* elem_vals,
+                                             int flavor, double dq0, double dq1, const double* dq0v,
+                                             const double* dq1v, int per_row, const double* elem_vals,
                                              const double* e4m3_vals, const double* pow2_dec, u32* out) {
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= R * K) return;
@@ -438,7 +441,8 @@ extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cs
     double fac;
     if (kind == DQ_NVFP4) {
         double s = e4m3_vals[sbytes[r * nbk + j]];
-        fac = flavor <= FL_PAPER ? r32(r32(s * dq0) * dq1) : r32(s * dq0);
+        double a0 = dq0v[per_row ? r : 0], a1 = dq1v[per_row ? r : 0];  // NVFP4: per-row or per-tensor
+        fac = flavor <= FL_PAPER ? r32(r32(s * a0) * a1) : r32(s * a0);
     } else if (kind == DQ_MX) {
         fac = pow2_dec[sbytes[r * nbk + j]];
     } else if (kind == DQ_FP8_BLOCKWISE) {

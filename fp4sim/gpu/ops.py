@@ -74,6 +74,15 @@ class GpuKernels:
         host = np.asarray(acc.get() if hasattr(acc, "get") else acc)
         return host[:1].view(np.float32)[0], bool(host[1])
 
+    def row_absmax(self, x2):
+        a = self.xp.abs(x2)
+        a = self.xp.where(self.xp.isnan(a), self.xp.float32(0), a)
+        m = a.max(axis=1)
+        return np.asarray(m.get() if hasattr(m, "get") else m, np.float32)
+
+    def _vec(self, v):
+        return self.xp.asarray(np.asarray(v, np.float64).reshape(-1))
+
     def _fake(self, R, K, fake):
         return self.xp.empty((R, K) if fake else (1,), np.uint32)  # float32 bit patterns written by the kernels
 
@@ -84,9 +93,10 @@ class GpuKernels:
         codes = xp.empty((R, nbk * 8), np.uint8)
         scales = xp.empty((-(-R // tile), nbk), np.uint8)
         fv = self._fake(R, K, fake)
+        dq = np.asarray(dq, np.float32).reshape(-1, 2)
         self.be.launch("nvfp4_quantize", scales.size, x2, i64(R), i64(K), rb, i32(use_rb), i32(mode), i32(nsr),
-                       i32(flavor), i32(tile), f64(c0), f64(c1), f64(dq[0]), f64(dq[1]), self.table(E4M3.values),
-                       codes, scales, fv, i32(fake))
+                       i32(flavor), i32(tile), self._vec(c0), self._vec(c1), self._vec(dq[:, 0]), self._vec(dq[:, 1]),
+                       i32(dq.shape[0] > 1), self.table(E4M3.values), codes, scales, fv, i32(fake))
         return codes, scales, fv.view(np.float32)
 
     def mx(self, x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):
@@ -132,9 +142,11 @@ class GpuKernels:
             return (codes.astype(np.uint32) << 16).view(np.float32)
         dummy8, dummy32 = xp.zeros(1, np.uint8), xp.zeros(1, np.uint32)
         dq0 = dq1 = 0.0
+        dq0v = dq1v = self._vec([0.0])
+        per_row = 0
         sbytes, sfloat = dummy8, dummy32
         if p.kind == ids.DQ_NVFP4:
-            dq0, dq1 = float(p.dq[0]), float(p.dq[1])
+            dq0v, dq1v, per_row = self._vec(p.dq[:, 0]), self._vec(p.dq[:, 1]), int(p.dq.shape[0] > 1)
             sbytes = xp.ascontiguousarray(q.scales_per_row())
         elif p.kind == ids.DQ_MX:
             sbytes = xp.ascontiguousarray(q.linear_scales())
@@ -145,8 +157,9 @@ class GpuKernels:
             sfloat = xp.ascontiguousarray(q.scales.reshape(-(-R // p.tile), -1)).view(np.uint32)
         out = xp.empty((R, K), np.uint32)
         self.be.launch("dequantize_blocks", R * K, codes, i32(sch.elem is E2M1), i64(codes.shape[1]), sbytes, sfloat,
-                       i64(R), i64(K), i64(p.bk), i32(p.tile), i32(p.kind), i32(p.flavor), f64(dq0), f64(dq1),
-                       self.table(sch.elem.values), self.table(E4M3.values), self.table(POW2_DEC), out)
+                       i64(R), i64(K), i64(p.bk), i32(p.tile), i32(p.kind), i32(p.flavor), f64(dq0), f64(dq1), dq0v,
+                       dq1v, i32(per_row), self.table(sch.elem.values), self.table(E4M3.values),
+                       self.table(POW2_DEC), out)
         return out.view(np.float32)
 
     def rht(self, x2, d, sh, scale, to_bf16):
@@ -174,10 +187,12 @@ def encode(be, x, fmt, rounding="rne", saturate=True, rbits=None, seed=None, sr_
 
 
 def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None, global_amax=None,
-             rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te", scale_layout="linear", fake=False):
+             rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te", scale_layout="linear", fake=False,
+             row_scaled=None, per_tensor_scale=None):
     """:func:`fp4sim.quantize` / :func:`fp4sim.fake_quantize` (``fake=True``) on the backend ``be``."""
     return planning.run_quantize(kernels(be), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
-                                 rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, fake)
+                                 rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, fake, False, row_scaled,
+                                 per_tensor_scale)
 
 
 def dequantize(be, q):

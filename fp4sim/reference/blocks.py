@@ -39,21 +39,29 @@ def _e4m3(v) -> int:
     return 0xFF if np.isnan(v) else encode_scalar(float(v), E4M3, "rne", True)
 
 
-def nvfp4_ref(x2, flavor="te", tile=1, global_amax=None, rounding="rne", rb=None, n=8):
-    """Reference NVFP4: returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16) uint8)."""
+def nvfp4_ref(x2, flavor="te", tile=1, global_amax=None, rounding="rne", rb=None, n=8, row_scaled=False,
+              per_tensor_scale=True):
+    """Reference NVFP4: returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16) uint8).
+
+    ``row_scaled``: the second-level scale of each row comes from that row's amax (or ``global_amax[row]``);
+    ``per_tensor_scale=False`` (torchao): no second-level scale, i.e. a per-tensor scale of exactly 1."""
     R, K = x2.shape
     xp, rp = _pad(x2, rb, 16, tile)
-    amax_g = _amax(x2) if global_amax is None else f32(global_amax)
-    with np.errstate(all="ignore"):
-        if flavor in ("te", "paper"):
-            s_enc = f32(1.0) if amax_g == 0 else min(f32(2688.0) / amax_g, FLT_MAX)
-            s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
-            s_dec = f32(1.0) / s_enc
-        else:
-            pts = amax_g / f32(2688.0)
     codes = np.zeros(xp.shape, np.uint8)
     scales = np.zeros((xp.shape[0] // tile, xp.shape[1] // 16), np.uint8)
+    tensor_amax = None if row_scaled else (_amax(x2) if global_amax is None else f32(global_amax))
     for g in range(scales.shape[0]):
+        if row_scaled:
+            amax_g = _amax(x2[g]) if global_amax is None else f32(np.asarray(global_amax).reshape(-1)[g])
+        else:
+            amax_g = tensor_amax
+        with np.errstate(all="ignore"):
+            if flavor in ("te", "paper"):
+                s_enc = f32(1.0) if amax_g == 0 else min(f32(2688.0) / amax_g, FLT_MAX)
+                s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+                s_dec = f32(1.0) / s_enc
+            else:
+                pts = amax_g / f32(2688.0) if per_tensor_scale else f32(1.0)
         for j in range(scales.shape[1]):
             blk = xp[g * tile:(g + 1) * tile, j * 16:(j + 1) * 16]
             amax_b = _amax(blk)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..arrays_io import check_writable, load_array
-from ..schemes import SCHEMES
+from ..schemes import SCHEMES, get_scheme
 from .core import compare
 
 
@@ -29,6 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-layout", default="linear", choices=["linear", "swizzled"])
     ap.add_argument("--flavor", help="NVFP4 flavour: te (default), paper, torchao, modelopt")
     ap.add_argument("--scale-mode", help="MX scale mode: rceil (default), floor, ceil, even")
+    ap.add_argument("--row-scaled", action="store_true",
+                    help="NVFP4 with one FP32 tensor scale per row (TE's row_scaled_nvfp4; --global-amax then "
+                         "holds one amax per row)")
+    ap.add_argument("--no-tensor-scale", action="store_true",
+                    help="torchao's NVFP4 without a per-tensor scale (implies --flavor torchao)")
     ap.add_argument("--block", help="block, e.g. 16x16 for NVFP4 2-D tiles or 128x128 for FP8 blockwise")
     ap.add_argument("--axis", type=int, default=-1)
     ap.add_argument("--rounding", default="rne", choices=["rne", "sr"])
@@ -46,7 +51,7 @@ def main(argv=None) -> int:
         scales = load_array(a.scales) if a.scales else None
         if scales is None and a.scheme != "bf16":
             raise ValueError(f"--scales is required for scheme {a.scheme}")
-        g = _global_amax(a.global_amax) if a.global_amax else None
+        g = _global_amax(a.global_amax, a.row_scaled) if a.global_amax else None
         rbits = load_array(a.rbits) if a.rbits else None
         block = None
         if a.block:
@@ -54,7 +59,12 @@ def main(argv=None) -> int:
                 block = tuple(int(v) for v in a.block.lower().split("x"))
             except ValueError:
                 raise ValueError(f"--block {a.block!r}: write it as ROWSxCOLS, e.g. 16x16") from None
-        rep = compare(x, codes, scales, a.scheme, axis=a.axis, flavor=a.flavor, scale_mode=a.scale_mode,
+        scheme = a.scheme
+        if a.row_scaled or a.no_tensor_scale:
+            scheme = get_scheme(a.scheme, flavor="torchao" if a.no_tensor_scale else a.flavor,
+                                row_scaled=a.row_scaled or None, per_tensor_scale=False if a.no_tensor_scale else None)
+            a.flavor = None
+        rep = compare(x, codes, scales, scheme, axis=a.axis, flavor=a.flavor, scale_mode=a.scale_mode,
                       block=block, global_amax=g, scale_layout=a.scale_layout, rounding=a.rounding, rbits=rbits,
                       rbits_mapping=a.rbits_mapping, sr_bits=a.sr_bits, expect_tensor_amax=not a.delayed_scaling,
                       max_mismatches=a.max_mismatches, alpha=a.alpha)
@@ -95,14 +105,16 @@ def _check_options(a):
         check_writable(a.json, "--json")
 
 
-def _global_amax(spec: str):
-    """--global-amax: a file holding one float32, or a number written out."""
+def _global_amax(spec: str, per_row: bool = False):
+    """--global-amax: a file holding one float32 (one per row with --row-scaled), or a number written out."""
     if not Path(spec).exists() and not Path(spec.rpartition(":")[0] or spec).exists():
         try:
             return np.float32(float(spec))
         except ValueError:
             raise ValueError(f"--global-amax {spec!r}: neither a file nor a number") from None
     ga = np.asarray(load_array(spec), dtype=np.float32).reshape(-1)
+    if per_row:
+        return ga
     if ga.size != 1:
         raise ValueError(f"--global-amax {spec}: must hold one number, found {ga.size}")
     return ga[0]

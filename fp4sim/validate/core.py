@@ -8,7 +8,7 @@ from .. import _inputs
 from ..elements import encode
 from ..formats import E2M1, E4M3
 from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
-from ..planning import POW2_DEC, POW2_ENC, nvfp4_constants
+from ..planning import POW2_DEC, POW2_ENC, nvfp4_constants_rows
 from ..quantize import quantize
 from ..schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
 from .report import Report
@@ -91,7 +91,9 @@ def _scaled(xp, sch, s_rows, global_amax):
         if isinstance(sch, MX):
             fac = np.repeat(POW2_ENC[s_rows], bk, axis=1)
             return xp * fac, np.zeros(xp.shape, bool)
-        (c0, c1), _ = nvfp4_constants(sch.flavor, f32(global_amax))
+        c0, c1, _ = nvfp4_constants_rows(sch.flavor, 1.0 if global_amax is None else global_amax,
+                                          sch.per_tensor_scale)
+        c0, c1 = c0.reshape(-1, 1), c1.reshape(-1, 1)          # one per row (row-scaled) or one
         sval = np.repeat(E4M3.values[s_rows], bk, axis=1)
         if sch.flavor in ("te", "paper"):
             fac = np.minimum(f32(1.0) / (sval * c1), FLT_MAX)
@@ -161,9 +163,16 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
     gmis = False
     if isinstance(sch, NVFP4) and global_amax is not None and expect_tensor_amax:
         from ..cpu.backend import CPU
+        if sch.row_scaled:
+            want = CPU.row_absmax(x2)
+            gmis = not np.array_equal(np.asarray(global_amax, np.float32).reshape(-1), want)
+            if gmis:
+                notes.append("the per-row global amaxes differ from the rows' |x| maxima (pass "
+                             "expect_tensor_amax=False for delayed scaling)")
         tensor_amax = CPU.absmax(x2)[0]  # NaN ignored (0 for an all-NaN tensor), as the quantizer's amax
-        gmis = bool(f32(global_amax) != tensor_amax)
-        if gmis:
+        if not sch.row_scaled:
+            gmis = bool(f32(global_amax) != tensor_amax)
+        if gmis and not sch.row_scaled:
             notes.append(f"global_amax {float(global_amax)!r} != max|x| {float(tensor_amax)!r} (pass "
                          "expect_tensor_amax=False for delayed scaling)")
     if isinstance(sch, (FP8Tensor, FP8Blockwise, BF16Cast)):
@@ -204,9 +213,10 @@ def _decode_scaled(sch, codes, s_rows, global_amax):
     with np.errstate(all="ignore"):
         if isinstance(sch, MX):
             return vals * np.repeat(POW2_DEC[s_rows], bk, axis=1)
-        _, dq = nvfp4_constants(sch.flavor, f32(global_amax))
+        _, _, dq = nvfp4_constants_rows(sch.flavor, 1.0 if global_amax is None else global_amax,
+                                         sch.per_tensor_scale)
         s = E4M3.values[s_rows]
-        fac = (s * dq[0]) * dq[1] if sch.flavor in ("te", "paper") else s * dq[0]
+        fac = (s * dq[:, 0:1]) * dq[:, 1:2] if sch.flavor in ("te", "paper") else s * dq[:, 0:1]
         return vals * np.repeat(fac, bk, axis=1)
 
 

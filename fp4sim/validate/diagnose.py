@@ -23,12 +23,30 @@ __all__ = ["diagnose"]
 def _scale_variants(sch):
     """(label, scheme, binade offset) for every flavour / scale mode."""
     if isinstance(sch, NVFP4):
-        return [(f"flavor={f!r}", dataclasses.replace(sch, flavor=f), 0) for f in FLAVORS]
+        out = []
+        for f in FLAVORS:
+            for rs, pts in ((False, True), (True, True), (False, False)):
+                try:
+                    v = dataclasses.replace(sch, flavor=f, row_scaled=rs, per_tensor_scale=pts)
+                except ValueError:
+                    continue                  # a variant that does not exist (e.g. row-scaled torchao)
+                what = ", one tensor scale per row" if rs else (", no tensor scale" if not pts else "")
+                out.append((f"flavor={f!r}{what}", v, 0))
+        return out
     out = []
     for m in SCALE_MODES:
         for off, what in ((0, ""), (-1, ", scales one binade low"), (1, ", scales one binade high")):
             out.append((f"scale_mode={m!r}{what}", dataclasses.replace(sch, scale_mode=m), off))
     return out
+
+
+def _variant_amax(var, g):
+    """The second-level amax a variant is tried with: the kernel's own where it fits the variant (a vector for
+    row-scaled, a number otherwise), else the variant computes its own from x."""
+    if g is None or not var.per_tensor_scale:
+        return None
+    vec = np.ndim(g) > 0 and np.size(g) > 1
+    return g if vec == var.row_scaled else None
 
 
 def diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits, top=8) -> dict:
@@ -60,7 +78,7 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
     cands = []
     for slab, var, off in _scale_variants(sch):
         for mapping in mappings:
-            kw = dict(axis=q.axis, global_amax=g if isinstance(sch, NVFP4) else None)
+            kw = dict(axis=q.axis, global_amax=_variant_amax(var, g) if isinstance(sch, NVFP4) else None)
             if sr:
                 kw.update(rounding="sr", rbits=rbits, rbits_mapping=mapping, sr_bits=sr_bits)
             qv = quantize(xs, var, **kw)
@@ -70,10 +88,10 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
             base = _codes_unpacked(qv.codes, qv)
             ties = {"ties to even": base}
             if off:
-                y, nanfac = _scaled(xp, var, exp_s, g or 0)
+                y, nanfac = _scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
                 ties = {"ties to even": _codes_from_scaled(y, xp, nanfac, var, "even")}
             if not sr:
-                y, nanfac = _scaled(xp, var, exp_s, g or 0)
+                y, nanfac = _scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
                 for tie in ("away", "zero"):
                     c = _codes_from_scaled(y, xp, nanfac, var, tie)
                     if not np.array_equal(c, ties["ties to even"]):  # only where the input has exact ties

@@ -18,10 +18,11 @@ HOST(absmax_bits)(i64 th, const float* x, i64 n, u32* amax, u32* has_nan) {
     host_launch(absmax_bits, th, x, n, amax, has_nan);
 }
 HOST(nvfp4_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
-                     int flavor, int tile, double c0, double c1, double dq0, double dq1, const double* e4m3_vals,
-                     u8* codes, u8* scales, u32* fake, int do_fake) {
-    host_launch(nvfp4_quantize, th, x, R, K, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq0, dq1, e4m3_vals,
-                codes, scales, fake, do_fake);
+                     int flavor, int tile, const double* c0v, const double* c1v, const double* dq0v,
+                     const double* dq1v, int per_row, const double* e4m3_vals, u8* codes, u8* scales, u32* fake,
+                     int do_fake) {
+    host_launch(nvfp4_quantize, th, x, R, K, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dq0v, dq1v, per_row,
+                e4m3_vals, codes, scales, fake, do_fake);
 }
 HOST(mx_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
                   int scale_mode, int emax, int mbits_elem, double rcp, const double* pow2_enc,
@@ -42,8 +43,9 @@ HOST(rht)(i64 th, const float* x, i64 R, i64 K, int d, const double* signs_h, do
     host_launch(rht, th, x, R, K, d, signs_h, scale, to_bf16, out);
 }
 HOST(dequantize_blocks)(i64 th, const u8* codes, int packed, i64 cstride, const u8* sbytes, const u32* sfloat, i64 R,
-                        i64 K, i64 bk, int tile, int kind, int flavor, double dq0, double dq1, const double* elem_vals,
-                        const double* e4m3_vals, const double* pow2_dec, u32* out) {
+                        i64 K, i64 bk, int tile, int kind, int flavor, double dq0, double dq1, const double* dq0v,
+                        const double* dq1v, int per_row, const double* elem_vals, const double* e4m3_vals,
+                        const double* pow2_dec, u32* out) {
     host_launch(dequantize_blocks, th, codes, packed, cstride, sbytes, sfloat, R, K, bk, tile, kind, flavor, dq0, dq1,
-                elem_vals, e4m3_vals, pow2_dec, out);
+                dq0v, dq1v, per_row, elem_vals, e4m3_vals, pow2_dec, out);
 }

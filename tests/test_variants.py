@@ -1,0 +1,99 @@
+"""The NVFP4 variants beyond the paper's: TransformerEngine's row-scaled NVFP4 and torchao's NVFP4 without a
+tensor scale, through quantize, dequantize, gemm, validate (API, CLI, diagnosis) and analyze."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from blockcases import heavy
+from fp4sim.validate import compare
+
+X = heavy((32, 64), 21) * np.float32(2.0) ** np.arange(-16, 16, dtype=np.float32)[:, None]
+ROW = dict(row_scaled=True)
+NOTS = dict(flavor="torchao", per_tensor_scale=False)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="1x16 blocks"):
+        fs.quantize(X, "nvfp4_2d", row_scaled=True)
+    with pytest.raises(ValueError, match="flavor='torchao'"):
+        fs.quantize(X, "nvfp4", per_tensor_scale=False)
+    with pytest.raises(ValueError, match="32 values, not 1"):
+        fs.quantize(X, "nvfp4", row_scaled=True, global_amax=3.0)
+    with pytest.raises(ValueError, match="per_tensor_scale=False does not have"):
+        fs.quantize(X, "nvfp4", global_amax=3.0, **NOTS)
+    with pytest.raises(ValueError, match="does not apply"):
+        fs.quantize(X, "mxfp4", row_scaled=True)
+
+
+def test_row_scaled_global_amax_override_and_axis():
+    q = fs.quantize(X, "nvfp4", **ROW)
+    g = np.asarray(q.global_amax) * np.float32(2)
+    q2 = fs.quantize(X, "nvfp4", global_amax=g, **ROW)
+    assert np.array_equal(q2.global_amax, g) and not np.array_equal(q2.scales, q.scales)
+    qt = fs.quantize(X.T.copy(), "nvfp4", axis=0, **ROW)             # rows = the other axis, as always
+    assert np.array_equal(qt.codes, q.codes) and np.array_equal(qt.global_amax, q.global_amax)
+    assert np.array_equal(fs.dequantize(qt), fs.dequantize(q).T)
+
+
+def test_gemm_of_torchao_operands_without_tensor_scale():
+    A, B = heavy((16, 64), 1), heavy((8, 64), 2)
+    qa, qb = fs.quantize(A, "nvfp4", **NOTS), fs.quantize(B, "nvfp4", **NOTS)
+    y = fs.gemm(qa, qb)
+    ref = fs.dequantize(qa).astype(np.float64) @ fs.dequantize(qb).astype(np.float64).T
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    qa2, qb2 = fs.quantize(A, "nvfp4", flavor="torchao"), fs.quantize(B, "nvfp4", flavor="torchao")
+    ref2 = fs.dequantize(qa2).astype(np.float64) @ fs.dequantize(qb2).astype(np.float64).T
+    assert np.abs(fs.gemm(qa2, qb2) - ref2).max() <= 1e-5 * np.abs(ref2).max()   # alpha = fl(pts_a * pts_b)
+
+
+@pytest.mark.parametrize("variant", [ROW, NOTS])
+def test_validate_exact_and_diagnosis_names_the_variant(variant):
+    q = fs.quantize(X, "nvfp4", **variant)
+    sch = fs.get_scheme("nvfp4", **variant)
+    assert compare(X, q.codes, q.scales, sch, global_amax=q.global_amax).exact
+    r = compare(X, q.codes, q.scales, "nvfp4")                       # validated as plain te NVFP4
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    want = "one tensor scale per row" if variant is ROW else "no tensor scale"
+    assert want in r.diagnosis["best"]["label"], r.diagnosis["best"]["label"]
+    wrong = np.asarray(q.global_amax) * 2 if variant is ROW else None
+    if wrong is not None:
+        r = compare(X, q.codes, q.scales, sch, global_amax=wrong)
+        assert not r.ok and r.global_amax_mismatch
+
+
+def test_validate_cli_with_the_variants(tmp_path):
+    for variant, flags in ((ROW, ["--row-scaled"]), (NOTS, ["--no-tensor-scale"])):
+        q = fs.quantize(X, "nvfp4", **variant)
+        for n, a in (("x", X), ("c", q.codes), ("s", q.scales)):
+            np.save(tmp_path / f"{n}.npy", a)
+        args = [sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4", "--input", str(tmp_path / "x.npy"),
+                "--codes", str(tmp_path / "c.npy"), "--scales", str(tmp_path / "s.npy"), *flags]
+        if variant is ROW:
+            np.save(tmp_path / "g.npy", q.global_amax)
+            args += ["--global-amax", str(tmp_path / "g.npy")]
+        r = subprocess.run(args, capture_output=True, text=True)
+        assert r.returncode == 0 and "EXACT" in r.stdout, (flags, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4_2d", "--input",
+                        str(tmp_path / "x.npy"), "--codes", str(tmp_path / "c.npy"), "--scales",
+                        str(tmp_path / "s.npy"), "--row-scaled"], capture_output=True, text=True)
+    assert r.returncode == 2 and "bad input" in r.stderr and "1x16" in r.stderr
+
+
+def test_analyze_takes_the_variants_as_schemes(tmp_path):
+    np.savez(tmp_path / "d.npz", **{"big_rows.input": X})
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(tmp_path / "d.npz"), "--quiet", "--no-hadamard",
+                        "--schemes", "nvfp4,nvfp4_row_scaled,nvfp4_torchao_no_tensor_scale", "--json",
+                        str(tmp_path / "s.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "s.json").read_text())["tensors"]["big_rows.input"]["schemes"]
+    y = fs.fake_quantize(X, "nvfp4", **ROW).astype(np.float64)
+    want = 10 * np.log10(np.mean(X.astype(np.float64) ** 2) / np.mean((y - X) ** 2))
+    assert m["nvfp4_row_scaled"]["sqnr_db"] == pytest.approx(want, rel=1e-9)
+    # rows spanning 2^32: one tensor scale underflows the small rows' block scales, one per row does not
+    assert m["nvfp4_row_scaled"]["underflow_frac"] < m["nvfp4"]["underflow_frac"]
