@@ -170,7 +170,9 @@ def _nvfp4_alpha(qa, qb, xp):
     a, b = _second_level(qa, xp, 0), _second_level(qb, xp, 1)
     with np.errstate(over="ignore"):
         if qa.scheme.flavor in ("te", "paper") and qb.scheme.flavor in ("te", "paper"):
-            return (a * b) / NVFP4_ALPHA_DIV
+            div = NVFP4_ALPHA_DIV if qa.scheme.e4m3_max == qb.scheme.e4m3_max == 448 else \
+                f32(36.0 * qa.scheme.e4m3_max * qb.scheme.e4m3_max)      # 4over6 with an E4M3 max of 256
+            return (a * b) / div
         return a * b
 
 

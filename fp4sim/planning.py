@@ -9,6 +9,7 @@ A backend ("kernels" object) provides::
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
+    nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math) -> codes, scales, map-to-4 per block
     nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake) -> codes, scales, fake_values
         (c0, c1: float32 vectors, dq: (n, 2); n = 1, or one per row for row-scaled NVFP4)
     mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake)               -> codes, scales, fake_values
@@ -132,18 +133,21 @@ def check_global_amax(global_amax):
     return g
 
 
-def nvfp4_constants_rows(flavor: str, amax, per_tensor_scale: bool = True):
+def nvfp4_constants_rows(flavor: str, amax, per_tensor_scale: bool = True, e4m3_max: int = 448):
     """The constants of :func:`nvfp4_constants` for a vector of second-level amaxes (one per row of a
     row-scaled tensor, or one): arrays ``c0``, ``c1`` (float32, shape (n,)) and ``dq`` (float32, (n, 2)).
-    ``per_tensor_scale=False`` (torchao without a tensor scale): the per-tensor scale is exactly 1."""
+    ``per_tensor_scale=False`` (torchao without a tensor scale): the per-tensor scale is exactly 1.
+    ``e4m3_max=256`` (4over6's option): the dequantize constant is fl(1/(6·256)) instead of fl(1/2688)."""
     a = np.asarray(amax, np.float32).reshape(-1)
+    inv = INV2688 if e4m3_max == 448 else f32(1.0) / f32(f32(6.0) * f32(e4m3_max))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if flavor in ("te", "paper"):
-            s_enc = np.where(a == 0, f32(1.0), np.minimum(C2688 / a, FLT_MAX)).astype(np.float32)
+            num = C2688 if e4m3_max == 448 else f32(f32(6.0) * f32(e4m3_max))
+            s_enc = np.where(a == 0, f32(1.0), np.minimum(num / a, FLT_MAX)).astype(np.float32)
             s_enc = np.where(s_enc == 0, f32(1.0), s_enc).astype(np.float32)
             s_dec = (f32(1.0) / s_enc).astype(np.float32)
             c0 = (s_enc * R6).astype(np.float32) if flavor == "te" else s_enc
-            dq = np.stack([a, np.full(a.shape, INV2688, np.float32)], axis=1)
+            dq = np.stack([a, np.full(a.shape, inv, np.float32)], axis=1)
             return c0, s_dec, dq.astype(np.float32)
         pts = (a / C2688).astype(np.float32) if per_tensor_scale else np.ones(a.shape, np.float32)
         if flavor == "torchao":
@@ -311,6 +315,15 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
         else:
             amax_g = amax_t if p.global_amax is None else p.global_amax
             warn_specials(sch, amax_g, has_nan, has_inf)
+        if sch.four_over_six:
+            if p.mode != ids.RNE:
+                raise ValueError("four_over_six is defined for round-to-nearest only (TE's 4over6 path has no "
+                                 "stochastic rounding); use rounding='rne'")
+            codes, scales, pick = kern.nvfp4_4over6(x2, sch.block[0], f32(amax_g), sch.e4m3_max, sch.four_over_six,
+                                                    sch.four_over_six_fast_math)
+            q = finish(sch, codes, scales, f32(amax_g), p.lead, p.axis, p.shape, p.scale_layout,
+                       {"map_to_4_frac": float(np.mean(pick)), "map_to_4": pick})
+            return p.back(xp, run_dequantize(kern, q).reshape(p.R, p.K)) if fake else q
         c0, c1, dq = nvfp4_constants_rows(sch.flavor, amax_g, sch.per_tensor_scale)
         codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
                                        c0, c1, dq, fake)
@@ -360,7 +373,7 @@ def plan_dequantize(q) -> DequantPlan:
         if sch.flavor in ("te", "paper") and big.size and big.max() > NVFP4_DEQUANT_AMAX_LIMIT:
             warnings.warn(f"global amax {float(big.max()):.4g} > FLT_MAX/448: blocks with large scale bytes "
                           "dequantize to Inf/NaN (fl(s * amax) overflows float32)", RuntimeWarning, 4)
-        _, _, dq = nvfp4_constants_rows(sch.flavor, g, sch.per_tensor_scale)
+        _, _, dq = nvfp4_constants_rows(sch.flavor, g, sch.per_tensor_scale, sch.e4m3_max)
         return DequantPlan(ids.DQ_NVFP4, R, q.K, 16, ids.FLAVOR_IDS[sch.flavor], dq)
     if isinstance(sch, MX):
         return DequantPlan(ids.DQ_MX, R, q.K, 32)

@@ -13,6 +13,12 @@ from .qtensor import QuantizedTensor
 __all__ = ["quantize", "dequantize", "fake_quantize"]
 
 
+def _variant(scheme, flavor, block, scale_mode, fos, fos_fast, fos_max):
+    from .schemes import get_scheme
+    return get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode, four_over_six=fos,
+                      four_over_six_fast_math=fos_fast, four_over_six_e4m3_max=fos_max)
+
+
 def _kernels(a):
     if is_cupy(a):
         from .gpu import ops
@@ -25,7 +31,9 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
              block=None, scale_mode: str | None = None, global_amax=None, rbits=None, seed=None,
              stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", scale_layout: str = "linear",
              return_intermediates: bool = False, row_scaled: bool | None = None,
-             per_tensor_scale: bool | None = None) -> QuantizedTensor:
+             per_tensor_scale: bool | None = None, four_over_six: str | None = None,
+             four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None
+             ) -> QuantizedTensor:
     """Quantize ``x`` with a block-scaled scheme; returns a :class:`QuantizedTensor`.
 
     Parameters
@@ -51,8 +59,13 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
         ``global_amax`` override must be such a vector.
     per_tensor_scale : ``False`` for torchao's single-level NVFP4 (``flavor="torchao"``, no FP32 tensor scale;
         ``q.global_amax`` is None).
+    four_over_six, four_over_six_fast_math, four_over_six_e4m3_max : TransformerEngine's 4over6 NVFP4 (``"mae"``
+        or ``"mse"``; te flavour, RNE; CPU backend): see :class:`fp4sim.schemes.NVFP4`. ``q.extras["map_to_4"]``
+        says which blocks chose the map-to-4 scale.
     """
-    return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
+    scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,
+                      four_over_six_e4m3_max)
+    return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, None, None, None, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, False, return_intermediates,
                                  row_scaled, per_tensor_scale)
 
@@ -60,10 +73,13 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
 def fake_quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: str | None = None,
                   block=None, scale_mode: str | None = None, global_amax=None, rbits=None, seed=None,
                   stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", row_scaled: bool | None = None,
-                  per_tensor_scale: bool | None = None):
+                  per_tensor_scale: bool | None = None, four_over_six: str | None = None,
+                  four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None):
     """``dequantize(quantize(x, ...))`` in one fused pass: float32 in ``x``'s shape, bit-identical to the
     two-step result."""
-    return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
+    scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,
+                      four_over_six_e4m3_max)
+    return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, None, None, None, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, "linear", True, False, row_scaled,
                                  per_tensor_scale)
 

@@ -33,16 +33,36 @@ class NVFP4:
     Variants: ``row_scaled=True`` (TransformerEngine's ``row_scaled_nvfp4``, 1x16 te/paper only): one FP32
     second-level scale per row from that row's amax, so ``global_amax`` is a vector; ``per_tensor_scale=False``
     (torchao's ``nvfp4_quantize(..., per_tensor_scale=None)``, torchao flavour only): no FP32 tensor scale, the
-    E4M3 block scale is ``fl(amax_b/6)`` clamped to [2^-6, 448]."""
+    E4M3 block scale is ``fl(amax_b/6)`` clamped to [2^-6, 448]; ``four_over_six="mae"|"mse"`` (TE's
+    ``nvfp4_use_4over6``, te flavour, RNE): each block (or 16x16 tile) tries its amax mapped to 6 and, with a
+    1.5x larger scale, to 4, and keeps the candidate with the smaller error (ties: map to 6);
+    ``four_over_six_fast_math`` measures that error in the FP16 product domain, and
+    ``four_over_six_e4m3_max=256`` sets S_enc = 6 * 256 / amax."""
     block: tuple[int, int] = (1, 16)
     flavor: str = "te"
     elem: Format = E2M1
     scale_fmt: Format = E4M3
     row_scaled: bool = False
     per_tensor_scale: bool = True
+    four_over_six: str | None = None
+    four_over_six_fast_math: bool = False
+    four_over_six_e4m3_max: int = 448
+
+    @property
+    def e4m3_max(self) -> int:
+        """The E4M3 maximum in the second-level scale S_enc = 6 * e4m3_max / amax (256 or 448 with 4over6)."""
+        return self.four_over_six_e4m3_max if self.four_over_six else 448
 
     def __post_init__(self):
         object.__setattr__(self, "block", _check_block(self.block, (1, 16), 16))
+        if self.four_over_six is not None:
+            if self.four_over_six not in ("mae", "mse"):
+                raise ValueError(f"four_over_six={self.four_over_six!r}: use 'mae', 'mse' or None")
+            if self.flavor != "te" or self.row_scaled or not self.per_tensor_scale:
+                raise ValueError("four_over_six is TransformerEngine's: use flavor='te' without row_scaled (the "
+                                 "row-scaled 4over6 combination is not implemented yet)")
+        if self.four_over_six_e4m3_max not in (448, 256):
+            raise ValueError(f"four_over_six_e4m3_max={self.four_over_six_e4m3_max!r}: use 448 or 256")
         if self.flavor not in FLAVORS:
             raise ValueError(f"flavor={self.flavor!r} is not an NVFP4 flavour; use one of {list(FLAVORS)}")
         if self.row_scaled and (self.block != (1, 16) or self.flavor not in ("te", "paper")):
@@ -124,7 +144,8 @@ SCHEMES: dict[str, Scheme] = {
 
 
 def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None, row_scaled=None,
-               per_tensor_scale=None) -> Scheme:
+               per_tensor_scale=None, four_over_six=None, four_over_six_fast_math=None,
+               four_over_six_e4m3_max=None) -> Scheme:
     """Resolve a scheme name or object and apply keyword overrides (``None`` keeps the scheme's own)."""
     if isinstance(scheme, str):
         if scheme.lower() not in SCHEMES:
@@ -134,7 +155,9 @@ def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None, row_scaled=N
         raise TypeError(f"scheme must be a scheme name or object, not {type(scheme).__name__}")
     changes = {}
     for key, val in (("flavor", flavor), ("block", block), ("scale_mode", scale_mode), ("row_scaled", row_scaled),
-                     ("per_tensor_scale", per_tensor_scale)):
+                     ("per_tensor_scale", per_tensor_scale), ("four_over_six", four_over_six),
+                     ("four_over_six_fast_math", four_over_six_fast_math),
+                     ("four_over_six_e4m3_max", four_over_six_e4m3_max)):
         if val is None:
             continue
         if not any(f.name == key for f in dataclasses.fields(scheme)):

@@ -117,7 +117,8 @@ def test_cli_end_to_end_with_bad_inputs(dump_dir, tmp_path):
         assert reason in p.stdout, reason
     ds = xr.open_dataset(out)
     assert set(ds.tensor.values) == {"lin.weight", "lin.input", "lin.grad_output", "h.act"}
-    assert ds.sizes["scheme"] == 8 and "pair" in ds.coords and list(ds.pair.values) == ["lin"]
+    assert ds.sizes["scheme"] == 9 and "nvfp4_4over6" in ds.scheme.values and "pair" in ds.coords
+    assert list(ds.pair.values) == ["lin"]
     w = ds.sel(tensor="lin.weight")
     assert np.isfinite(float(w.sqnr_db.sel(scheme="nvfp4_2d")))
     assert np.isnan(float(ds.sel(tensor="lin.input").sqnr_db.sel(scheme="nvfp4_2d")))  # 2-D tiles: weights only

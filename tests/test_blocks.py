@@ -389,3 +389,16 @@ def test_seeded_sr_with_fewer_random_bits_uses_the_low_bits_of_each_byte():
         rb = (philox_bytes(21, x.size) & np.uint8((1 << n) - 1)).reshape(x.shape)
         codes, _ = ref.nvfp4_ref(x, "te", 1, rounding="sr", rb=rb, n=n)
         np.testing.assert_array_equal(_codes(a), codes)
+
+
+@pytest.mark.parametrize("case", ["randn", "heavy", "bf16", "zero_and_tiny_blocks"])
+@pytest.mark.parametrize("tile", [1, 16])
+@pytest.mark.parametrize("mode,fast,emax", [("mae", False, 448), ("mse", False, 256), ("mse", True, 448)])
+def test_four_over_six_matches_reference(case, tile, mode, fast, emax):
+    x = CASES[case]
+    q = fs.quantize(x, "nvfp4", block=(tile, 16), four_over_six=mode, four_over_six_fast_math=fast,
+                    four_over_six_e4m3_max=emax)
+    codes, scales, pick = ref.nvfp4_4over6_ref(x, tile, None, mode, fast, emax)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    np.testing.assert_array_equal(_codes(q), codes)
+    np.testing.assert_array_equal(q.extras["map_to_4"], pick)

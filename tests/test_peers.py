@@ -309,3 +309,39 @@ def test_gemm_with_row_scaled_operands_equals_te_qgemm(te_ref, ta, tb):
     y = ref.qgemm(torch.from_numpy(qa.codes.copy()), torch.from_numpy(qb.codes.copy()), None, torch.float32, sx, sw,
                   qresult_x=rx, qresult_w=rw).numpy()
     assert np.array_equal(got.view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", list(INPUTS))
+@pytest.mark.parametrize("tile", [1, 16])
+@pytest.mark.parametrize("mode,fast,emax", [("mae", False, 448), ("mse", False, 448), ("mae", False, 256),
+                                             ("mse", True, 448), ("mae", True, 256)])
+def test_four_over_six_matches_transformer_engine_reference(te_ref, name, tile, mode, fast, emax):
+    torch = torch_or_skip()
+    x = INPUTS[name]
+    g = np.float32(np.abs(x).max())
+    codes, scales = te_ref.NVFP4QuantizerRef._quantize_blockwise_reference(
+        torch.from_numpy(x), torch.tensor(g), 16, tile, pow_2_scales=False, nvfp4_use_4over6=True,
+        nvfp4_e4m3_max=emax, nvfp4_4over6_err_mode=mode.upper(), nvfp4_4over6_err_use_fast_math=fast, eps=0.0)
+    q = fs.quantize(x, "nvfp4", block=(tile, 16), four_over_six=mode, four_over_six_fast_math=fast,
+                    four_over_six_e4m3_max=emax)
+    np.testing.assert_array_equal(q.scales_per_row(), scales.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(q.codes, codes.numpy())
+
+
+@pytest.mark.parametrize("ea,eb", [(448, 448), (256, 448), (256, 256)])
+def test_gemm_of_four_over_six_operands_equals_te_qgemm(te_ref, ea, eb):
+    import types
+    torch = torch_or_skip()
+    A, B = heavy((32, 128), 13), heavy((16, 128), 14)
+    qa = fs.quantize(A, "nvfp4", four_over_six="mae", four_over_six_e4m3_max=ea)
+    qb = fs.quantize(B, "nvfp4", block=(16, 16), four_over_six="mse", four_over_six_e4m3_max=eb)
+    ref = object.__new__(te_ref.NVFP4QuantizerRef)
+    ref.pow_2_scales, ref.nvfp4_use_4over6, ref.nvfp4_e4m3_max = False, True, 448
+    res = lambda q, e: types.SimpleNamespace(  # noqa: E731
+        global_amax_row=torch.tensor([float(q.global_amax)]), global_amax_col=torch.tensor([float(q.global_amax)]),
+        nvfp4_use_4over6=True, nvfp4_e4m3_max=e)
+    sx = torch.from_numpy(fs.E4M3.values[qa.scales_per_row()].astype(np.float32))
+    sw = torch.from_numpy(fs.E4M3.values[qb.scales_per_row()].astype(np.float32))
+    y = ref.qgemm(torch.from_numpy(qa.codes.copy()), torch.from_numpy(qb.codes.copy()), None, torch.float32, sx, sw,
+                  qresult_x=res(qa, ea), qresult_w=res(qb, eb)).numpy()
+    assert np.array_equal(fs.gemm(qa, qb).view(np.uint32), y.view(np.uint32))

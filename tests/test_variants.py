@@ -97,3 +97,37 @@ def test_analyze_takes_the_variants_as_schemes(tmp_path):
     assert m["nvfp4_row_scaled"]["sqnr_db"] == pytest.approx(want, rel=1e-9)
     # rows spanning 2^32: one tensor scale underflows the small rows' block scales, one per row does not
     assert m["nvfp4_row_scaled"]["underflow_frac"] < m["nvfp4"]["underflow_frac"]
+
+
+def test_four_over_six_validate_diagnosis_names_the_error_rule(tmp_path):
+    x = heavy((32, 64), 23)
+    q = fs.quantize(x, "nvfp4", four_over_six="mse", four_over_six_e4m3_max=256)
+    sch = fs.get_scheme("nvfp4", four_over_six="mse", four_over_six_e4m3_max=256)
+    assert compare(x, q.codes, q.scales, sch).exact
+    wrong = fs.get_scheme("nvfp4", four_over_six="mae", four_over_six_e4m3_max=256)
+    r = compare(x, q.codes, q.scales, wrong)
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"], r.summary()
+    assert r.diagnosis["best"]["label"].startswith("flavor='te', 4over6 MSE, E4M3 max 256")
+    for n, a in (("x", x), ("c", q.codes), ("s", q.scales)):
+        np.save(tmp_path / f"{n}.npy", a)
+    base = [sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4", "--input", str(tmp_path / "x.npy"),
+            "--codes", str(tmp_path / "c.npy"), "--scales", str(tmp_path / "s.npy"), "--four-over-six-e4m3-max", "256"]
+    assert subprocess.run(base + ["--four-over-six", "mse"], capture_output=True, text=True).returncode == 0
+    r = subprocess.run(base + ["--four-over-six", "mae"], capture_output=True, text=True)
+    assert r.returncode == 1 and "4over6 MSE" in r.stdout
+
+
+def test_four_over_six_lowers_the_error_and_dequantizes_with_its_own_constants():
+    x = heavy((64, 128), 24)
+    base = fs.fake_quantize(x, "nvfp4").astype(np.float64)
+    for emax in (448, 256):
+        q = fs.quantize(x, "nvfp4", four_over_six="mse", four_over_six_e4m3_max=emax)
+        y = fs.dequantize(q).astype(np.float64)
+        assert np.mean((y - x) ** 2) < np.mean((base - x) ** 2)
+        inv = np.float32(1) / np.float32(6 * emax)                       # fl(v * fl(fl(s * amax) * fl(1/(6 emax))))
+        fac = (fs.E4M3.values[q.scales] * q.global_amax).astype(np.float32) * inv
+        want = fs.E2M1.values[fs.layout.unpack_fp4(q.codes)] * np.repeat(fac.astype(np.float32), 16, axis=1)
+        assert np.array_equal(y.astype(np.float32), want.astype(np.float32))
+        assert 0 < q.extras["map_to_4_frac"] < 1
+    with pytest.raises(ValueError, match="round-to-nearest"):
+        fs.quantize(x, "nvfp4", four_over_six="mae", rounding="sr", seed=1)

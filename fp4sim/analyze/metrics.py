@@ -18,7 +18,7 @@ from ..layout import unpack_fp4
 SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err", "underflow_frac",
                   "saturation_frac", "zero_code_frac", "frac_blocks_amax_max", "binades_per_block", "scale_std",
                   "scale_min", "scale_max", "n_scale_subnormal", "n_scale_zero", "block_err_p50", "block_err_p90",
-                  "block_err_p99", "worst1pct_block_err_share")
+                  "block_err_p99", "worst1pct_block_err_share", "map_to_4_frac")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class SchemeSpec:
 DEFAULT_SCHEMES = (
     SchemeSpec("nvfp4", "nvfp4", fp4=True, block=16),
     SchemeSpec("nvfp4_2d", "nvfp4_2d", roles=("weight",), fp4=True, block=16),
+    SchemeSpec("nvfp4_4over6", "nvfp4", {"four_over_six": "mse"}, roles=("weight", "activation"), fp4=True,
+               block=16),
     SchemeSpec("mxfp4_rceil", "mxfp4", {"scale_mode": "rceil"}, fp4=True, block=32),
     SchemeSpec("mxfp4_floor", "mxfp4", {"scale_mode": "floor"}, fp4=True, block=32),
     SchemeSpec("mxfp8_e4m3", "mxfp8_e4m3", block=32),
@@ -72,7 +74,7 @@ def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int)
     tensor_scale = not kw.get("row_scaled") and kw.get("per_tensor_scale", True)  # the variants bring their own
     if spec.scheme in ("nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2") and tensor_scale:
         kw["global_amax"] = amax
-    if role == "gradient" and spec.fp4:
+    if role == "gradient" and spec.fp4 and not kw.get("four_over_six"):
         kw.update(rounding="sr", seed=seed, stream=stream)
     return quantize(c, spec.scheme, **kw)
 
@@ -135,6 +137,9 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
             binade = np.where(mb >= 2, mb >> 1, np.where(mb == 1, 0, -1))
             used = sum((binade == b).any(-1).astype(np.int64) for b in range(4))
             acc["binades"] += float(used[ok].sum())
+            if "map_to_4" in q.extras:
+                acc["map4"] = acc.get("map4", 0) + int(q.extras["map_to_4"].sum())
+                acc["map4_n"] = acc.get("map4_n", 0) + int(q.extras["map_to_4"].size)
             s = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
             scale_hist += np.bincount(np.asarray(s).ravel(), minlength=256)
             if spec.scheme.startswith("nvfp4"):
@@ -157,7 +162,8 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
                binades_per_block=acc["binades"] / acc["nblk"] if acc["nblk"] else np.nan,
                block_err_p50=float(np.percentile(be, 50)), block_err_p90=float(np.percentile(be, 90)),
                block_err_p99=float(np.percentile(be, 99)),
-               worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0)
+               worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0,
+               map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan)
     if scale_vals:
         sv = np.concatenate(scale_vals)
         out.update(scale_std=float(np.std(sv)), scale_min=float(sv.min()), scale_max=float(sv.max()))

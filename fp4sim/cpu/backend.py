@@ -51,6 +51,11 @@ class CpuKernels:
         return f32(a), bool(n)
 
     @staticmethod
+    def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
+        from .four_over_six import nvfp4_4over6
+        return nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math)
+
+    @staticmethod
     def row_absmax(x2):
         a = np.abs(x2)
         a[np.isnan(a)] = 0

@@ -74,6 +74,10 @@ class GpuKernels:
         host = np.asarray(acc.get() if hasattr(acc, "get") else acc)
         return host[:1].view(np.float32)[0], bool(host[1])
 
+    def nvfp4_4over6(self, x2, tile, amax_g, e4m3_max, err_mode, fast_math):
+        raise ValueError("four_over_six NVFP4 runs on the CPU backend only so far (no CUDA kernel yet): pass a "
+                         "NumPy array (cupy.asnumpy(x))")
+
     def row_absmax(self, x2):
         a = self.xp.abs(x2)
         a = self.xp.where(self.xp.isnan(a), self.xp.float32(0), a)

@@ -156,3 +156,62 @@ def fp8_blockwise_ref(x2, tile=1):
                     y = v / s if s != 0 else v * f32(0.0)
                 codes[g * tile + rr, j * 128 + kk] = encode_scalar(float(y), E4M3, "rne", True)
     return codes, scales
+
+
+def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=False, e4m3_max=448):
+    """Reference 4over6 NVFP4 (TransformerEngine's ``nvfp4_use_4over6``), block by block with float32 scalars:
+    returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16), map-to-4 chosen per block/tile)."""
+    from ..cpu.four_over_six import fp16_product
+    R, K = x2.shape
+    xp, _ = _pad(x2, None, 16, tile)
+    g = _amax(x2) if global_amax is None else f32(global_amax)
+    with np.errstate(all="ignore"):
+        s_enc = f32(1.0) if g == 0 else min(f32(f32(e4m3_max) * f32(6.0)) / g, FLT_MAX)
+        s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+        s_dec = f32(1.0) / s_enc
+    denom = f32(f32(6.0) * f32(e4m3_max))
+    codes = np.zeros(xp.shape, np.uint8)
+    scales = np.zeros((xp.shape[0] // tile, xp.shape[1] // 16), np.uint8)
+    pick4 = np.zeros(scales.shape, bool)
+    for t in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = xp[t * tile:(t + 1) * tile, j * 16:(j + 1) * 16]
+            amax_b = _amax(blk)
+            with np.errstate(all="ignore"):
+                base = (amax_b / f32(6.0)) * s_enc
+            cands = []
+            for sf in (base * f32(1.5), base):                        # map to 4, map to 6
+                s = _e4m3(min(sf, f32(448.0)))
+                sval = E4M3.values[s]
+                with np.errstate(all="ignore"):
+                    enc = min(f32(1.0) / (sval * s_dec), FLT_MAX)
+                c = np.zeros(blk.shape, np.uint8)
+                row_err = []
+                for rr in range(blk.shape[0]):
+                    e = f32(0.0)
+                    for k in range(16):
+                        v = blk[rr, k]
+                        with np.errstate(all="ignore"):
+                            y = min(max(v * enc, f32(-6.0)), f32(6.0)) if not np.isnan(v) else v
+                        c[rr, k] = 7 if np.isnan(v) else encode_scalar(float(y), E2M1, "rne", True)
+                        q = E2M1.values[c[rr, k]]
+                        with np.errstate(all="ignore"):
+                            if fast_math:
+                                d = fp16_product(np.array([q], np.float32), np.array([s]))[0] - v * s_enc
+                            else:
+                                d = (((q * sval) * g) / denom) - v
+                            e = e + (d * d if err_mode == "mse" else abs(d))
+                    row_err.append(f32(e))
+                if tile == 16:                                        # the kernel's tree over the 16 rows
+                    r = [f32(row_err[i] + row_err[i + 8]) for i in range(8)]
+                    r = [f32(r[i] + r[i + 4]) for i in range(4)]
+                    r = [f32(r[i] + r[i + 2]) for i in range(2)]
+                    err = f32(r[0] + r[1])
+                else:
+                    err = row_err[0]
+                cands.append((err, s, c))
+            use4 = cands[0][0] < cands[1][0]                          # ties keep map-to-6
+            err, s, c = cands[0] if use4 else cands[1]
+            scales[t, j], pick4[t, j] = s, use4
+            codes[t * tile:(t + 1) * tile, j * 16:(j + 1) * 16] = c
+    return codes[:R], scales, pick4

@@ -32,6 +32,11 @@ def main(argv=None) -> int:
     ap.add_argument("--row-scaled", action="store_true",
                     help="NVFP4 with one FP32 tensor scale per row (TE's row_scaled_nvfp4; --global-amax then "
                          "holds one amax per row)")
+    ap.add_argument("--four-over-six", choices=["mae", "mse"],
+                    help="TE's 4over6 NVFP4 block scales with this error rule (te flavour)")
+    ap.add_argument("--four-over-six-fast-math", action="store_true", help="4over6 error in the FP16 product domain")
+    ap.add_argument("--four-over-six-e4m3-max", type=int, default=448, choices=[448, 256],
+                    help="the E4M3 maximum of 4over6's tensor scale")
     ap.add_argument("--no-tensor-scale", action="store_true",
                     help="torchao's NVFP4 without a per-tensor scale (implies --flavor torchao)")
     ap.add_argument("--block", help="block, e.g. 16x16 for NVFP4 2-D tiles or 128x128 for FP8 blockwise")
@@ -60,9 +65,11 @@ def main(argv=None) -> int:
             except ValueError:
                 raise ValueError(f"--block {a.block!r}: write it as ROWSxCOLS, e.g. 16x16") from None
         scheme = a.scheme
-        if a.row_scaled or a.no_tensor_scale:
+        if a.row_scaled or a.no_tensor_scale or a.four_over_six:
             scheme = get_scheme(a.scheme, flavor="torchao" if a.no_tensor_scale else a.flavor,
-                                row_scaled=a.row_scaled or None, per_tensor_scale=False if a.no_tensor_scale else None)
+                                row_scaled=a.row_scaled or None, per_tensor_scale=False if a.no_tensor_scale else None,
+                                four_over_six=a.four_over_six, four_over_six_fast_math=a.four_over_six_fast_math or None,
+                                four_over_six_e4m3_max=a.four_over_six_e4m3_max if a.four_over_six else None)
             a.flavor = None
         rep = compare(x, codes, scales, scheme, axis=a.axis, flavor=a.flavor, scale_mode=a.scale_mode,
                       block=block, global_amax=g, scale_layout=a.scale_layout, rounding=a.rounding, rbits=rbits,

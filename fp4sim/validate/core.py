@@ -92,7 +92,7 @@ def _scaled(xp, sch, s_rows, global_amax):
             fac = np.repeat(POW2_ENC[s_rows], bk, axis=1)
             return xp * fac, np.zeros(xp.shape, bool)
         c0, c1, _ = nvfp4_constants_rows(sch.flavor, 1.0 if global_amax is None else global_amax,
-                                          sch.per_tensor_scale)
+                                          sch.per_tensor_scale, sch.e4m3_max)
         c0, c1 = c0.reshape(-1, 1), c1.reshape(-1, 1)          # one per row (row-scaled) or one
         sval = np.repeat(E4M3.values[s_rows], bk, axis=1)
         if sch.flavor in ("te", "paper"):
@@ -214,7 +214,7 @@ def _decode_scaled(sch, codes, s_rows, global_amax):
         if isinstance(sch, MX):
             return vals * np.repeat(POW2_DEC[s_rows], bk, axis=1)
         _, _, dq = nvfp4_constants_rows(sch.flavor, 1.0 if global_amax is None else global_amax,
-                                         sch.per_tensor_scale)
+                                         sch.per_tensor_scale, sch.e4m3_max)
         s = E4M3.values[s_rows]
         fac = (s * dq[:, 0:1]) * dq[:, 1:2] if sch.flavor in ("te", "paper") else s * dq[:, 0:1]
         return vals * np.repeat(fac, bk, axis=1)

@@ -31,7 +31,16 @@ def _scale_variants(sch):
                 except ValueError:
                     continue                  # a variant that does not exist (e.g. row-scaled torchao)
                 what = ", one tensor scale per row" if rs else (", no tensor scale" if not pts else "")
+                v = dataclasses.replace(v, four_over_six=None)
                 out.append((f"flavor={f!r}{what}", v, 0))
+        for mode in ("mae", "mse"):                   # TE's 4over6 block scales, every error rule
+            for emax in (448, 256):
+                for fast in (False, True):
+                    v = dataclasses.replace(sch, flavor="te", row_scaled=False, per_tensor_scale=True,
+                                            four_over_six=mode, four_over_six_e4m3_max=emax,
+                                            four_over_six_fast_math=fast)
+                    out.append((f"flavor='te', 4over6 {mode.upper()}{' fast-math' if fast else ''}, E4M3 max {emax}",
+                                v, 0))
         return out
     out = []
     for m in SCALE_MODES:
@@ -81,7 +90,11 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
             kw = dict(axis=q.axis, global_amax=_variant_amax(var, g) if isinstance(sch, NVFP4) else None)
             if sr:
                 kw.update(rounding="sr", rbits=rbits, rbits_mapping=mapping, sr_bits=sr_bits)
-            qv = quantize(xs, var, **kw)
+            try:
+                qv = quantize(xs, var, **kw)
+            except ValueError:
+                continue                      # e.g. 4over6 has no stochastic-rounding form
+            fos = getattr(var, "four_over_six", None)
             exp_s = qv.scales_per_row()
             if off:
                 exp_s = np.clip(exp_s.astype(np.int16) + off, 0, 254).astype(np.uint8)
@@ -90,7 +103,7 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
             if off:
                 y, nanfac = _scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
                 ties = {"ties to even": _codes_from_scaled(y, xp, nanfac, var, "even")}
-            if not sr:
+            if not sr and not fos:
                 y, nanfac = _scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
                 for tie in ("away", "zero"):
                     c = _codes_from_scaled(y, xp, nanfac, var, tie)

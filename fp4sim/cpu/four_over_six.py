@@ -1,0 +1,112 @@
+"""NVFP4 with TransformerEngine's 4over6 block scales, vectorised over all blocks (NumPy float32 operations,
+one per fl(.) of the rule; the block-by-block statement is ``fp4sim.reference.blocks.nvfp4_4over6_ref``).
+
+Per block (1x16) or 16x16 tile with amax ``a`` (NaN ignored), S_enc = min(fl(6·e4m3_max / amax_g), FLT_MAX)
+(1 when amax_g = 0), S_dec = fl(1/S_enc):
+
+- base = fl(fl(a / 6) · S_enc); the map-to-6 scale byte is E4M3(min(base, 448)), the map-to-4 byte
+  E4M3(min(fl(base · 1.5), 448)) (RNE);
+- each candidate's elements: E2M1 RNE of clamp(fl(x · min(fl(1 / fl(s · S_dec)), FLT_MAX)), ±6);
+- its error, summed over the 16 elements in order in float32: MAE |d| or MSE d², with
+  d = fl(fl(fl(fl(v · s) · amax_g) / fl(6 · e4m3_max)) − x) (v the E2M1 value), or with ``fast_math`` d = the
+  FP16 product v · s (as TE's kernel forms it) − fl(x · S_enc);
+- 16x16 tiles add their 16 rows' errors as a tree (rows 0-7 + 8-15, then 0-3 + 4-7, 0-1 + 2-3, 0 + 1);
+- map-to-4 is kept when its error is strictly smaller (ties keep map-to-6).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats import E2M1, E4M3
+
+f32 = np.float32
+FLT_MAX = f32(np.finfo(np.float32).max)
+
+
+def _encode(v, fmt):
+    from ..cpu.backend import CPU
+    from ..planning import SRPlan
+    return CPU.encode(np.ascontiguousarray(v, np.float32), fmt, 0, True, 8, SRPlan(0))
+
+
+def fp16_product(q, scale_byte):
+    """The E2M1 x E4M3 product as TE's fast-math 4over6 path forms it in FP16 (exact integer construction of
+    the FP16 bits, returned as float32): q the E2M1 values, scale_byte the E4M3 bytes."""
+    q_sign = (q < 0).astype(np.int64)
+    q_sig = (np.abs(q) * 2).astype(np.int64)
+    sc = scale_byte.astype(np.int64)
+    s_sign, s_exp, s_man = sc >> 7, (sc >> 3) & 0xF, sc & 0x7
+    s_sig = np.where(s_exp == 0, s_man, s_man + 8)
+    s_exp2 = np.where(s_exp == 0, s_exp - 9, s_exp - 10)
+    p_sign = q_sign ^ s_sign
+    p_sig = q_sig * s_sig
+    p_exp2 = s_exp2 - 1
+    log2_sig = sum((p_sig >= t).astype(np.int64) for t in (2, 4, 8, 16, 32, 64, 128, 256))
+    floor_exp = log2_sig + p_exp2
+    normal = ((floor_exp + 15) << 10) | (np.left_shift(p_sig, np.maximum(10 - log2_sig, 0)) - 1024)
+    sub = np.left_shift(p_sig, np.maximum(p_exp2 + 24, 0))
+    mag = np.where(floor_exp < -14, sub, normal)
+    bits = (p_sign << 15) | mag
+    bits = np.where(p_sig == 0, p_sign << 15, bits)
+    bits = np.where((sc & 0x7F) == 0x7F, 0x7E00, bits)
+    sign = np.where((bits & 0x8000) != 0, f32(-1.0), f32(1.0))
+    e, fr = (bits >> 10) & 0x1F, bits & 0x3FF
+    normal_f = np.ldexp((fr + 1024).astype(np.float32), (e - 25).astype(np.int32))
+    sub_f = np.ldexp(fr.astype(np.float32), (e - 24).astype(np.int32))
+    return (sign * np.where(e == 0, sub_f, normal_f)).astype(np.float32)
+
+
+def _tree16(err):
+    """(Rp, nbk) per-row block errors -> (Rp/16, nbk) tile errors in the CUDA warp reduction's order."""
+    r = err.reshape(-1, 16, err.shape[1])
+    r = r[:, 0:8] + r[:, 8:16]
+    r = r[:, 0:4] + r[:, 4:8]
+    r = r[:, 0:2] + r[:, 2:4]
+    return r[:, 0] + r[:, 1]
+
+
+def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
+    """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2."""
+    R, K = x2.shape
+    nbk = -(-K // 16)
+    Kp, Rp = nbk * 16, -(-R // tile) * tile
+    xp = np.zeros((Rp, Kp), np.float32)
+    xp[:R, :K] = x2
+    xb = xp.reshape(Rp, nbk, 16)
+    a = np.abs(xb)
+    a[np.isnan(a)] = 0
+    vec = a.max(-1)
+    if tile == 16:
+        vec = np.repeat(vec.reshape(Rp // 16, 16, nbk).max(1), 16, axis=0)
+    g = f32(amax_g)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s_enc = f32(1.0) if g == 0 else min(f32(f32(e4m3_max) * f32(6.0)) / g, FLT_MAX)
+        s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+        s_dec = f32(1.0) / s_enc
+        base = (vec / f32(6.0)) * s_enc
+        cand = {}
+        for name, sf in (("4", base * f32(1.5)), ("6", base)):
+            byte = _encode(np.minimum(sf, f32(448.0)), E4M3)
+            sval = E4M3.values[byte]
+            enc = np.minimum(f32(1.0) / (sval * s_dec), FLT_MAX)
+            y = np.clip(xb * enc[..., None], f32(-6.0), f32(6.0))
+            codes = _encode(y, E2M1)
+            v = E2M1.values[codes]
+            if fast_math:
+                d = fp16_product(v, np.repeat(byte[..., None], 16, -1)) - (xb * s_enc)
+            else:
+                d = (((v * sval[..., None]) * g) / f32(f32(6.0) * f32(e4m3_max))) - xb
+            e = np.zeros(vec.shape, np.float32)
+            for i in range(16):
+                di = d[..., i]
+                e = e + (di * di if err_mode == "mse" else np.abs(di))
+            cand[name] = (byte, codes, e)
+    if tile == 16:
+        pick = np.repeat(_tree16(cand["4"][2]) < _tree16(cand["6"][2]), 16, axis=0)
+    else:
+        pick = cand["4"][2] < cand["6"][2]
+    byte = np.where(pick, cand["4"][0], cand["6"][0]).astype(np.uint8)
+    codes = np.where(pick[..., None], cand["4"][1], cand["6"][1]).reshape(Rp, Kp)[:R]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    scales = byte[::tile] if tile == 16 else byte
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scales[: -(-R // tile)]), pick[::tile]
