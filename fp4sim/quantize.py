@@ -60,7 +60,7 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
     per_tensor_scale : ``False`` for torchao's single-level NVFP4 (``flavor="torchao"``, no FP32 tensor scale;
         ``q.global_amax`` is None).
     four_over_six, four_over_six_fast_math, four_over_six_e4m3_max : TransformerEngine's 4over6 NVFP4 (``"mae"``
-        or ``"mse"``; te flavour, RNE; CPU backend): see :class:`fp4sim.schemes.NVFP4`. ``q.extras["map_to_4"]``
+        or ``"mse"``; te flavour, RNE): see :class:`fp4sim.schemes.NVFP4`. ``q.extras["map_to_4"]``
         says which blocks chose the map-to-4 scale.
     """
     scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,

@@ -131,13 +131,16 @@ SPECIALS[1, 3], SPECIALS[2, 9], SPECIALS[4, 40] = np.nan, -np.inf, 1e-40
     ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("fp8_blockwise", {}), ("fp8_blockwise", {"block": (128, 128)}),
     ("bf16", {}), ("nvfp4", {"row_scaled": True}), ("nvfp4", {"flavor": "paper", "row_scaled": True}),
     ("nvfp4", {"flavor": "torchao", "per_tensor_scale": False}),
+    ("nvfp4", {"four_over_six": "mae"}), ("nvfp4", {"four_over_six": "mse", "four_over_six_e4m3_max": 256}),
+    ("nvfp4", {"four_over_six": "mse", "four_over_six_fast_math": True}), ("nvfp4_2d", {"four_over_six": "mse"}),
+    ("nvfp4_2d", {"four_over_six": "mae", "four_over_six_fast_math": True, "four_over_six_e4m3_max": 256}),
 ])
 @pytest.mark.parametrize("case", list(CASES) + ["specials"])
 def test_quantize_and_fake_quantize(dev, scheme, kw, case):
     x = SPECIALS if case == "specials" else CASES[case]
     axes = (-1, 0) if x.ndim == 2 and case == "heavy" else (-1,)
     for axis in axes:
-        for rnd in ({}, {"rounding": "sr", "seed": 4}):
+        for rnd in ({}, {"rounding": "sr", "seed": 4}) if "four_over_six" not in kw else ({},):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 want = fs.quantize(x, scheme, axis=axis, **kw, **rnd)
@@ -150,6 +153,8 @@ def test_quantize_and_fake_quantize(dev, scheme, kw, case):
             if want.scales is not None:
                 assert np.array_equal(dev.host(got.scales).view(np.uint8), np.asarray(want.scales).view(np.uint8))
             assert (got.global_amax is None) == (want.global_amax is None)
+            if "map_to_4" in want.extras:
+                assert np.array_equal(got.extras["map_to_4"], want.extras["map_to_4"])
             if want.global_amax is not None:
                 assert np.array_equal(np.asarray(dev.host(got.global_amax)), np.asarray(want.global_amax))
             same_bits(dev.host(f_got), np.asarray(f_want))

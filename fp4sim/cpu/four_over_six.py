@@ -65,6 +65,16 @@ def _tree16(err):
     return r[:, 0] + r[:, 1]
 
 
+def second_level(amax_g, e4m3_max):
+    """(S_enc, S_dec, fl(6 * e4m3_max)) float32 of a 4over6 tensor (S_enc = 1 when amax_g is 0, as the te
+    flavour's kernels)."""
+    g = f32(amax_g)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s_enc = f32(1.0) if g == 0 else min(f32(f32(e4m3_max) * f32(6.0)) / g, FLT_MAX)
+        s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+        return s_enc, f32(1.0) / s_enc, f32(f32(6.0) * f32(e4m3_max))
+
+
 def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
     """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2."""
     R, K = x2.shape
@@ -79,10 +89,8 @@ def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
     if tile == 16:
         vec = np.repeat(vec.reshape(Rp // 16, 16, nbk).max(1), 16, axis=0)
     g = f32(amax_g)
+    s_enc, s_dec, denom = second_level(g, e4m3_max)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s_enc = f32(1.0) if g == 0 else min(f32(f32(e4m3_max) * f32(6.0)) / g, FLT_MAX)
-        s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
-        s_dec = f32(1.0) / s_enc
         base = (vec / f32(6.0)) * s_enc
         cand = {}
         for name, sf in (("4", base * f32(1.5)), ("6", base)):
@@ -95,7 +103,7 @@ def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
             if fast_math:
                 d = fp16_product(v, np.repeat(byte[..., None], 16, -1)) - (xb * s_enc)
             else:
-                d = (((v * sval[..., None]) * g) / f32(f32(6.0) * f32(e4m3_max))) - xb
+                d = (((v * sval[..., None]) * g) / denom) - xb
             e = np.zeros(vec.shape, np.float32)
             for i in range(16):
                 di = d[..., i]

@@ -297,6 +297,107 @@ extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8
     }
 }
 
+// ------------------------------------------------------------------------------------------ NVFP4 4over6
+// TransformerEngine's 4over6 block scales (see fp4sim/cpu/four_over_six.py for the rule). The E2M1 x E4M3
+// product in FP16 as TE's fast-math path forms it, exactly (integer construction of the FP16 bits).
+__device__ double fp16_product(double q, int byte) {
+    int q_sign = q < 0.0 ? 1 : 0;
+    i64 q_sig = (i64)(fabs(q) * 2.0);
+    int s_sign = byte >> 7, s_exp = (byte >> 3) & 0xF, s_man = byte & 0x7;
+    i64 s_sig = s_exp == 0 ? s_man : s_man + 8;
+    i64 s_exp2 = s_exp == 0 ? s_exp - 9 : s_exp - 10;
+    i64 p_sign = q_sign ^ s_sign, p_sig = q_sig * s_sig, p_exp2 = s_exp2 - 1;
+    i64 lg = 0;
+    for (i64 t = 2; t <= 256; t *= 2) lg += p_sig >= t;
+    i64 floor_exp = lg + p_exp2;
+    i64 sh = 10 - lg;
+    i64 normal = ((floor_exp + 15) << 10) | ((p_sig << (sh > 0 ? sh : 0)) - 1024);
+    i64 sub_sh = p_exp2 + 24;
+    i64 sub = p_sig << (sub_sh > 0 ? sub_sh : 0);
+    i64 bits = (p_sign << 15) | (floor_exp < -14 ? sub : normal);
+    if (p_sig == 0) bits = p_sign << 15;
+    if ((byte & 0x7F) == 0x7F) bits = 0x7E00;
+    double sign = (bits & 0x8000) ? -1.0 : 1.0;
+    i64 e = (bits >> 10) & 0x1F, fr = bits & 0x3FF;
+    double mag = e == 0 ? ldexp((double)fr, (int)(e - 24)) : ldexp((double)(fr + 1024), (int)(e - 25));
+    return sign * mag;
+}
+
+// One thread per (row group of `tile` rows, 16-wide block): both candidates, their errors, the choice.
+// codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); pick: the same shape, 1 where map-to-4 won.
+extern "C" __global__ void nvfp4_4over6_quantize(const float* x, i64 R, i64 K, int tile, double s_enc, double s_dec,
+                                                 double amax_g, double denom, int err_mse, int fast_math,
+                                                 const double* e4m3_vals, u8* codes, u8* scales, u8* pick) {
+    const double FMAX = 3.4028234663852886e+38;
+    i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= ngroups * nbk) return;
+    i64 g = t / nbk, j = t % nbk;
+    i64 r0 = g * tile, k0 = j * 16;
+    u32 m = 0;
+    for (i64 r = r0; r < r0 + tile && r < R; ++r)
+        for (i64 k = k0; k < k0 + 16 && k < K; ++k) {
+            u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
+            m = (a > 0x7F800000u || a <= m) ? m : a;
+        }
+    double base = r32(r32(f2d(m) / 6.0) * s_enc);
+    double tot[2];
+    int bytes[2];
+    double encs[2];
+    for (int c = 0; c < 2; ++c) {
+        double sf = c == 0 ? r32(base * 1.5) : base;
+        sf = dmin_py(sf, 448.0);
+        int byte = encode_one(d2f_bits(sf), MODE_RNE, 0, 8, 3, -6, 7, 0x7E, true, 0x7F, 0x7F, 0x80);
+        double sval = e4m3_vals[byte];
+        double enc = dmin_py(r32(1.0 / r32(sval * s_dec)), FMAX);
+        double errs[16];
+        for (int rr = 0; rr < tile; ++rr) {
+            i64 r = r0 + rr;
+            double e = 0.0;
+            for (int kk = 0; kk < 16; ++kk) {
+                i64 k = k0 + kk;
+                double v = (r < R && k < K) ? f2d(fbits(x[r * K + k])) : 0.0;
+                double y = r32(v * enc);
+                y = y != y ? y : (y > 6.0 ? 6.0 : (y < -6.0 ? -6.0 : y));
+                int code = v != v ? 7 : e2m1_code(y, MODE_RNE, 0, 8);
+                double q = E2M1_VALUES[code];
+                double d = fast_math ? r32(fp16_product(q, byte) - r32(v * s_enc))
+                                     : r32(r32(r32(r32(q * sval) * amax_g) / denom) - v);
+                e = r32(e + (err_mse ? r32(d * d) : fabs(d)));
+            }
+            errs[rr] = e;
+        }
+        double te;
+        if (tile == 16) {
+            for (int i = 0; i < 8; ++i) errs[i] = r32(errs[i] + errs[i + 8]);
+            for (int i = 0; i < 4; ++i) errs[i] = r32(errs[i] + errs[i + 4]);
+            for (int i = 0; i < 2; ++i) errs[i] = r32(errs[i] + errs[i + 2]);
+            te = r32(errs[0] + errs[1]);
+        } else {
+            te = errs[0];
+        }
+        tot[c] = te;
+        bytes[c] = byte;
+        encs[c] = enc;
+    }
+    int w = tot[0] < tot[1] ? 0 : 1;  // map-to-4 only when strictly smaller
+    scales[g * nbk + j] = (u8)bytes[w];
+    pick[g * nbk + j] = (u8)(w == 0);
+    double enc = encs[w];
+    for (i64 r = r0; r < r0 + tile && r < R; ++r)
+        for (int p = 0; p < 8; ++p) {
+            int cc[2];
+            for (int h = 0; h < 2; ++h) {
+                i64 k = k0 + 2 * p + h;
+                double v = k < K ? f2d(fbits(x[r * K + k])) : 0.0;
+                double y = r32(v * enc);
+                y = y != y ? y : (y > 6.0 ? 6.0 : (y < -6.0 ? -6.0 : y));
+                cc[h] = v != v ? 7 : e2m1_code(y, MODE_RNE, 0, 8);
+            }
+            codes[r * (nbk * 8) + j * 8 + p] = (u8)(cc[0] | (cc[1] << 4));
+        }
+}
+
 // ------------------------------------------------------------------------------------------ MX
 __device__ int mx_scale_byte(u32 amax_bits, int mode, int emax, int mbits, double rcp) {
     if (mode == SM_RCEIL) {
