@@ -9,7 +9,7 @@ A backend ("kernels" object) provides::
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
-    nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math) -> codes, scales, map-to-4 per block
+    nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4) -> codes, scales, map-to-4 per block
     nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake) -> codes, scales, fake_values
         (c0, c1: float32 vectors, dq: (n, 2); n = 1, or one per row for row-scaled NVFP4)
     mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake)               -> codes, scales, fake_values
@@ -320,7 +320,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
                 raise ValueError("four_over_six is defined for round-to-nearest only (TE's 4over6 path has no "
                                  "stochastic rounding); use rounding='rne'")
             codes, scales, pick = kern.nvfp4_4over6(x2, sch.block[0], f32(amax_g), sch.e4m3_max, sch.four_over_six,
-                                                    sch.four_over_six_fast_math)
+                                                    sch.four_over_six_fast_math, sch.four_over_six_ties == "map_to_4")
             q = finish(sch, codes, scales, f32(amax_g), p.lead, p.axis, p.shape, p.scale_layout,
                        {"map_to_4_frac": float(np.mean(pick)), "map_to_4": pick})
             return p.back(xp, run_dequantize(kern, q).reshape(p.R, p.K)) if fake else q

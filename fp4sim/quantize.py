@@ -13,10 +13,10 @@ from .qtensor import QuantizedTensor
 __all__ = ["quantize", "dequantize", "fake_quantize"]
 
 
-def _variant(scheme, flavor, block, scale_mode, fos, fos_fast, fos_max):
+def _variant(scheme, flavor, block, scale_mode, fos, fos_fast, fos_max, fos_ties):
     from .schemes import get_scheme
     return get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode, four_over_six=fos,
-                      four_over_six_fast_math=fos_fast, four_over_six_e4m3_max=fos_max)
+                      four_over_six_fast_math=fos_fast, four_over_six_e4m3_max=fos_max, four_over_six_ties=fos_ties)
 
 
 def _kernels(a):
@@ -32,8 +32,8 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
              stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", scale_layout: str = "linear",
              return_intermediates: bool = False, row_scaled: bool | None = None,
              per_tensor_scale: bool | None = None, four_over_six: str | None = None,
-             four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None
-             ) -> QuantizedTensor:
+             four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None,
+             four_over_six_ties: str | None = None) -> QuantizedTensor:
     """Quantize ``x`` with a block-scaled scheme; returns a :class:`QuantizedTensor`.
 
     Parameters
@@ -64,7 +64,7 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
         says which blocks chose the map-to-4 scale.
     """
     scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,
-                      four_over_six_e4m3_max)
+                      four_over_six_e4m3_max, four_over_six_ties)
     return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, None, None, None, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, False, return_intermediates,
                                  row_scaled, per_tensor_scale)
@@ -74,11 +74,12 @@ def fake_quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flav
                   block=None, scale_mode: str | None = None, global_amax=None, rbits=None, seed=None,
                   stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", row_scaled: bool | None = None,
                   per_tensor_scale: bool | None = None, four_over_six: str | None = None,
-                  four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None):
+                  four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None,
+                  four_over_six_ties: str | None = None):
     """``dequantize(quantize(x, ...))`` in one fused pass: float32 in ``x``'s shape, bit-identical to the
     two-step result."""
     scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,
-                      four_over_six_e4m3_max)
+                      four_over_six_e4m3_max, four_over_six_ties)
     return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, None, None, None, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, "linear", True, False, row_scaled,
                                  per_tensor_scale)

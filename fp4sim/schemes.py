@@ -37,7 +37,8 @@ class NVFP4:
     ``nvfp4_use_4over6``, te flavour, RNE): each block (or 16x16 tile) tries its amax mapped to 6 and, with a
     1.5x larger scale, to 4, and keeps the candidate with the smaller error (ties: map to 6);
     ``four_over_six_fast_math`` measures that error in the FP16 product domain, and
-    ``four_over_six_e4m3_max=256`` sets S_enc = 6 * 256 / amax."""
+    ``four_over_six_e4m3_max=256`` sets S_enc = 6 * 256 / amax; ``four_over_six_ties="map_to_4"`` resolves equal
+    errors the other way (not TE's rule: it models a kernel that does, for validation)."""
     block: tuple[int, int] = (1, 16)
     flavor: str = "te"
     elem: Format = E2M1
@@ -47,6 +48,7 @@ class NVFP4:
     four_over_six: str | None = None
     four_over_six_fast_math: bool = False
     four_over_six_e4m3_max: int = 448
+    four_over_six_ties: str = "map_to_6"
 
     @property
     def e4m3_max(self) -> int:
@@ -61,6 +63,8 @@ class NVFP4:
             if self.flavor != "te" or self.row_scaled or not self.per_tensor_scale:
                 raise ValueError("four_over_six is TransformerEngine's: use flavor='te' without row_scaled (the "
                                  "row-scaled 4over6 combination is not implemented yet)")
+        if self.four_over_six_ties not in ("map_to_6", "map_to_4"):
+            raise ValueError(f"four_over_six_ties={self.four_over_six_ties!r}: use 'map_to_6' (TE) or 'map_to_4'")
         if self.four_over_six_e4m3_max not in (448, 256):
             raise ValueError(f"four_over_six_e4m3_max={self.four_over_six_e4m3_max!r}: use 448 or 256")
         if self.flavor not in FLAVORS:
@@ -145,7 +149,7 @@ SCHEMES: dict[str, Scheme] = {
 
 def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None, row_scaled=None,
                per_tensor_scale=None, four_over_six=None, four_over_six_fast_math=None,
-               four_over_six_e4m3_max=None) -> Scheme:
+               four_over_six_e4m3_max=None, four_over_six_ties=None) -> Scheme:
     """Resolve a scheme name or object and apply keyword overrides (``None`` keeps the scheme's own)."""
     if isinstance(scheme, str):
         if scheme.lower() not in SCHEMES:
@@ -157,7 +161,7 @@ def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None, row_scaled=N
     for key, val in (("flavor", flavor), ("block", block), ("scale_mode", scale_mode), ("row_scaled", row_scaled),
                      ("per_tensor_scale", per_tensor_scale), ("four_over_six", four_over_six),
                      ("four_over_six_fast_math", four_over_six_fast_math),
-                     ("four_over_six_e4m3_max", four_over_six_e4m3_max)):
+                     ("four_over_six_e4m3_max", four_over_six_e4m3_max), ("four_over_six_ties", four_over_six_ties)):
         if val is None:
             continue
         if not any(f.name == key for f in dataclasses.fields(scheme)):

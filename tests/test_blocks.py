@@ -402,3 +402,8 @@ def test_four_over_six_matches_reference(case, tile, mode, fast, emax):
     np.testing.assert_array_equal(q.linear_scales(), scales)
     np.testing.assert_array_equal(_codes(q), codes)
     np.testing.assert_array_equal(q.extras["map_to_4"], pick)
+    q = fs.quantize(x, "nvfp4", block=(tile, 16), four_over_six=mode, four_over_six_fast_math=fast,
+                    four_over_six_e4m3_max=emax, four_over_six_ties="map_to_4")
+    codes, scales, pick = ref.nvfp4_4over6_ref(x, tile, None, mode, fast, emax, ties_map4=True)
+    np.testing.assert_array_equal(q.linear_scales(), scales)
+    np.testing.assert_array_equal(q.extras["map_to_4"], pick)

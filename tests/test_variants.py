@@ -131,3 +131,19 @@ def test_four_over_six_lowers_the_error_and_dequantizes_with_its_own_constants()
         assert 0 < q.extras["map_to_4_frac"] < 1
     with pytest.raises(ValueError, match="round-to-nearest"):
         fs.quantize(x, "nvfp4", four_over_six="mae", rounding="sr", seed=1)
+
+
+def test_four_over_six_ties_resolved_the_other_way_are_named():
+    """With S_enc = 1 (tensor amax 2688), blocks of {6, 3, 1.5, 0} are exact under both candidates (scales 1 and
+    1.5): equal errors. TE keeps map-to-6; a kernel that picks map-to-4 there is named by the diagnosis."""
+    x = heavy((32, 64), 25)
+    x[31, 63] = 2688.0
+    x[4:8] = np.tile(np.array([6, 3, 1.5, 0] * 4, np.float32), (4, 4))
+    te = fs.quantize(x, "nvfp4", four_over_six="mae")
+    other = fs.quantize(x, "nvfp4", four_over_six="mae", four_over_six_ties="map_to_4")
+    assert np.all(te.scales[4:8] == fs.encode(np.array([1.0], np.float32), fs.E4M3)[0])
+    assert np.all(other.scales[4:8] == fs.encode(np.array([1.5], np.float32), fs.E4M3)[0])
+    assert np.array_equal(fs.dequantize(te)[4:8], fs.dequantize(other)[4:8])      # both exact
+    r = compare(x, other.codes, other.scales, fs.get_scheme("nvfp4", four_over_six="mae"))
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
+    assert "equal errors choose map-to-4" in r.diagnosis["best"]["label"], r.diagnosis["best"]["label"]

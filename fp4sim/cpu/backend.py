@@ -51,9 +51,9 @@ class CpuKernels:
         return f32(a), bool(n)
 
     @staticmethod
-    def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
+    def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
         from .four_over_six import nvfp4_4over6
-        return nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math)
+        return nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4)
 
     @staticmethod
     def row_absmax(x2):

@@ -75,7 +75,7 @@ def second_level(amax_g, e4m3_max):
         return s_enc, f32(1.0) / s_enc, f32(f32(6.0) * f32(e4m3_max))
 
 
-def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
+def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
     """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2."""
     R, K = x2.shape
     nbk = -(-K // 16)
@@ -109,10 +109,11 @@ def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math):
                 di = d[..., i]
                 e = e + (di * di if err_mode == "mse" else np.abs(di))
             cand[name] = (byte, codes, e)
+    better = np.less_equal if ties_map4 else np.less          # TE: ties keep map-to-6
     if tile == 16:
-        pick = np.repeat(_tree16(cand["4"][2]) < _tree16(cand["6"][2]), 16, axis=0)
+        pick = np.repeat(better(_tree16(cand["4"][2]), _tree16(cand["6"][2])), 16, axis=0)
     else:
-        pick = cand["4"][2] < cand["6"][2]
+        pick = better(cand["4"][2], cand["6"][2])
     byte = np.where(pick, cand["4"][0], cand["6"][0]).astype(np.uint8)
     codes = np.where(pick[..., None], cand["4"][1], cand["6"][1]).reshape(Rp, Kp)[:R]
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)

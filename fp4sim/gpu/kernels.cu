@@ -327,7 +327,8 @@ __device__ double fp16_product(double q, int byte) {
 // codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); pick: the same shape, 1 where map-to-4 won.
 extern "C" __global__ void nvfp4_4over6_quantize(const float* x, i64 R, i64 K, int tile, double s_enc, double s_dec,
                                                  double amax_g, double denom, int err_mse, int fast_math,
-                                                 const double* e4m3_vals, u8* codes, u8* scales, u8* pick) {
+                                                 int ties_map4, const double* e4m3_vals, u8* codes, u8* scales,
+                                                 u8* pick) {
     const double FMAX = 3.4028234663852886e+38;
     i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -380,7 +381,7 @@ extern "C" __global__ void nvfp4_4over6_quantize(const float* x, i64 R, i64 K, i
         bytes[c] = byte;
         encs[c] = enc;
     }
-    int w = tot[0] < tot[1] ? 0 : 1;  // map-to-4 only when strictly smaller
+    int w = (tot[0] < tot[1] || (ties_map4 && tot[0] == tot[1])) ? 0 : 1;  // TE: map-to-4 only when smaller
     scales[g * nbk + j] = (u8)bytes[w];
     pick[g * nbk + j] = (u8)(w == 0);
     double enc = encs[w];

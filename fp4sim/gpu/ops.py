@@ -74,7 +74,7 @@ class GpuKernels:
         host = np.asarray(acc.get() if hasattr(acc, "get") else acc)
         return host[:1].view(np.float32)[0], bool(host[1])
 
-    def nvfp4_4over6(self, x2, tile, amax_g, e4m3_max, err_mode, fast_math):
+    def nvfp4_4over6(self, x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
         from ..cpu.four_over_six import second_level
         xp = self.xp
         R, K = x2.shape
@@ -84,7 +84,7 @@ class GpuKernels:
         scales = xp.empty((-(-R // tile), nbk), np.uint8)
         pick = xp.empty(scales.shape, np.uint8)
         self.be.launch("nvfp4_4over6_quantize", scales.size, x2, i64(R), i64(K), i32(tile), f64(s_enc), f64(s_dec),
-                       f64(amax_g), f64(denom), i32(err_mode == "mse"), i32(bool(fast_math)),
+                       f64(amax_g), f64(denom), i32(err_mode == "mse"), i32(bool(fast_math)), i32(bool(ties_map4)),
                        self.table(E4M3.values), codes, scales, pick)
         p = pick.get() if hasattr(pick, "get") else pick
         return codes, scales, np.asarray(p).astype(bool)
@@ -204,13 +204,13 @@ def encode(be, x, fmt, rounding="rne", saturate=True, rbits=None, seed=None, sr_
 def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None, global_amax=None,
              rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te", scale_layout="linear", fake=False,
              row_scaled=None, per_tensor_scale=None, four_over_six=None, four_over_six_fast_math=None,
-             four_over_six_e4m3_max=None):
+             four_over_six_e4m3_max=None, four_over_six_ties=None):
     """:func:`fp4sim.quantize` / :func:`fp4sim.fake_quantize` (``fake=True``) on the backend ``be``."""
     if four_over_six is not None or four_over_six_fast_math is not None or four_over_six_e4m3_max is not None:
         from ..schemes import get_scheme
         scheme = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode, four_over_six=four_over_six,
                             four_over_six_fast_math=four_over_six_fast_math,
-                            four_over_six_e4m3_max=four_over_six_e4m3_max)
+                            four_over_six_e4m3_max=four_over_six_e4m3_max, four_over_six_ties=four_over_six_ties)
         flavor = block = scale_mode = None
     return planning.run_quantize(kernels(be), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, fake, False, row_scaled,

@@ -158,9 +158,10 @@ def fp8_blockwise_ref(x2, tile=1):
     return codes, scales
 
 
-def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=False, e4m3_max=448):
+def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=False, e4m3_max=448, ties_map4=False):
     """Reference 4over6 NVFP4 (TransformerEngine's ``nvfp4_use_4over6``), block by block with float32 scalars:
-    returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16), map-to-4 chosen per block/tile)."""
+    returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16), map-to-4 chosen per block/tile).
+    ``ties_map4``: equal errors choose map-to-4 (TE keeps map-to-6)."""
     from ..cpu.four_over_six import fp16_product
     R, K = x2.shape
     xp, _ = _pad(x2, None, 16, tile)
@@ -210,7 +211,7 @@ def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=Fal
                 else:
                     err = row_err[0]
                 cands.append((err, s, c))
-            use4 = cands[0][0] < cands[1][0]                          # ties keep map-to-6
+            use4 = cands[0][0] < cands[1][0] or (ties_map4 and cands[0][0] == cands[1][0])  # TE: ties map to 6
             err, s, c = cands[0] if use4 else cands[1]
             scales[t, j], pick4[t, j] = s, use4
             codes[t * tile:(t + 1) * tile, j * 16:(j + 1) * 16] = c

@@ -36,11 +36,13 @@ def _scale_variants(sch):
         for mode in ("mae", "mse"):                   # TE's 4over6 block scales, every error rule
             for emax in (448, 256):
                 for fast in (False, True):
-                    v = dataclasses.replace(sch, flavor="te", row_scaled=False, per_tensor_scale=True,
-                                            four_over_six=mode, four_over_six_e4m3_max=emax,
-                                            four_over_six_fast_math=fast)
-                    out.append((f"flavor='te', 4over6 {mode.upper()}{' fast-math' if fast else ''}, E4M3 max {emax}",
-                                v, 0))
+                    for ties in ("map_to_6", "map_to_4"):
+                        v = dataclasses.replace(sch, flavor="te", row_scaled=False, per_tensor_scale=True,
+                                                four_over_six=mode, four_over_six_e4m3_max=emax,
+                                                four_over_six_fast_math=fast, four_over_six_ties=ties)
+                        tie = "" if ties == "map_to_6" else ", equal errors choose map-to-4 (not TE's rule)"
+                        out.append((f"flavor='te', 4over6 {mode.upper()}{' fast-math' if fast else ''}, "
+                                    f"E4M3 max {emax}{tie}", v, 0))
         return out
     out = []
     for m in SCALE_MODES:
