@@ -162,7 +162,6 @@ def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=Fal
     """Reference 4over6 NVFP4 (TransformerEngine's ``nvfp4_use_4over6``), block by block with float32 scalars:
     returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16), map-to-4 chosen per block/tile).
     ``ties_map4``: equal errors choose map-to-4 (TE keeps map-to-6)."""
-    from ..cpu.four_over_six import fp16_product
     R, K = x2.shape
     xp, _ = _pad(x2, None, 16, tile)
     g = _amax(x2) if global_amax is None else f32(global_amax)
@@ -197,8 +196,9 @@ def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=Fal
                         c[rr, k] = 7 if np.isnan(v) else encode_scalar(float(y), E2M1, "rne", True)
                         q = E2M1.values[c[rr, k]]
                         with np.errstate(all="ignore"):
-                            if fast_math:
-                                d = fp16_product(np.array([q], np.float32), np.array([s]))[0] - v * s_enc
+                            if fast_math:  # E2M1 x E4M3 has <= 6 significant bits: exact in FP16 (subnormals too)
+                                prod = f32(np.nan) if (s & 0x7F) == 0x7F else f32(float(q) * float(sval))
+                                d = prod - v * s_enc
                             else:
                                 d = (((q * sval) * g) / denom) - v
                             e = e + (d * d if err_mode == "mse" else abs(d))

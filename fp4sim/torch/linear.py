@@ -91,12 +91,13 @@ class QuantLinear(torch.nn.Linear):
     def __init__(self, in_features, out_features, bias=True, recipe="nvfp4_paper", device=None, dtype=None,
                  layer_index: int = 0):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup(recipe, layer_index)
+
+    def _setup(self, recipe, layer_index):
         self.recipe = _resolve(recipe)
         self.recipe_backward = self.recipe
         self.layer_index = int(layer_index)
-        self._calls = 0
-        self._stats = None
-        self._wgrad_probe = None
+        self._calls, self._stats, self._wgrad_probe = 0, None, None
 
     @classmethod
     def from_linear(cls, lin: torch.nn.Linear, recipe, layer_index: int = 0) -> "QuantLinear":
@@ -105,10 +106,7 @@ class QuantLinear(torch.nn.Linear):
         q.in_features, q.out_features = lin.in_features, lin.out_features
         q.weight = lin.weight
         q.bias = lin.bias
-        q.recipe = _resolve(recipe)
-        q.recipe_backward = q.recipe
-        q.layer_index = int(layer_index)
-        q._calls, q._stats, q._wgrad_probe = 0, None, None
+        q._setup(recipe, layer_index)
         return q
 
     def _stats_sink(self, gemm_name, call):
