@@ -319,9 +319,10 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
             if p.mode != ids.RNE:
                 raise ValueError("four_over_six is defined for round-to-nearest only (TE's 4over6 path has no "
                                  "stochastic rounding); use rounding='rne'")
-            codes, scales, pick = kern.nvfp4_4over6(x2, sch.block[0], f32(amax_g), sch.e4m3_max, sch.four_over_six,
+            g = np.asarray(amax_g, np.float32).reshape(-1) if sch.row_scaled else f32(amax_g)
+            codes, scales, pick = kern.nvfp4_4over6(x2, sch.block[0], g, sch.e4m3_max, sch.four_over_six,
                                                     sch.four_over_six_fast_math, sch.four_over_six_ties == "map_to_4")
-            q = finish(sch, codes, scales, f32(amax_g), p.lead, p.axis, p.shape, p.scale_layout,
+            q = finish(sch, codes, scales, g, p.lead, p.axis, p.shape, p.scale_layout,
                        {"map_to_4_frac": float(np.mean(pick)), "map_to_4": pick})
             return p.back(xp, run_dequantize(kern, q).reshape(p.R, p.K)) if fake else q
         c0, c1, dq = nvfp4_constants_rows(sch.flavor, amax_g, sch.per_tensor_scale)

@@ -38,7 +38,8 @@ class NVFP4:
     1.5x larger scale, to 4, and keeps the candidate with the smaller error (ties: map to 6);
     ``four_over_six_fast_math`` measures that error in the FP16 product domain, and
     ``four_over_six_e4m3_max=256`` sets S_enc = 6 * 256 / amax; ``four_over_six_ties="map_to_4"`` resolves equal
-    errors the other way (not TE's rule: it models a kernel that does, for validation)."""
+    errors the other way (not TE's rule: it models a kernel that does, for validation). 4over6 combines with
+    ``row_scaled`` (1x16): each row's S_enc = 6 * e4m3_max / amax_row, as TE's reference does."""
     block: tuple[int, int] = (1, 16)
     flavor: str = "te"
     elem: Format = E2M1
@@ -60,9 +61,8 @@ class NVFP4:
         if self.four_over_six is not None:
             if self.four_over_six not in ("mae", "mse"):
                 raise ValueError(f"four_over_six={self.four_over_six!r}: use 'mae', 'mse' or None")
-            if self.flavor != "te" or self.row_scaled or not self.per_tensor_scale:
-                raise ValueError("four_over_six is TransformerEngine's: use flavor='te' without row_scaled (the "
-                                 "row-scaled 4over6 combination is not implemented yet)")
+            if self.flavor != "te" or not self.per_tensor_scale:
+                raise ValueError(f"four_over_six is TransformerEngine's: use flavor='te' (not {self.flavor!r})")
         if self.four_over_six_ties not in ("map_to_6", "map_to_4"):
             raise ValueError(f"four_over_six_ties={self.four_over_six_ties!r}: use 'map_to_6' (TE) or 'map_to_4'")
         if self.four_over_six_e4m3_max not in (448, 256):

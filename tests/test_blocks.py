@@ -407,3 +407,36 @@ def test_four_over_six_matches_reference(case, tile, mode, fast, emax):
     codes, scales, pick = ref.nvfp4_4over6_ref(x, tile, None, mode, fast, emax, ties_map4=True)
     np.testing.assert_array_equal(q.linear_scales(), scales)
     np.testing.assert_array_equal(q.extras["map_to_4"], pick)
+
+
+@pytest.mark.parametrize("case", ["randn", "heavy", "bf16", "zero_and_tiny_blocks"])
+@pytest.mark.parametrize("mode,fast,emax", [("mae", False, 448), ("mse", False, 256), ("mae", True, 256)])
+def test_row_scaled_four_over_six_matches_reference(case, mode, fast, emax):
+    x = CASES[case]
+    rows = x * np.float32(2.0) ** np.arange(-(x.shape[0] // 2), x.shape[0] - x.shape[0] // 2,
+                                            dtype=np.float32)[:, None]   # rows over many binades
+    q = fs.quantize(rows, "nvfp4", row_scaled=True, four_over_six=mode, four_over_six_fast_math=fast,
+                    four_over_six_e4m3_max=emax)
+    codes, scales, pick = ref.nvfp4_4over6_ref(rows, 1, None, mode, fast, emax, row_scaled=True)
+    np.testing.assert_array_equal(q.scales, scales)
+    np.testing.assert_array_equal(_codes(q), codes)
+    np.testing.assert_array_equal(q.extras["map_to_4"], pick)
+    want = np.abs(np.nan_to_num(rows)).max(1).astype(np.float32)
+    assert q.global_amax.dtype == np.float32 and np.array_equal(q.global_amax, want)
+    for r in (0, rows.shape[0] // 2, rows.shape[0] - 1):  # each row = that row alone as its own 4over6 tensor
+        one = fs.quantize(rows[r:r + 1], "nvfp4", four_over_six=mode, four_over_six_fast_math=fast,
+                          four_over_six_e4m3_max=emax, global_amax=want[r])
+        assert np.array_equal(one.codes[0], q.codes[r]) and np.array_equal(one.scales[0], q.scales[r])
+        y1 = fs.dequantize(one)[0]
+        assert np.array_equal(y1.view(np.uint32), fs.dequantize(q)[r].view(np.uint32))
+
+
+def test_row_scaled_four_over_six_takes_given_row_amaxes_and_refuses_2d():
+    x = CASES["heavy"]
+    g = (np.abs(x).max(1) * np.float32(4.0)).astype(np.float32)
+    q = fs.quantize(x, "nvfp4", row_scaled=True, four_over_six="mse", global_amax=g)
+    codes, scales, _ = ref.nvfp4_4over6_ref(x, 1, g, "mse", row_scaled=True)
+    np.testing.assert_array_equal(_codes(q), codes)
+    np.testing.assert_array_equal(q.scales, scales)
+    with pytest.raises(ValueError, match="1x16"):
+        fs.quantize(x, "nvfp4_2d", row_scaled=True, four_over_six="mae")

@@ -135,6 +135,9 @@ SPECIALS[1, 3], SPECIALS[2, 9], SPECIALS[4, 40] = np.nan, -np.inf, 1e-40
     ("nvfp4", {"four_over_six": "mse", "four_over_six_fast_math": True}), ("nvfp4_2d", {"four_over_six": "mse"}),
     ("nvfp4_2d", {"four_over_six": "mae", "four_over_six_fast_math": True, "four_over_six_e4m3_max": 256}),
     ("nvfp4", {"four_over_six": "mae", "four_over_six_ties": "map_to_4"}),
+    ("nvfp4", {"four_over_six": "mse", "row_scaled": True}),
+    ("nvfp4", {"four_over_six": "mae", "four_over_six_fast_math": True, "four_over_six_e4m3_max": 256,
+               "row_scaled": True}),
 ])
 @pytest.mark.parametrize("case", list(CASES) + ["specials"])
 def test_quantize_and_fake_quantize(dev, scheme, kw, case):

@@ -328,6 +328,49 @@ def test_four_over_six_matches_transformer_engine_reference(te_ref, name, tile, 
     np.testing.assert_array_equal(q.codes, codes.numpy())
 
 
+@pytest.mark.parametrize("name", list(ROW_INPUTS))
+@pytest.mark.parametrize("mode,fast,emax", [("mae", False, 448), ("mse", False, 256), ("mse", True, 448),
+                                             ("mae", True, 256)])
+def test_row_scaled_four_over_six_matches_transformer_engine_reference(te_ref, name, mode, fast, emax):
+    """TE 2.20.2's row_scaled_nvfp4 together with nvfp4_use_4over6: per-row S_enc = 6 * e4m3_max / amax_row, and
+    the error of each candidate measured with that row's amax."""
+    torch = torch_or_skip()
+    x = ROW_INPUTS[name].astype(np.float32)
+    rows = np.abs(np.nan_to_num(x)).max(1).astype(np.float32)
+    codes, scales = te_ref.NVFP4QuantizerRef._quantize_blockwise_reference(
+        torch.from_numpy(x), torch.from_numpy(rows), 16, 1, pow_2_scales=False, row_scaled_nvfp4=True,
+        nvfp4_use_4over6=True, nvfp4_e4m3_max=emax, nvfp4_4over6_err_mode=mode.upper(),
+        nvfp4_4over6_err_use_fast_math=fast, eps=0.0)
+    q = fs.quantize(x, "nvfp4", row_scaled=True, four_over_six=mode, four_over_six_fast_math=fast,
+                    four_over_six_e4m3_max=emax)
+    assert np.array_equal(q.global_amax, rows)
+    np.testing.assert_array_equal(q.scales, scales.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(q.codes, codes.numpy())
+
+
+@pytest.mark.parametrize("emax", [448, 256])
+def test_gemm_of_row_scaled_four_over_six_operands_equals_te_qgemm(te_ref, emax):
+    """A row-scaled 4over6 first operand (alpha per output row, divided by 36 * e4m3_max_a * e4m3_max_b) against
+    a 4over6 weight with one tensor scale, as TE's qgemm forms it."""
+    import types
+    torch = torch_or_skip()
+    A = heavy((32, 128), 15) * np.float32(2.0) ** np.arange(-8, 8, 0.5, dtype=np.float32)[:, None]
+    B = heavy((24, 128), 16)
+    qa = fs.quantize(A, "nvfp4", row_scaled=True, four_over_six="mse", four_over_six_e4m3_max=emax)
+    qb = fs.quantize(B, "nvfp4", four_over_six="mae", four_over_six_e4m3_max=448)
+    ref = object.__new__(te_ref.NVFP4QuantizerRef)
+    ref.pow_2_scales, ref.nvfp4_use_4over6, ref.nvfp4_e4m3_max = False, True, 448
+    ga = torch.from_numpy(qa.global_amax.copy())
+    gb = torch.tensor([float(qb.global_amax)])
+    rx = types.SimpleNamespace(global_amax_row=ga, global_amax_col=ga, nvfp4_use_4over6=True, nvfp4_e4m3_max=emax)
+    rw = types.SimpleNamespace(global_amax_row=gb, global_amax_col=gb, nvfp4_use_4over6=True, nvfp4_e4m3_max=448)
+    sx = torch.from_numpy(fs.E4M3.values[qa.scales].astype(np.float32))
+    sw = torch.from_numpy(fs.E4M3.values[qb.scales].astype(np.float32))
+    y = ref.qgemm(torch.from_numpy(qa.codes.copy()), torch.from_numpy(qb.codes.copy()), None, torch.float32, sx, sw,
+                  qresult_x=rx, qresult_w=rw).numpy()
+    assert np.array_equal(fs.gemm(qa, qb).view(np.uint32), y.view(np.uint32))
+
+
 @pytest.mark.parametrize("ea,eb", [(448, 448), (256, 448), (256, 256)])
 def test_gemm_of_four_over_six_operands_equals_te_qgemm(te_ref, ea, eb):
     import types

@@ -88,7 +88,8 @@ def test_validate_cli_with_the_variants(tmp_path):
 def test_analyze_takes_the_variants_as_schemes(tmp_path):
     np.savez(tmp_path / "d.npz", **{"big_rows.input": X})
     r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(tmp_path / "d.npz"), "--quiet", "--no-hadamard",
-                        "--schemes", "nvfp4,nvfp4_row_scaled,nvfp4_torchao_no_tensor_scale", "--json",
+                        "--schemes", "nvfp4,nvfp4_row_scaled,nvfp4_torchao_no_tensor_scale,nvfp4_4over6_row_scaled",
+                        "--role", "big_rows*=activation", "--json",
                         str(tmp_path / "s.json")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "s.json").read_text())["tensors"]["big_rows.input"]["schemes"]
@@ -97,6 +98,11 @@ def test_analyze_takes_the_variants_as_schemes(tmp_path):
     assert m["nvfp4_row_scaled"]["sqnr_db"] == pytest.approx(want, rel=1e-9)
     # rows spanning 2^32: one tensor scale underflows the small rows' block scales, one per row does not
     assert m["nvfp4_row_scaled"]["underflow_frac"] < m["nvfp4"]["underflow_frac"]
+    q = fs.quantize(X, "nvfp4", row_scaled=True, four_over_six="mse")
+    y = fs.dequantize(q).astype(np.float64)
+    want = 10 * np.log10(np.mean(X.astype(np.float64) ** 2) / np.mean((y - X) ** 2))
+    assert m["nvfp4_4over6_row_scaled"]["sqnr_db"] == pytest.approx(want, rel=1e-9)
+    assert m["nvfp4_4over6_row_scaled"]["map_to_4_frac"] == pytest.approx(q.extras["map_to_4_frac"], rel=1e-12)
 
 
 def test_four_over_six_validate_diagnosis_names_the_error_rule(tmp_path):
@@ -147,3 +153,26 @@ def test_four_over_six_ties_resolved_the_other_way_are_named():
     r = compare(x, other.codes, other.scales, fs.get_scheme("nvfp4", four_over_six="mae"))
     assert r.verdict == "mismatch" and r.diagnosis["exact_match"]
     assert "equal errors choose map-to-4" in r.diagnosis["best"]["label"], r.diagnosis["best"]["label"]
+
+
+def test_row_scaled_four_over_six_validates_and_is_named_by_the_diagnosis(tmp_path):
+    kw = dict(row_scaled=True, four_over_six="mse", four_over_six_e4m3_max=256)
+    q = fs.quantize(X, "nvfp4", **kw)
+    sch = fs.get_scheme("nvfp4", **kw)
+    assert compare(X, q.codes, q.scales, sch, global_amax=q.global_amax).exact
+    r = compare(X, q.codes, q.scales, fs.get_scheme("nvfp4", four_over_six="mse", four_over_six_e4m3_max=256))
+    assert r.verdict == "mismatch" and r.diagnosis["exact_match"], r.summary()
+    assert r.diagnosis["best"]["label"].startswith("flavor='te', 4over6 MSE, E4M3 max 256, one tensor scale per row,")
+    y = fs.dequantize(q).astype(np.float64)          # rows over 2^32: the per-row second level keeps every row
+    one = fs.fake_quantize(X, "nvfp4", four_over_six="mse", four_over_six_e4m3_max=256).astype(np.float64)
+    assert np.mean((y - X) ** 2 / np.mean(X ** 2, 1, keepdims=True)) < np.mean((one - X) ** 2 /
+                                                                               np.mean(X ** 2, 1, keepdims=True))
+    for n, a in (("x", X), ("c", q.codes), ("s", q.scales), ("g", q.global_amax)):
+        np.save(tmp_path / f"{n}.npy", a)
+    args = [sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4", "--input", str(tmp_path / "x.npy"),
+            "--codes", str(tmp_path / "c.npy"), "--scales", str(tmp_path / "s.npy"), "--row-scaled",
+            "--global-amax", str(tmp_path / "g.npy"), "--four-over-six", "mse", "--four-over-six-e4m3-max", "256"]
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 0 and "EXACT" in r.stdout, (r.stdout, r.stderr)
+    r = subprocess.run(args[:-3] + ["mae"], capture_output=True, text=True)
+    assert r.returncode == 1 and "4over6 MSE, E4M3 max 256, one tensor scale per row" in r.stdout, r.stdout

@@ -50,9 +50,12 @@ DEFAULT_SCHEMES = (
     SchemeSpec("fp8_e4m3", "fp8_e4m3", block=1),
     SchemeSpec("bf16", "bf16", block=1),
 )
-# NVFP4 variants, chosen with --schemes: TE's per-row second-level scale, torchao without a tensor scale
+# NVFP4 variants, chosen with --schemes: TE's per-row second-level scale (alone and with 4over6), torchao without a
+# tensor scale
 EXTRA_SCHEMES = (
     SchemeSpec("nvfp4_row_scaled", "nvfp4", {"row_scaled": True}, fp4=True, block=16),
+    SchemeSpec("nvfp4_4over6_row_scaled", "nvfp4", {"four_over_six": "mse", "row_scaled": True},
+               roles=("weight", "activation"), fp4=True, block=16),
     SchemeSpec("nvfp4_torchao_no_tensor_scale", "nvfp4", {"flavor": "torchao", "per_tensor_scale": False}, fp4=True,
                block=16),
 )

@@ -56,6 +56,11 @@ def fp16_product(q, scale_byte):
     return (sign * np.where(e == 0, sub_f, normal_f)).astype(np.float32)
 
 
+def _col(v):
+    """A per-row (R, 1) constant broadcast against (R, nbk, 16) elements; a scalar unchanged."""
+    return v[..., None] if np.ndim(v) else v
+
+
 def _tree16(err):
     """(Rp, nbk) per-row block errors -> (Rp/16, nbk) tile errors in the CUDA warp reduction's order."""
     r = err.reshape(-1, 16, err.shape[1])
@@ -67,16 +72,22 @@ def _tree16(err):
 
 def second_level(amax_g, e4m3_max):
     """(S_enc, S_dec, fl(6 * e4m3_max)) float32 of a 4over6 tensor (S_enc = 1 when amax_g is 0, as the te
-    flavour's kernels)."""
-    g = f32(amax_g)
+    flavour's kernels). ``amax_g`` is a number, or a vector of per-row amaxes (row-scaled); S_enc and S_dec
+    then have its shape."""
+    g = np.asarray(amax_g, np.float32)
+    num = f32(f32(e4m3_max) * f32(6.0))
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s_enc = f32(1.0) if g == 0 else min(f32(f32(e4m3_max) * f32(6.0)) / g, FLT_MAX)
-        s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
-        return s_enc, f32(1.0) / s_enc, f32(f32(6.0) * f32(e4m3_max))
+        s_enc = np.where(g == 0, f32(1.0), np.minimum(num / g, FLT_MAX)).astype(np.float32)
+        s_enc = np.where(s_enc == 0, f32(1.0), s_enc).astype(np.float32)
+        s_dec = (f32(1.0) / s_enc).astype(np.float32)
+    if s_enc.ndim == 0:
+        return f32(s_enc), f32(s_dec), num
+    return s_enc, s_dec, num
 
 
 def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
-    """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2."""
+    """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2.
+    ``amax_g``: the tensor's second-level amax, or (1x16 only) a vector with one per row (row-scaled)."""
     R, K = x2.shape
     nbk = -(-K // 16)
     Kp, Rp = nbk * 16, -(-R // tile) * tile
@@ -88,7 +99,13 @@ def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=Fals
     vec = a.max(-1)
     if tile == 16:
         vec = np.repeat(vec.reshape(Rp // 16, 16, nbk).max(1), 16, axis=0)
-    g = f32(amax_g)
+    g = np.asarray(amax_g, np.float32)
+    if g.ndim:                                                  # row-scaled: one second level per row
+        if tile != 1 or g.size != R:
+            raise ValueError("a vector of second-level amaxes takes 1x16 blocks and one amax per row")
+        g = g.reshape(R, 1)
+    else:
+        g = f32(g)
     s_enc, s_dec, denom = second_level(g, e4m3_max)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         base = (vec / f32(6.0)) * s_enc
@@ -96,14 +113,14 @@ def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=Fals
         for name, sf in (("4", base * f32(1.5)), ("6", base)):
             byte = _encode(np.minimum(sf, f32(448.0)), E4M3)
             sval = E4M3.values[byte]
-            enc = np.minimum(f32(1.0) / (sval * s_dec), FLT_MAX)
+            enc = np.minimum(f32(1.0) / (sval * s_dec), FLT_MAX).astype(np.float32)
             y = np.clip(xb * enc[..., None], f32(-6.0), f32(6.0))
             codes = _encode(y, E2M1)
             v = E2M1.values[codes]
             if fast_math:
-                d = fp16_product(v, np.repeat(byte[..., None], 16, -1)) - (xb * s_enc)
+                d = fp16_product(v, np.repeat(byte[..., None], 16, -1)) - (xb * _col(s_enc))
             else:
-                d = (((v * sval[..., None]) * g) / denom) - xb
+                d = (((v * sval[..., None]) * _col(g)) / denom) - xb
             e = np.zeros(vec.shape, np.float32)
             for i in range(16):
                 di = d[..., i]

@@ -324,9 +324,10 @@ __device__ double fp16_product(double q, int byte) {
 }
 
 // One thread per (row group of `tile` rows, 16-wide block): both candidates, their errors, the choice.
+// sec: (S_enc, S_dec, amax_g) triples, one for the tensor (per_row 0) or one per row (row-scaled, tile 1).
 // codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); pick: the same shape, 1 where map-to-4 won.
-extern "C" __global__ void nvfp4_4over6_quantize(const float* x, i64 R, i64 K, int tile, double s_enc, double s_dec,
-                                                 double amax_g, double denom, int err_mse, int fast_math,
+extern "C" __global__ void nvfp4_4over6_quantize(const float* x, i64 R, i64 K, int tile, const double* sec,
+                                                 int per_row, double denom, int err_mse, int fast_math,
                                                  int ties_map4, const double* e4m3_vals, u8* codes, u8* scales,
                                                  u8* pick) {
     const double FMAX = 3.4028234663852886e+38;
@@ -334,6 +335,8 @@ extern "C" __global__ void nvfp4_4over6_quantize(const float* x, i64 R, i64 K, i
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ngroups * nbk) return;
     i64 g = t / nbk, j = t % nbk;
+    const double* sc = sec + (per_row ? 3 * g : 0);
+    double s_enc = sc[0], s_dec = sc[1], amax_g = sc[2];
     i64 r0 = g * tile, k0 = j * 16;
     u32 m = 0;
     for (i64 r = r0; r < r0 + tile && r < R; ++r)

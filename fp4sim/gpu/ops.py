@@ -79,12 +79,14 @@ class GpuKernels:
         xp = self.xp
         R, K = x2.shape
         nbk = -(-K // 16)
-        s_enc, s_dec, denom = second_level(amax_g, e4m3_max)
+        g = np.asarray(amax_g, np.float32).reshape(-1)            # one, or one per row (row-scaled, 1x16)
+        s_enc, s_dec, denom = second_level(g, e4m3_max)
+        sec = xp.asarray(np.stack([s_enc, s_dec, g], axis=1).astype(np.float64).reshape(-1))
         codes = xp.empty((R, nbk * 8), np.uint8)
         scales = xp.empty((-(-R // tile), nbk), np.uint8)
         pick = xp.empty(scales.shape, np.uint8)
-        self.be.launch("nvfp4_4over6_quantize", scales.size, x2, i64(R), i64(K), i32(tile), f64(s_enc), f64(s_dec),
-                       f64(amax_g), f64(denom), i32(err_mode == "mse"), i32(bool(fast_math)), i32(bool(ties_map4)),
+        self.be.launch("nvfp4_4over6_quantize", scales.size, x2, i64(R), i64(K), i32(tile), sec, i32(g.size > 1),
+                       f64(denom), i32(err_mode == "mse"), i32(bool(fast_math)), i32(bool(ties_map4)),
                        self.table(E4M3.values), codes, scales, pick)
         p = pick.get() if hasattr(pick, "get") else pick
         return codes, scales, np.asarray(p).astype(bool)

@@ -158,22 +158,35 @@ def fp8_blockwise_ref(x2, tile=1):
     return codes, scales
 
 
-def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=False, e4m3_max=448, ties_map4=False):
+def nvfp4_4over6_ref(x2, tile=1, global_amax=None, err_mode="mae", fast_math=False, e4m3_max=448, ties_map4=False,
+                     row_scaled=False):
     """Reference 4over6 NVFP4 (TransformerEngine's ``nvfp4_use_4over6``), block by block with float32 scalars:
     returns (codes (R, Kp) unpacked, scales (ceil(R/tile), Kp/16), map-to-4 chosen per block/tile).
-    ``ties_map4``: equal errors choose map-to-4 (TE keeps map-to-6)."""
+    ``ties_map4``: equal errors choose map-to-4 (TE keeps map-to-6). ``row_scaled`` (1x16): each row's second
+    level comes from that row's amax (or ``global_amax[row]``)."""
     R, K = x2.shape
     xp, _ = _pad(x2, None, 16, tile)
-    g = _amax(x2) if global_amax is None else f32(global_amax)
-    with np.errstate(all="ignore"):
-        s_enc = f32(1.0) if g == 0 else min(f32(f32(e4m3_max) * f32(6.0)) / g, FLT_MAX)
-        s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
-        s_dec = f32(1.0) / s_enc
     denom = f32(f32(6.0) * f32(e4m3_max))
+
+    def second_level(g):
+        with np.errstate(all="ignore"):
+            s_enc = f32(1.0) if g == 0 else min(denom / g, FLT_MAX)
+            s_enc = f32(1.0) if s_enc == 0 else f32(s_enc)
+            return s_enc, f32(1.0) / s_enc
+
+    if row_scaled:
+        if tile != 1:
+            raise ValueError("row_scaled 4over6 takes 1x16 blocks")
+        gs = [(_amax(x2[r]) if global_amax is None else f32(np.asarray(global_amax).reshape(-1)[r]))
+              for r in range(R)]
+    else:
+        gs = [_amax(x2) if global_amax is None else f32(global_amax)] * (xp.shape[0] // tile)
     codes = np.zeros(xp.shape, np.uint8)
     scales = np.zeros((xp.shape[0] // tile, xp.shape[1] // 16), np.uint8)
     pick4 = np.zeros(scales.shape, bool)
     for t in range(scales.shape[0]):
+        g = gs[t]
+        s_enc, s_dec = second_level(g)
         for j in range(scales.shape[1]):
             blk = xp[t * tile:(t + 1) * tile, j * 16:(j + 1) * 16]
             amax_b = _amax(blk)

@@ -24,10 +24,10 @@ HOST(nvfp4_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use
     host_launch(nvfp4_quantize, th, x, R, K, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dq0v, dq1v, per_row,
                 e4m3_vals, codes, scales, fake, do_fake);
 }
-HOST(nvfp4_4over6_quantize)(i64 th, const float* x, i64 R, i64 K, int tile, double s_enc, double s_dec,
-                            double amax_g, double denom, int err_mse, int fast_math, int ties_map4,
-                            const double* e4m3_vals, u8* codes, u8* scales, u8* pick) {
-    host_launch(nvfp4_4over6_quantize, th, x, R, K, tile, s_enc, s_dec, amax_g, denom, err_mse, fast_math, ties_map4,
+HOST(nvfp4_4over6_quantize)(i64 th, const float* x, i64 R, i64 K, int tile, const double* sec, int per_row,
+                            double denom, int err_mse, int fast_math, int ties_map4, const double* e4m3_vals,
+                            u8* codes, u8* scales, u8* pick) {
+    host_launch(nvfp4_4over6_quantize, th, x, R, K, tile, sec, per_row, denom, err_mse, fast_math, ties_map4,
                 e4m3_vals, codes, scales, pick);
 }
 HOST(mx_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
