@@ -1,0 +1,72 @@
+"""python -m paper_repro FIG [--quick] [--out DIR] [--seeds N] | list | all [--quick]
+
+Regenerates a figure of the NVFP4 paper at small scale: trains the tiny GPTs it needs (resuming any that were
+interrupted, reusing any already finished under DIR/runs/) and writes DIR/FIG.png, DIR/FIG.csv and DIR/FIG.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import fp4sim  # noqa: F401  (before torch: the OpenMP wait policy)
+
+from . import figures
+from .figures import FIGURES
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
+
+
+def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None) -> dict:
+    from .runner import run_all, set_threads
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = seeds or (figures.QUICK_SEEDS if quick else figures.FULL_SEEDS)
+    t0 = time.perf_counter()
+    if FIGURES[fig].trains:
+        set_threads(threads)
+        runs = figures.runs_for(fig, quick, seeds)
+        logs = run_all([c for _, _, c in runs], out, quiet=quiet)
+        summary = figures.make_training_figure(fig, runs, logs, out)
+    else:
+        summary = getattr(figures, fig.lower())(out, quick)
+    if quick:
+        figures.check_outputs(fig, out, quick, seeds)
+    if not quiet:
+        print(f"{fig}: wrote {out / (fig + '.png')}, {fig}.csv, {fig}.json in {time.perf_counter() - t0:.0f} s")
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m paper_repro", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("fig", help=f"list, all, or one of {', '.join(FIGURES)}")
+    ap.add_argument("--quick", action="store_true", help="a tiny model for a few steps (seconds): checks the pipeline")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: figures/)")
+    ap.add_argument("--seeds", type=int, help=f"seeds per training curve (default {figures.FULL_SEEDS}; "
+                                              f"--quick {figures.QUICK_SEEDS})")
+    ap.add_argument("--threads", type=int, help="torch and Numba threads (default: all cores, at most 2)")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    if a.fig == "list":
+        for f in FIGURES.values():
+            print(f"{f.name:6}  {f.what}{'' if f.trains else ' (no training)'}")
+        return 0
+    names = list(FIGURES) if a.fig == "all" else [a.fig]
+    bad = [n for n in names if n not in FIGURES]
+    if bad:
+        print(f"paper_repro: unknown figure {bad[0]!r}; use list, all or one of {', '.join(FIGURES)}", file=sys.stderr)
+        return 2
+    if a.seeds is not None and a.seeds < 1:
+        print(f"paper_repro: --seeds {a.seeds}: give at least 1", file=sys.stderr)
+        return 2
+    if a.threads is not None and a.threads < 1:
+        print(f"paper_repro: --threads {a.threads}: give at least 1", file=sys.stderr)
+        return 2
+    for n in names:
+        make(n, a.quick, a.out, a.seeds, a.quiet, a.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

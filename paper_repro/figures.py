@@ -1,0 +1,352 @@
+"""The figures: what each trains (or quantizes), and how it is drawn and written.
+
+Each figure writes DIR/FIG.png, DIR/FIG.csv and DIR/FIG.json (the numbers figures/README.md quotes). Training
+figures share runs: a configuration trained for one figure (e.g. the BF16 baseline of Fig. 2) is reused by the
+next (Fig. 6a) from DIR/runs/.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from . import stats
+from .model import GPTConfig
+from .train import RunConfig
+
+# Full mode: sized so that `python -m paper_repro all` (every run of every figure) takes about 90 minutes on two
+# cores; the measured times are in figures/README.md.
+FULL = RunConfig(model=GPTConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, ctx=128), batch=16,
+                 tokens=358_400, lr=2e-3, warmup=10, eval_points=12, val_windows=96)
+QUICK = RunConfig(model=GPTConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ctx=32), batch=4,
+                  tokens=4 * 32 * 12, lr=3e-3, warmup=2, eval_points=3, val_windows=8)
+FULL_SEEDS, QUICK_SEEDS = 3, 2
+MULTS = (1.0, 1.25, 1.36, 1.5)
+LABELS = {"bf16": "BF16", "nvfp4_paper": "NVFP4 (paper recipe)", "fp8_blockwise": "FP8 blockwise",
+          "mxfp4_paper": "MXFP4 (RHT d=32)"}
+COLORS = {"bf16": "k", "nvfp4_paper": "tab:green", "fp8_blockwise": "tab:blue", "mxfp4_paper": "tab:red"}
+TRAIN_COLUMNS = ("figure", "run", "seed", "step", "tokens", "lr", "train_loss", "val_loss", "rel_diff_pct",
+                 "token_multiplier")
+
+
+def base(quick: bool) -> RunConfig:
+    return QUICK if quick else FULL
+
+
+def _tok(cfg: RunConfig, mult: float) -> int:
+    per = cfg.batch * cfg.model.ctx
+    return int(round(cfg.tokens * mult / per)) * per
+
+
+# ------------------------------------------------------------------------------------------- run sets
+def runs_for(fig: str, quick: bool, seeds: int) -> list[tuple[str, float, RunConfig]]:
+    """(run label, token multiplier, config) of every training run a figure needs."""
+    b = base(quick)
+    out = []
+    presets = {"fig2": ("bf16", "nvfp4_paper", "fp8_blockwise"), "fig6a": ("bf16", "nvfp4_paper", "mxfp4_paper"),
+               "fig6b": ("nvfp4_paper",)}.get(fig, ())
+    for s in range(seeds):
+        for p in presets:
+            out.append((p, 1.0, replace(b, preset=p, seed=s)))
+        if fig == "fig6b":
+            for m in MULTS:
+                out.append((f"mxfp4_paper_x{m:g}", m, replace(b, preset="mxfp4_paper", seed=s, tokens=_tok(b, m))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- writing
+def _write_csv(path: Path, columns, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else (repr(float(r[k])) if isinstance(r[k], (float, np.floating))
+                                                          else r[k])) for k in columns})
+
+
+def _write_json(path: Path, obj):
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _curves(runs, logs, label):
+    """(tokens, val (seeds, points)) of one run label over seeds, in seed order."""
+    sel = sorted((c.seed, logs[c.key()]) for lab, _, c in runs if lab == label)
+    tokens = np.array([r["tokens"] for r in sel[0][1]])
+    return tokens, np.array([[r["val_loss"] for r in rows] for _, rows in sel])
+
+
+def training_rows(fig, runs, logs, baseline="bf16"):
+    """The long-format rows, with the relative difference from the same seed's baseline at the same step."""
+    base_by_seed = {c.seed: {r["step"]: r["val_loss"] for r in logs[c.key()]}
+                    for lab, _, c in runs if lab == baseline}
+    rows = []
+    for lab, mult, c in runs:
+        for r in logs[c.key()]:
+            b = base_by_seed.get(c.seed, {}).get(r["step"]) if lab != baseline else None
+            rows.append({"figure": fig, "run": lab, "seed": c.seed, **r,
+                         "rel_diff_pct": None if b is None else float(stats.rel_diff_pct(b, r["val_loss"])),
+                         "token_multiplier": mult if fig == "fig6b" else None})
+    return rows
+
+
+def _band(ax, x, Y, color, label):
+    m, s = stats.mean_std(Y)
+    ax.plot(x, m, color=color, label=label, lw=1.6)
+    if Y.shape[0] > 1:
+        ax.fill_between(x, m - s, m + s, color=color, alpha=0.2, lw=0)
+
+
+def _loss_and_rel(fig, runs, logs, labels, out: Path, title):
+    plt = _plt()
+    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    summary = {"runs": {}, "seeds": len({c.seed for _, _, c in runs})}
+    tb, Yb = _curves(runs, logs, "bf16")
+    for lab in labels:
+        t, Y = _curves(runs, logs, lab)
+        _band(a0, t, Y, COLORS[lab], LABELS[lab])
+        m, s = stats.mean_std(Y[:, -1])
+        summary["runs"][lab] = {"final_val_loss_mean": float(m), "final_val_loss_std": float(s),
+                                "final_val_loss_per_seed": [float(v) for v in Y[:, -1]]}
+        if lab != "bf16":
+            R = stats.rel_diff_pct(Yb, Y)
+            _band(a1, t, R, COLORS[lab], LABELS[lab])
+            rm, rs = stats.mean_std(R[:, -1])
+            dm, ds = stats.mean_std(Y[:, -1] - Yb[:, -1])
+            summary["runs"][lab].update(final_rel_diff_pct_mean=float(rm), final_rel_diff_pct_std=float(rs),
+                                        final_loss_gap_vs_bf16_mean=float(dm), final_loss_gap_vs_bf16_std=float(ds))
+    a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title=title)
+    a0.set_ylim(top=float(np.nanmax(Yb[:, min(1, Yb.shape[1] - 1)])) * 1.02 if Yb.shape[1] > 1 else None)
+    a1.axhline(0, color="k", lw=0.8)
+    a1.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)\n(BF16 - run) / BF16",
+           title="relative difference (mean ± std over seeds)")
+    for a in (a0, a1):
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    f.tight_layout()
+    f.savefig(out / f"{fig}.png", dpi=130)
+    plt.close(f)
+    return summary
+
+
+def make_training_figure(fig, runs, logs, out: Path) -> dict:
+    out = Path(out)
+    rows = training_rows(fig, runs, logs)
+    _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS, rows)
+    if fig == "fig2":
+        summary = _loss_and_rel(fig, runs, logs, ("bf16", "nvfp4_paper", "fp8_blockwise"), out,
+                                "NVFP4 vs BF16 and FP8 (validation loss)")
+    elif fig == "fig6a":
+        summary = _loss_and_rel(fig, runs, logs, ("bf16", "nvfp4_paper", "mxfp4_paper"), out,
+                                "NVFP4 vs MXFP4, same BF16 layers")
+        r = summary["runs"]
+        gap = np.array(r["mxfp4_paper"]["final_val_loss_per_seed"]) - np.array(r["nvfp4_paper"]["final_val_loss_per_seed"])
+        gm, gs = stats.mean_std(gap)
+        summary["mxfp4_minus_nvfp4_final"] = {"mean": float(gm), "std": float(gs), "per_seed": [float(g) for g in gap]}
+    else:
+        summary = _fig6b(runs, logs, out)
+    _write_json(out / f"{fig}.json", summary)
+    return summary
+
+
+def _fig6b(runs, logs, out: Path) -> dict:
+    plt = _plt()
+    seeds = sorted({c.seed for _, _, c in runs})
+    tn, Yn = _curves(runs, logs, "nvfp4_paper")
+    finals = np.array([[logs[c.key()][-1]["val_loss"] for s in seeds for lab, m, c in runs
+                        if lab == f"mxfp4_paper_x{mm:g}" and c.seed == s] for mm in MULTS]).T   # (seeds, mults)
+    res = stats.token_multiplier_over_seeds(MULTS, finals, Yn[:, -1])
+    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    _band(a0, tn, Yn, COLORS["nvfp4_paper"], "NVFP4, 1.0x tokens")
+    cmap = plt.get_cmap("Reds")
+    for i, m in enumerate(MULTS):
+        t, Y = _curves(runs, logs, f"mxfp4_paper_x{m:g}")
+        _band(a0, t, Y, cmap(0.4 + 0.6 * i / (len(MULTS) - 1)), f"MXFP4, {m:g}x tokens")
+    a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title="MXFP4 with more tokens")
+    a0.set_ylim(top=float(np.nanmax(Yn[:, min(1, Yn.shape[1] - 1)])) * 1.02 if Yn.shape[1] > 1 else None)
+    fm, fs = stats.mean_std(finals)
+    a1.errorbar(MULTS, fm, yerr=fs, color="tab:red", marker="o", capsize=3, label="MXFP4 final loss")
+    nm, ns = stats.mean_std(Yn[:, -1])
+    a1.axhline(nm, color="tab:green", label="NVFP4 final loss (1.0x)")
+    a1.axhspan(nm - ns, nm + ns, color="tab:green", alpha=0.15, lw=0)
+    if res["status"] == "interpolated":
+        a1.axvline(res["value"], color="0.4", ls="--",
+                   label=f"match at {res['value']:.2f}x ± {res['stderr']:.2f} (paper: 1.36x)")
+    else:
+        a1.set_title(f"no match within {MULTS[0]:g}-{MULTS[-1]:g}x ({res['status']})")
+    a1.set(xlabel="MXFP4 tokens / NVFP4 tokens", ylabel="final validation loss")
+    for a in (a0, a1):
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    f.tight_layout()
+    f.savefig(out / "fig6b.png", dpi=130)
+    plt.close(f)
+    return {"seeds": len(seeds), "mults": list(MULTS), "mxfp4_final_mean": [float(v) for v in fm],
+            "mxfp4_final_std": [float(v) for v in fs], "nvfp4_final_mean": float(nm), "nvfp4_final_std": float(ns),
+            "token_multiplier": res}
+
+
+# ------------------------------------------------------------------------------------------- fig1, appB4
+def _sample(name):
+    import fp4sim
+    return np.load(Path(fp4sim.__file__).parent / "data" / "sample_dump.npz")[name].astype(np.float32)
+
+
+def fig1(out: Path, quick: bool = False) -> dict:
+    """One real NVFP4 block: the 16 values of a MiniLM weight row, their E2M1 codes, the block's E4M3 scale, the
+    tensor's FP32 scale and what they decode to; the block amax marked."""
+    import fp4sim as fs
+    plt = _plt()
+    name = "minilm.encoder.layer.0.attention.self.query.weight"
+    W = _sample(name)
+    q = fs.quantize(W, "nvfp4")
+    y = fs.dequantize(q)
+    r, j = 0, 0
+    x = W[r, 16 * j:16 * j + 16]
+    codes = fs.layout.unpack_fp4(q.codes[r:r + 1])[0, 16 * j:16 * j + 16]
+    e2m1 = fs.E2M1.values[codes]
+    sbyte = int(q.scales[r, j])
+    sval = float(fs.E4M3.values[sbyte])
+    amax = float(q.global_amax)
+    s_enc = float(np.float32(2688.0) / np.float32(amax))
+    k_amax = int(np.argmax(np.abs(x)))
+    rows = [{"figure": "fig1", "tensor": name, "row": r, "block": j, "element": k, "x": float(x[k]),
+             "code": int(codes[k]), "e2m1_value": float(e2m1[k]), "scale_byte": sbyte, "scale_e4m3": sval,
+             "tensor_amax": amax, "tensor_scale_s_enc": s_enc, "dequantized": float(y[r, 16 * j + k]),
+             "is_block_amax": int(k == k_amax)} for k in range(16)]
+    _write_csv(out / "fig1.csv", list(rows[0]), rows)
+    f, ax = plt.subplots(figsize=(10, 4.2))
+    ks = np.arange(16)
+    ax.bar(ks - 0.2, x, 0.4, color="0.6", label="float32 weight")
+    ax.bar(ks + 0.2, y[r, :16], 0.4, color="tab:green", label="NVFP4 decoded")
+    ax.bar([k_amax - 0.2], [x[k_amax]], 0.4, color="none", edgecolor="tab:red", lw=2, label="block amax")
+    top = float(np.abs(x).max()) * 1.25
+    for k in ks:
+        ax.text(k, top * (1 if x[k] >= 0 else -1) * 0.92, f"{codes[k]:X}\n{e2m1[k]:g}", ha="center", va="center",
+                fontsize=7, family="monospace")
+    ax.set_ylim(-top, top)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set(xlabel="element of the 16-element block (row 0, columns 0-15)", ylabel="value",
+           title=f"NVFP4 block of {name.split('.', 1)[0]} (labels: E2M1 code, value); E4M3 scale 0x{sbyte:02X} = "
+                 f"{sval:g}; FP32 tensor scale 2688/amax = {s_enc:.6g} (amax {amax:.4g})")
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=8, loc="lower right")
+    f.tight_layout()
+    f.savefig(out / "fig1.png", dpi=130)
+    plt.close(f)
+    summary = {"tensor": name, "scale_byte": sbyte, "scale_e4m3": sval, "tensor_amax": amax,
+               "tensor_scale_s_enc": s_enc, "block_amax_element": k_amax,
+               "block_amax": float(x[k_amax]), "block_amax_decoded": float(y[r, k_amax])}
+    _write_json(out / "fig1.json", summary)
+    return summary
+
+
+def appb4(out: Path, quick: bool = False) -> dict:
+    """MXFP4's lost binade. A 32-element block (real activation values rescaled so the amax is exactly 3.01):
+    MXFP4's power-of-two scale puts amax/scale in (3, 6], so 3.01 decodes to 3 (and the codes for 4 and 6 go
+    unused), while NVFP4's E4M3 scale maps the amax to 6 and keeps ~3.01. Then the share of each E2M1 magnitude
+    on a real activation tensor under NVFP4 and MXFP4."""
+    import fp4sim as fs
+    plt = _plt()
+    act_name = "smollm2.blk0.ffn_down.input"
+    A = _sample(act_name)
+    blk = A[0, :32].astype(np.float64)
+    blk = (blk / np.abs(blk).max() * 3.01).astype(np.float32)
+    k = int(np.argmax(np.abs(blk)))
+    blk[k] = np.float32(3.01) * np.sign(blk[k])
+    res = {}
+    rows = []
+    for lab, kw in (("nvfp4", dict(scheme="nvfp4")), ("mxfp4_rceil", dict(scheme="mxfp4", scale_mode="rceil")),
+                    ("mxfp4_floor", dict(scheme="mxfp4", scale_mode="floor"))):
+        q = fs.quantize(blk[None, :], **kw)
+        d = fs.dequantize(q)[0]
+        res[lab] = {"amax_decoded": float(abs(d[k])), "scales": [int(s) for s in np.asarray(q.scales).reshape(-1)],
+                    "max_code": int(fs.layout.unpack_fp4(q.codes)[0].max() & 7)}
+        for i in range(32):
+            rows.append({"figure": "appB4", "part": "block", "scheme": lab, "element": i, "x": float(blk[i]),
+                         "dequantized": float(d[i]), "magnitude_code": "", "share": ""})
+    hist = {}
+    for lab, kw in (("nvfp4", dict(scheme="nvfp4")), ("mxfp4_rceil", dict(scheme="mxfp4", scale_mode="rceil")),
+                    ("mxfp4_floor", dict(scheme="mxfp4", scale_mode="floor"))):
+        c = fs.layout.unpack_fp4(fs.quantize(A, **kw).codes) & 7
+        h = np.bincount(c.reshape(-1), minlength=8) / c.size
+        hist[lab] = [float(v) for v in h]
+        for code in range(8):
+            rows.append({"figure": "appB4", "part": "histogram", "scheme": lab, "element": "", "x": "",
+                         "dequantized": "", "magnitude_code": code, "share": float(h[code])})
+    _write_csv(out / "appB4.csv", list(rows[0]), rows)
+    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = np.arange(32)
+    a0.plot(xs, blk, "o", color="0.5", ms=4, label="input (amax 3.01)")
+    for lab, mk, col in (("nvfp4", "x", "tab:green"), ("mxfp4_rceil", "+", "tab:red")):
+        d = [r["dequantized"] for r in rows if r["scheme"] == lab and r["part"] == "block"]
+        a0.plot(xs, d, mk, color=col, ms=7, label=f"{lab}: amax decodes to {res[lab]['amax_decoded']:.4g}")
+    a0.set(xlabel="element", ylabel="value", title="one 32-element block whose amax is 3.01")
+    a0.legend(fontsize=8)
+    w = 0.27
+    vals = fs.E2M1.values[:8]
+    for i, (lab, col) in enumerate((("nvfp4", "tab:green"), ("mxfp4_rceil", "tab:red"),
+                                    ("mxfp4_floor", "tab:orange"))):
+        a1.bar(np.arange(8) + (i - 1) * w, hist[lab], w, color=col, label=lab)
+    a1.set_xticks(np.arange(8), [f"{v:g}" for v in vals])
+    a1.set_yscale("log")
+    a1.set(xlabel="|E2M1 value| of the code", ylabel="share of elements",
+           title=f"code usage on a real activation ({act_name})")
+    a1.title.set_fontsize(9)
+    a1.legend(fontsize=8)
+    for a in (a0, a1):
+        a.grid(alpha=0.3)
+    f.tight_layout()
+    f.savefig(out / "appB4.png", dpi=130)
+    plt.close(f)
+    summary = {"block": res, "histogram": hist, "tensor": act_name}
+    _write_json(out / "appB4.json", summary)
+    return summary
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    what: str
+    trains: bool
+
+
+FIGURES = {
+    "fig1": Figure("fig1", "an NVFP4 block with its E2M1 codes, E4M3 block scale and FP32 tensor scale", False),
+    "appB4": Figure("appB4", "MXFP4's lost binade (amax 3.01 decodes to 3) and code usage on a real tensor", False),
+    "fig2": Figure("fig2", "validation loss: NVFP4 (paper recipe) vs BF16 and FP8 blockwise, relative difference",
+                   True),
+    "fig6a": Figure("fig6a", "relative difference from BF16: NVFP4 vs MXFP4 (RHT d=32), same BF16 layers", True),
+    "fig6b": Figure("fig6b", "MXFP4 on 1.0x-1.5x of NVFP4's tokens: the multiplier that matches NVFP4's loss", True),
+}
+
+
+def check_outputs(fig: str, out: Path, quick: bool, seeds: int):
+    """Raise if a figure's files are missing or inconsistent (the --quick self-check)."""
+    out = Path(out)
+    for ext in ("png", "csv", "json"):
+        p = out / f"{fig}.{ext}"
+        if not p.is_file() or p.stat().st_size == 0:
+            raise RuntimeError(f"{fig}: {p} was not written")
+    with open(out / f"{fig}.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise RuntimeError(f"{fig}: {fig}.csv has no rows")
+    if FIGURES[fig].trains:
+        runs = runs_for(fig, quick, seeds)
+        want = sum(len(c.eval_steps()) for _, _, c in runs)
+        if len(rows) != want:
+            raise RuntimeError(f"{fig}: {len(rows)} rows in {fig}.csv, expected {want}")
+        bad = [r for r in rows if not math.isfinite(float(r["val_loss"]))]
+        if bad:
+            raise RuntimeError(f"{fig}: non-finite validation loss in {len(bad)} rows")

@@ -1,0 +1,46 @@
+"""Run a figure's training runs (one after another: on two cores one run with both threads is faster than two
+runs side by side) with one progress bar, reusing every run already finished under ``DIR/runs/``."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .train import RunConfig, is_done, train
+
+
+def set_threads(n: int | None = None) -> int:
+    """Use n (default: all cores, at most 2 — what the figures' timings were measured with) threads in torch and
+    Numba. The thread count can change float sums in BLAS, so a run's bits are reproducible at a given count."""
+    import numba
+    import torch
+    n = n or min(2, os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    return n
+
+
+def run_all(cfgs: list[RunConfig], out: Path, *, quiet: bool = False, ckpt_seconds: float = 120.0) -> dict:
+    """{config key: log rows} for every config, training the ones not finished yet."""
+    from tqdm import tqdm
+    runs = Path(out) / "runs"
+    uniq = {c.key(): c for c in cfgs}
+    todo = [c for k, c in uniq.items() if not is_done(runs / k, c)]
+    total = sum(c.steps * c.batch * c.model.ctx for c in todo)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=quiet or not total, file=sys.stderr,
+               dynamic_ncols=True, smoothing=0.05)
+    out_rows = {}
+    try:
+        for i, (k, c) in enumerate(uniq.items()):
+            if c in todo:
+                bar.set_description(f"run {todo.index(c) + 1}/{len(todo)} {c.preset} seed {c.seed}")
+
+                def progress(ntok, loss, bar=bar):
+                    bar.update(ntok)
+                    bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            else:
+                progress = None
+            out_rows[k] = train(c, runs / k, ckpt_seconds=ckpt_seconds, progress=progress)
+    finally:
+        bar.close()
+    return out_rows

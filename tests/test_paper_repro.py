@@ -1,0 +1,256 @@
+"""paper_repro: the training harness (determinism, resume after a kill), the figures' quick modes, the data
+pipeline and the numbers the figures report (sign convention, token-multiplier interpolation)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fp4sim as fs  # noqa: E402
+from paper_repro import build_data, data, figures, stats  # noqa: E402
+from paper_repro.model import GPT, GPTConfig, build  # noqa: E402
+from paper_repro.train import RunConfig, train, wsd_lr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = replace(figures.QUICK, preset="nvfp4_paper", tokens=4 * 32 * 8, eval_points=4)
+
+
+def _run(args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "paper_repro", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, **kw)
+
+
+# ------------------------------------------------------------------------------------------- quick modes
+@pytest.mark.parametrize("fig", list(figures.FIGURES))
+def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
+    r = _run([fig, "--quick", "--out", str(tmp_path), "--quiet"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for ext in ("png", "csv", "json"):
+        assert (tmp_path / f"{fig}.{ext}").stat().st_size > 0
+    assert (tmp_path / f"{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(open(tmp_path / f"{fig}.csv")))
+    if figures.FIGURES[fig].trains:
+        runs = figures.runs_for(fig, True, figures.QUICK_SEEDS)
+        assert len(rows) == sum(len(c.eval_steps()) for _, _, c in runs)
+        assert set(rows[0]) == set(figures.TRAIN_COLUMNS)
+        assert {r["run"] for r in rows} == {lab for lab, _, _ in runs}
+        assert {int(r["seed"]) for r in rows} == set(range(figures.QUICK_SEEDS))
+
+
+def test_cli_lists_and_refuses_bad_arguments(tmp_path):
+    r = _run(["list"])
+    assert r.returncode == 0 and all(f in r.stdout for f in figures.FIGURES)
+    r = _run(["fig99", "--quick", "--out", str(tmp_path)])
+    assert r.returncode == 2 and "unknown figure 'fig99'" in r.stderr
+    r = _run(["fig2", "--quick", "--seeds", "0", "--out", str(tmp_path)])
+    assert r.returncode == 2 and "--seeds" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------- harness
+def test_same_seed_gives_the_same_csv_bytes_and_another_seed_does_not(tmp_path):
+    a = train(TINY, tmp_path / "a")
+    b = train(TINY, tmp_path / "b")
+    assert (tmp_path / "a" / "log.csv").read_bytes() == (tmp_path / "b" / "log.csv").read_bytes()
+    assert a == b and len(a) == len(TINY.eval_steps())
+    train(replace(TINY, seed=1), tmp_path / "c")
+    assert (tmp_path / "c" / "log.csv").read_bytes() != (tmp_path / "a" / "log.csv").read_bytes()
+    assert not (tmp_path / "a" / "ckpt.pt").exists()          # a finished run keeps its log, not its checkpoint
+    assert train(TINY, tmp_path / "a") == a                   # and is read back, not retrained
+
+
+def test_interrupted_run_resumes_to_the_same_curve(tmp_path):
+    want = train(TINY, tmp_path / "whole")
+    part = train(TINY, tmp_path / "cut", ckpt_every=3, stop_after=5)       # stops after step 5; ckpt at step 3
+    assert len(part) < len(want) and (tmp_path / "cut" / "ckpt.pt").exists()
+    assert train(TINY, tmp_path / "cut", ckpt_every=3) == want
+    assert (tmp_path / "cut" / "log.csv").read_bytes() == (tmp_path / "whole" / "log.csv").read_bytes()
+
+
+def test_resume_after_a_kill_gives_the_same_curve(tmp_path):
+    """SIGKILL a training process after its first checkpoint, start it again: the finished log equals an
+    uninterrupted run's byte for byte (stochastic-rounding counters, optimizer state and data order restored)."""
+    cfg = replace(TINY, tokens=4 * 32 * 30, eval_points=6)
+    want_dir = tmp_path / "whole"
+    train(cfg, want_dir)
+    run_dir = tmp_path / "killed"
+    code = ("import sys, fp4sim; from paper_repro.train import RunConfig, train; "
+            f"train(RunConfig.from_json(sys.argv[1]), {str(run_dir)!r}, ckpt_every=2)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", code, cfg.to_json()], cwd=ROOT, env=env)
+    t0 = time.time()
+    while not (run_dir / "ckpt.pt").exists() and p.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert p.poll() is None, "the run finished before it could be killed; make it longer"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (run_dir / "done.json").exists() and (run_dir / "ckpt.pt").exists()
+    step = torch.load(run_dir / "ckpt.pt", weights_only=False)["step"]
+    assert 0 < step < cfg.steps
+    train(cfg, run_dir)
+    assert (run_dir / "log.csv").read_bytes() == (want_dir / "log.csv").read_bytes()
+
+
+def test_a_checkpoint_of_another_configuration_is_refused(tmp_path):
+    train(TINY, tmp_path / "r", ckpt_every=2, stop_after=3)
+    with pytest.raises(ValueError, match="another configuration"):
+        train(replace(TINY, lr=1e-3), tmp_path / "r")
+
+
+def test_run_config_checks_and_round_trips():
+    assert RunConfig.from_json(TINY.to_json()) == TINY
+    assert RunConfig.from_json(TINY.to_json()).key() == TINY.key()
+    with pytest.raises(ValueError, match="steps"):
+        replace(TINY, tokens=10)
+    with pytest.raises(ValueError, match="eval_points"):
+        replace(TINY, eval_points=10_000)
+    sw = replace(TINY, switches=(("disable_rht", True),))
+    assert RunConfig.from_json(sw.to_json()) == sw and "disable_rht" in sw.key()
+    assert sw.recipe().wgrad_x.rht is None and TINY.recipe().wgrad_x.rht == 16
+
+
+def test_wsd_schedule():
+    steps, lr = 100, 1e-3
+    v = [wsd_lr(s, steps, lr, 10, 0.2) for s in range(steps)]
+    assert v[0] == pytest.approx(lr / 10) and v[9] == pytest.approx(lr)
+    assert all(x == lr for x in v[10:80])                          # constant until the last 20%
+    assert all(a > b for a, b in zip(v[80:], v[81:])) and 0 < v[-1] < lr / 15   # then linear decay towards 0
+
+
+def test_model_is_the_papers_style_and_keeps_the_last_block_in_bf16():
+    c = GPTConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ctx=16)
+    m = GPT(c)
+    assert not [n for n, p in m.named_parameters() if n.endswith("bias")]
+    assert m.layers[0].k.weight.shape == (32, 64) and m.layers[0].q.weight.shape == (64, 64)   # GQA: 2 kv heads
+    assert m.embed.weight.data_ptr() != m.head.weight.data_ptr()                               # untied
+    assert isinstance(m.layers[0].attn_norm, torch.nn.RMSNorm)
+    qm = build(c, replace(TINY, model=c, keep_last=1).recipe(), 0)
+    from fp4sim.torch import QuantLinear
+    names = {n: mm.recipe.name for n, mm in qm.named_modules() if isinstance(mm, QuantLinear)}
+    assert len(names) == 3 * 6 + 1
+    assert {n for n, r in names.items() if r == "bf16"} == {f"layers.2.{p}" for p in ("q", "k", "v", "o", "up", "down")} \
+        | {"head"}
+    x = torch.randint(0, 96, (2, 16))
+    # causal: changing a later token leaves earlier logits unchanged (plain float32 model)
+    y1 = m(x)
+    x2 = x.clone()
+    x2[:, -1] = (x2[:, -1] + 1) % 96
+    assert torch.equal(m(x2)[:, :-1], y1[:, :-1])
+
+
+# ------------------------------------------------------------------------------------------- data
+def test_vocabulary_split_and_batches():
+    text = "Call me Ishmael.\n~ {x}"
+    assert data.decode(data.encode(text)) == text and len(data.VOCAB) == 96
+    with pytest.raises(ValueError):
+        data.encode("caf\u00e9")
+    tr, va = data.splits()
+    assert 0.015 < len(va) / (len(tr) + len(va)) < 0.025 and tr.max() < 96
+    b1, b2 = data.train_batch(tr, 3, 7, 4, 32), data.train_batch(tr, 3, 7, 4, 32)
+    assert np.array_equal(b1, b2) and b1.shape == (4, 33)
+    assert not np.array_equal(b1, data.train_batch(tr, 3, 8, 4, 32))
+    assert not np.array_equal(b1, data.train_batch(tr, 4, 7, 4, 32))
+    assert np.array_equal(data.val_windows(va, 8, 32), data.val_windows(va, 8, 32))
+
+
+def test_build_data_from_tarballs(tmp_path):
+    def tgz(name, files):
+        with tarfile.open(tmp_path / name, "w:gz") as t:
+            for fn, body in files.items():
+                b = body.encode()
+                info = tarfile.TarInfo(fn)
+                info.size = len(b)
+                t.addfile(info, io.BytesIO(b))
+    tgz(build_data.TARBALLS["sotu"], {f"package/data/{1790 + i}_x.txt": f"Address {i} \u2014 \u201cyes\u201d.\n"
+                                      for i in range(210)} | {"package/data/1790_x.json": "{}"})
+    tgz(build_data.TARBALLS["moby"], {"package/data/data.txt": "Call me Ishmael. Caf\u00e9\ttime\r\n",
+                                      "package/data/chapter_1.txt": "not used"})
+    out = tmp_path / "c.txt.xz"
+    assert build_data.main(["--from", str(tmp_path), "--out", str(out)]) == 0
+    import lzma
+    text = lzma.open(out).read().decode("ascii")
+    assert text.startswith('Address 0 -- "yes".\n\nAddress 1') and text.endswith("Call me Ishmael. Cafe time\n")
+    assert text.count("Address") == 210 and "not used" not in text
+    assert set(text) <= set(data.VOCAB)
+
+
+# ------------------------------------------------------------------------------------------- numbers
+def test_relative_difference_sign_convention():
+    # (baseline - run) / baseline: a run with a higher (worse) loss than BF16 is negative, as in the paper
+    assert stats.rel_diff_pct(2.0, 2.1) == pytest.approx(-5.0)
+    assert stats.rel_diff_pct(2.0, 1.9) == pytest.approx(5.0)
+    runs = [("bf16", 1.0, replace(TINY, preset="bf16")), ("nvfp4_paper", 1.0, TINY)]
+    logs = {runs[0][2].key(): [{"step": 1, "tokens": 9, "lr": 0.1, "train_loss": 3.0, "val_loss": 2.0}],
+            runs[1][2].key(): [{"step": 1, "tokens": 9, "lr": 0.1, "train_loss": 3.0, "val_loss": 2.05}]}
+    rows = figures.training_rows("fig2", runs, logs)
+    assert rows[0]["rel_diff_pct"] is None and rows[1]["rel_diff_pct"] == pytest.approx(-2.5)
+
+
+def test_token_multiplier_interpolation_on_known_curves():
+    m = (1.0, 1.25, 1.36, 1.5)
+    line = lambda x: 3.0 - 0.4 * x  # noqa: E731
+    r = stats.token_multiplier(m, [line(x) for x in m], line(1.3))
+    assert r["status"] == "interpolated" and r["value"] == pytest.approx(1.3, abs=1e-12)
+    r = stats.token_multiplier(m, [line(x) for x in m], line(1.36))
+    assert r["value"] == pytest.approx(1.36, abs=1e-12)
+    r = stats.token_multiplier(m, [line(x) for x in m], line(0.9))          # MXFP4 already better at 1x
+    assert r["status"] == "at_or_below_min" and r["value"] == 1.0
+    r = stats.token_multiplier(m, [line(x) for x in m], line(1.8))          # never reached: extrapolation only
+    assert r["status"] == "above_max" and np.isnan(r["value"]) and r["extrapolated"] == pytest.approx(1.8)
+    # a curve of the paper's kind, L = a + b / m: piecewise-linear between the bracketing points
+    curve = [2.0 + 0.3 / x for x in m]
+    t = 2.0 + 0.3 / 1.3
+    r = stats.token_multiplier(m, curve, t)
+    f = (curve[1] - t) / (curve[1] - curve[2])
+    assert r["value"] == pytest.approx(1.25 + f * 0.11) and abs(r["value"] - 1.3) < 0.005
+    # over seeds: paired per-seed answers 1.2, 1.3, 1.4 -> mean curve answer 1.3, stderr 0.1 / sqrt(3)
+    L = np.array([[line(x) + 0.4 * d for x in m] for d in (-0.1, 0.0, 0.1)])
+    T = np.full(3, line(1.3))
+    res = stats.token_multiplier_over_seeds(m, L, T)
+    assert res["per_seed"] == pytest.approx([1.2, 1.3, 1.4]) and res["value"] == pytest.approx(1.3)
+    assert res["stderr"] == pytest.approx(0.1 / np.sqrt(3))
+    with pytest.raises(ValueError):
+        stats.token_multiplier((1.0, 0.9), (2.0, 1.0), 1.5)
+
+
+def test_fig1_block_decodes_as_the_format_defines(tmp_path):
+    s = figures.fig1(tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "fig1.csv")))
+    W = figures._sample(s["tensor"])
+    amax = np.float32(np.abs(W).max())
+    assert float(rows[0]["tensor_amax"]) == float(amax)
+    sval = fs.E4M3.values[int(rows[0]["scale_byte"])]
+    for r in rows:   # decoded = E2M1 value x E4M3 scale x amax / 2688, from the codes (independent of the CSV's own)
+        v = fs.E2M1.values[int(r["code"])]
+        want = np.float32(v) * np.float32(np.float32(sval) * amax * np.float32(1 / 2688.0))
+        assert abs(float(r["dequantized"]) - float(want)) <= 1e-6 * abs(float(want)) + 1e-12
+        assert abs(float(r["x"]) - float(W[0, int(r["element"])])) == 0
+    k = [int(r["element"]) for r in rows if r["is_block_amax"] == "1"]
+    assert k == [int(np.argmax(np.abs(W[0, :16])))]
+    assert max(int(r["code"]) & 7 for r in rows) == 7           # the block amax maps to the top code (6)
+
+
+def test_appb4_the_lost_binade(tmp_path):
+    s = figures.appb4(tmp_path)
+    assert s["block"]["mxfp4_rceil"]["amax_decoded"] == 3.0 and s["block"]["mxfp4_floor"]["amax_decoded"] == 3.0
+    assert abs(s["block"]["nvfp4"]["amax_decoded"] - 3.01) < 1e-6        # the tensor amax maps to 6 * 448 exactly
+    assert s["block"]["mxfp4_rceil"]["max_code"] == 5 and s["block"]["nvfp4"]["max_code"] == 7   # 3.0 vs 6.0
+    h = s["histogram"]
+    assert all(abs(sum(v) - 1) < 1e-9 for v in h.values())
+    assert h["nvfp4"][7] > h["mxfp4_rceil"][7]             # NVFP4 uses the top code more often than MXFP4
+    j = json.loads((tmp_path / "appB4.json").read_text())
+    assert j["block"]["nvfp4"]["scales"] == s["block"]["nvfp4"]["scales"]
