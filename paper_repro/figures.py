@@ -240,7 +240,7 @@ def fig1(out: Path, quick: bool = False) -> dict:
            title=f"NVFP4 block of {name.split('.', 1)[0]} (labels: E2M1 code, value); E4M3 scale 0x{sbyte:02X} = "
                  f"{sval:g}; FP32 tensor scale 2688/amax = {s_enc:.6g} (amax {amax:.4g})")
     ax.title.set_fontsize(8)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     f.tight_layout()
     f.savefig(out / "fig1.png", dpi=130)
     plt.close(f)
