@@ -51,11 +51,20 @@ class RunConfig:
     eval_points: int = 12
     val_windows: int = 96
     accumulate: str = "fast"
+    phases: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", GPTConfig(**self.model))
         object.__setattr__(self, "switches", tuple(tuple(kv) for kv in self.switches))
+        object.__setattr__(self, "phases", tuple(Phase(*p) if not isinstance(p, Phase) else p for p in self.phases))
+        last = 1
+        for ph in self.phases:
+            at = ph.step(self.tokens // (self.batch * self.model.ctx))
+            if not last <= at < self.tokens // (self.batch * self.model.ctx):
+                raise ValueError(f"phase at {ph.at:g} of the run: phases need non-decreasing positions strictly "
+                                 "inside the run (after step 0, before the last step)")
+            last = at
         if self.steps < 2:
             raise ValueError(f"tokens={self.tokens} gives {self.steps} steps of {self.batch}x{self.model.ctx} tokens; "
                              "give at least two steps' worth")
@@ -69,26 +78,95 @@ class RunConfig:
         return self.tokens // (self.batch * self.model.ctx)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        d = dataclasses.asdict(self)
+        if not d["phases"]:
+            del d["phases"]                 # runs without phases keep the keys they had before phases existed
+        else:
+            d["phases"] = [list(dataclasses.astuple(p)) for p in self.phases]
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, s: str) -> "RunConfig":
         return cls(**json.loads(s))
 
+    def parent(self) -> "RunConfig":
+        """The run this one branches from: the same configuration without its phases (its first phase step is
+        the branch point; up to there both runs are the same run)."""
+        return dataclasses.replace(self, phases=())
+
     def key(self) -> str:
         h = hashlib.sha1(self.to_json().encode()).hexdigest()[:10]
         sw = "".join(f"-{k}" + ("" if v is True else f"{v}") for k, v in self.switches)
-        return f"{self.preset}{sw}-t{self.tokens}-s{self.seed}-{h}"
+        ph = f"-{len(self.phases)}ph" if self.phases else ""
+        return f"{self.preset}{sw}{ph}-t{self.tokens}-s{self.seed}-{h}"
 
-    def recipe(self):
-        from fp4sim.training import Recipe
-        if self.preset == "none":
-            return "none"
-        return Recipe.preset(self.preset, keep=("head",), keep_last=self.keep_last, seed=self.seed,
-                             accumulate=self.accumulate, **dict(self.switches))
+    def recipe(self, preset=None, switches=None, keep_last=None):
+        """The fp4sim Recipe of this run (or of a phase's preset / switches / kept blocks)."""
+        return make_recipe(self.preset if preset is None else preset, self.switches if switches is None else switches,
+                           self.keep_last if keep_last is None else keep_last, self.seed, self.accumulate)
 
     def eval_steps(self) -> list[int]:
         return sorted({max(1, round(self.steps * (i + 1) / self.eval_points)) for i in range(self.eval_points)})
+
+
+def make_recipe(preset, switches, keep_last, seed, accumulate):
+    from fp4sim.training import Recipe
+    if preset == "none":
+        return "none"
+    return Recipe.preset(preset, keep=("head",), keep_last=keep_last, seed=seed, accumulate=accumulate,
+                         **dict(switches))
+
+
+@dataclass(frozen=True)
+class Phase:
+    """From ``at`` (a fraction of the run's steps) on, train under another recipe: ``which="both"`` re-converts
+    every layer (the preset, switches and kept blocks all change: a branch of the paper's ablations), ``"forward"``
+    or ``"backward"`` switch only Fprop or only Dgrad/Wgrad of the quantized layers (the paper's late switch to
+    BF16)."""
+    at: float
+    preset: str
+    switches: tuple = ()
+    keep_last: int = 1
+    which: str = "both"
+
+    def __post_init__(self):
+        object.__setattr__(self, "switches", tuple(tuple(kv) for kv in self.switches))
+        if self.which not in ("both", "forward", "backward"):
+            raise ValueError(f"Phase which={self.which!r}: use 'both', 'forward' or 'backward'")
+        if not 0 < self.at < 1:
+            raise ValueError(f"Phase at={self.at!r}: a fraction of the run strictly between 0 and 1")
+
+    def step(self, steps: int) -> int:
+        return int(round(self.at * steps))
+
+
+def apply_phase(model, cfg: "RunConfig", ph: Phase):
+    from fp4sim.torch import convert, set_recipe
+    rec = cfg.recipe(ph.preset, ph.switches, ph.keep_last)
+    if ph.which == "both":
+        convert(model, rec)
+    else:
+        set_recipe(model, rec, which=ph.which)
+
+
+# A run has diverged when its training loss is not finite, or when its mean over the last DIVERGE_WINDOW steps
+# exceeds the lowest such mean so far by more than DIVERGE_NATS: it stops there and says so in done.json.
+DIVERGE_WINDOW, DIVERGE_NATS = 5, 1.0
+
+
+def divergence(losses) -> str | None:
+    """Why a training-loss history counts as diverged (None while it does not)."""
+    if not losses:
+        return None
+    if not math.isfinite(losses[-1]):
+        return f"training loss {losses[-1]} at step {len(losses)}"
+    if len(losses) < DIVERGE_WINDOW:
+        return None
+    w = np.convolve(np.asarray(losses, np.float64), np.ones(DIVERGE_WINDOW) / DIVERGE_WINDOW, mode="valid")
+    if w[-1] - w.min() > DIVERGE_NATS:
+        return (f"training loss (mean of {DIVERGE_WINDOW} steps) {w[-1]:.3f} at step {len(losses)}, "
+                f"{w[-1] - w.min():.2f} nats above its lowest {w.min():.3f}")
+    return None
 
 
 def wsd_lr(step: int, steps: int, lr: float, warmup: int, decay_frac: float) -> float:
@@ -123,6 +201,11 @@ def read_log(run_dir: Path) -> list[dict]:
     with open(run_dir / "log.csv", newline="") as f:
         return [{"step": int(r["step"]), "tokens": int(r["tokens"]), "lr": float(r["lr"]),
                  "train_loss": float(r["train_loss"]), "val_loss": float(r["val_loss"])} for r in csv.DictReader(f)]
+
+
+def diverged(run_dir: Path) -> str | None:
+    """Why a finished run stopped early (None if it ran to the end)."""
+    return json.loads((Path(run_dir) / "done.json").read_text()).get("diverged")
 
 
 def is_done(run_dir: Path, cfg: RunConfig) -> bool:
@@ -160,24 +243,40 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     qlayers = _quant_layers(model)
-    step, rows, acc = 0, [], []
+    step, rows, acc, hist = 0, [], [], []
     ckpt = run_dir / "ckpt.pt"
-    if ckpt.is_file():
-        st = torch.load(ckpt, weights_only=False)
-        if st["config"] != cfg.to_json():
-            raise ValueError(f"{ckpt} belongs to another configuration; remove {run_dir} to start afresh")
+    phase_at = [ph.step(cfg.steps) for ph in cfg.phases]
+    snap = (run_dir.parent / cfg.parent().key() / f"snap-{phase_at[0]}.pt") if cfg.phases else None
+
+    def load(path, want_config):
+        nonlocal step, rows, acc, hist
+        st = torch.load(path, weights_only=False)
+        if st["config"] != want_config:
+            raise ValueError(f"{path} belongs to another configuration; remove {path.parent} to start afresh")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step, rows, acc = st["step"], st["rows"], st["acc"]
+        step, rows, acc, hist = st["step"], st["rows"], st["acc"], st.get("hist", [])
         for n, c in st["calls"].items():
             qlayers[n]._calls = c
+
+    def state(config_json):
+        buf = io.BytesIO()
+        torch.save({"config": config_json, "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "rows": rows, "acc": acc, "hist": hist, "calls": {n: m._calls for n, m in qlayers.items()}}, buf)
+        return buf.getvalue()
+
+    if ckpt.is_file():
+        load(ckpt, cfg.to_json())
+    elif snap is not None and snap.is_file():           # a sibling branch already trained the shared prefix
+        load(snap, cfg.parent().to_json())
+    for ph, at in zip(cfg.phases, phase_at):            # phases already passed (a resumed run; the one at this
+        if at < step:                                   # very step is applied by the loop below)
+            apply_phase(model, cfg, ph)
+    qlayers = _quant_layers(model)
     (run_dir / "config.json").write_text(cfg.to_json() + "\n")
 
     def save():
-        buf = io.BytesIO()
-        torch.save({"config": cfg.to_json(), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "rows": rows, "acc": acc, "calls": {n: m._calls for n, m in qlayers.items()}}, buf)
-        _atomic_write(ckpt, buf.getvalue())
+        _atomic_write(ckpt, state(cfg.to_json()))
 
     def evaluate() -> float:
         model.eval()
@@ -194,7 +293,15 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     evals = set(cfg.eval_steps())
     tokens_per_step = cfg.batch * cfg.model.ctx
     last_ckpt, done_here = time.monotonic(), 0
+    diverged = None
     while step < cfg.steps:
+        if step in phase_at:
+            if step == phase_at[0] and not snap.is_file():    # the branch point, shared with sibling branches
+                snap.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_write(snap, state(cfg.parent().to_json()))
+            for ph, at in zip(cfg.phases, phase_at):          # in order (several may start at one step)
+                if at == step:
+                    apply_phase(model, cfg, ph)
         lr = wsd_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -208,6 +315,12 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         step += 1
         lv = float(loss.detach())
         acc.append(lv)
+        hist.append(lv)
+        diverged = divergence(hist)
+        if diverged:
+            rows.append({"step": step, "tokens": step * tokens_per_step, "lr": lr,
+                         "train_loss": float(np.mean(acc)), "val_loss": math.nan})
+            break
         if step in evals:
             rows.append({"step": step, "tokens": step * tokens_per_step, "lr": lr,
                          "train_loss": float(np.mean(acc)) if acc else math.nan, "val_loss": evaluate()})
@@ -223,6 +336,7 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         if stop_after is not None and done_here >= stop_after and step < cfg.steps:
             return rows
     _atomic_write(run_dir / "log.csv", rows_to_csv(rows).encode())
-    _atomic_write(run_dir / "done.json", json.dumps({"config": json.loads(cfg.to_json())}).encode())
+    _atomic_write(run_dir / "done.json", json.dumps({"config": json.loads(cfg.to_json()),
+                                                     "diverged": diverged}).encode())
     ckpt.unlink(missing_ok=True)
     return rows

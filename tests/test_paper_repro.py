@@ -254,3 +254,56 @@ def test_appb4_the_lost_binade(tmp_path):
     assert h["nvfp4"][7] > h["mxfp4_rceil"][7]             # NVFP4 uses the top code more often than MXFP4
     j = json.loads((tmp_path / "appB4.json").read_text())
     assert j["block"]["nvfp4"]["scales"] == s["block"]["nvfp4"]["scales"]
+
+
+# ------------------------------------------------------------------------------------------- phases (part 2)
+def test_runs_without_phases_keep_their_keys():
+    # the configuration JSON of a run without phases has no "phases" entry, so runs trained before phases
+    # existed are still found (their key is a hash of that JSON)
+    assert "phases" not in json.loads(TINY.to_json())
+    ph = replace(TINY, phases=((0.5, "nvfp4_paper", (("disable_rht", True),), 1, "both"),))
+    assert json.loads(ph.to_json())["phases"] == [[0.5, "nvfp4_paper", [["disable_rht", True]], 1, "both"]]
+    assert RunConfig.from_json(ph.to_json()) == ph and ph.key() != TINY.key() and ph.parent() == TINY
+    with pytest.raises(ValueError, match="inside"):
+        replace(TINY, phases=((0.01, "bf16", (), 1, "both"),))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        replace(TINY, phases=((0.6, "bf16", (), 1, "both"), (0.3, "bf16", (), 1, "both")))
+    two = replace(TINY, phases=((0.5, "bf16", (), 1, "backward"), (0.5, "nvfp4_paper",
+                                                                    (("disable_2d_quantization", True),), 1, "forward")))
+    assert len(two.phases) == 2
+    with pytest.raises(ValueError, match="which"):
+        replace(TINY, phases=((0.5, "bf16", (), 1, "sideways"),))
+
+
+def test_a_branch_follows_its_parent_up_to_the_branch_point_and_siblings_share_it(tmp_path):
+    cfg = replace(TINY, tokens=4 * 32 * 12, eval_points=6)
+    parent = train(cfg, tmp_path / "runs" / cfg.key())
+    no_sr = replace(cfg, phases=((0.5, "nvfp4_paper", (("disable_stochastic_rounding", True),), 1, "both"),))
+    at = no_sr.phases[0].step(cfg.steps)
+    a = train(no_sr, tmp_path / "runs" / no_sr.key())
+    snap = tmp_path / "runs" / cfg.key() / f"snap-{at}.pt"
+    assert snap.is_file()                                     # the shared prefix, saved for the siblings
+    n = sum(r["step"] <= at for r in parent)
+    assert a[:n] == parent[:n] and a[n:] != parent[n:]       # the same run up to the branch, different after
+    # a sibling starts from the snapshot (not from step 0) and still agrees with the parent before the branch
+    bf = replace(cfg, phases=((0.5, "bf16", (), 1, "backward"),))
+    assert torch.load(snap, weights_only=False)["step"] == at
+    b = train(bf, tmp_path / "runs" / bf.key())
+    assert b[:n] == parent[:n] and b[n:] != a[n:]
+    # interrupted after the branch and resumed: the same curve as uninterrupted
+    train(no_sr, tmp_path / "cut", ckpt_every=1, stop_after=at + 2)
+    assert train(no_sr, tmp_path / "cut") == a
+
+
+def test_divergence_is_detected_and_reported_not_crashed_on(tmp_path):
+    from paper_repro.train import divergence, diverged
+    assert divergence([3.0, 2.5, 2.2, 2.0, 1.9, 1.8, 1.9, 1.85]) is None
+    assert "nan" in divergence([3.0, 2.0, float("nan")])
+    boom = [3.0, 2.0, 1.8, 1.7, 1.6, 1.5, 1.5, 1.5, 1.5, 1.5] + [1.5 + 0.5 * k for k in range(1, 8)]
+    why = divergence(boom)
+    assert why is not None and "nats above" in why
+    assert divergence(boom[:12]) is None                      # a small bump is not a divergence
+    cfg = replace(TINY, preset="bf16", lr=30.0, warmup=1, tokens=4 * 32 * 30, eval_points=3)   # explodes
+    rows = train(cfg, tmp_path / "x")
+    reason = diverged(tmp_path / "x")
+    assert reason and rows[-1]["step"] < cfg.steps and np.isnan(rows[-1]["val_loss"])
