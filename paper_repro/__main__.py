@@ -1,4 +1,4 @@
-"""python -m paper_repro FIG [--quick] [--out DIR] [--seeds N] | list | all [--quick]
+"""python -m paper_repro FIG [--quick] [--out DIR] [--seeds N] | list | all [--quick] | ablations [--quick]
 
 Regenerates a figure of the NVFP4 paper at small scale: trains the tiny GPTs it needs (resuming any that were
 interrupted, reusing any already finished under DIR/runs/) and writes DIR/FIG.png, DIR/FIG.csv and DIR/FIG.json.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import fp4sim  # noqa: F401  (before torch: the OpenMP wait policy)
 
-from . import figures
+from . import ablations, figures
 from .figures import FIGURES
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
@@ -27,7 +27,10 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
         set_threads(threads)
         runs = figures.runs_for(fig, quick, seeds)
         logs = run_all([c for _, _, c in runs], out, quiet=quiet)
-        summary = figures.make_training_figure(fig, runs, logs, out)
+        if fig in ablations.ABLATIONS:
+            summary = ablations.make(fig, runs, logs, out, {c.key(): out / "runs" / c.key() for _, _, c in runs})
+        else:
+            summary = figures.make_training_figure(fig, runs, logs, out)
     else:
         summary = getattr(figures, fig.lower())(out, quick)
     if quick:
@@ -40,7 +43,8 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paper_repro", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("fig", help=f"list, all, or one of {', '.join(FIGURES)}")
+    ap.add_argument("fig", help=f"list, all (the part-1 figures: {', '.join(figures.PART1)}), ablations (the "
+                                f"rest), or one of {', '.join(FIGURES)}")
     ap.add_argument("--quick", action="store_true", help="a tiny model for a few steps (seconds): checks the pipeline")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: figures/)")
     ap.add_argument("--seeds", type=int, help=f"seeds per training curve (default {figures.FULL_SEEDS}; "
@@ -52,7 +56,7 @@ def main(argv=None) -> int:
         for f in FIGURES.values():
             print(f"{f.name:6}  {f.what}{'' if f.trains else ' (no training)'}")
         return 0
-    names = list(FIGURES) if a.fig == "all" else [a.fig]
+    names = list(figures.PART1) if a.fig == "all" else list(ablations.ABLATIONS) if a.fig == "ablations" else [a.fig]
     bad = [n for n in names if n not in FIGURES]
     if bad:
         print(f"paper_repro: unknown figure {bad[0]!r}; use list, all or one of {', '.join(FIGURES)}", file=sys.stderr)

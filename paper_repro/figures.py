@@ -45,7 +45,10 @@ def _tok(cfg: RunConfig, mult: float) -> int:
 # ------------------------------------------------------------------------------------------- run sets
 def runs_for(fig: str, quick: bool, seeds: int) -> list[tuple[str, float, RunConfig]]:
     """(run label, token multiplier, config) of every training run a figure needs."""
+    from . import ablations
     b = base(quick)
+    if fig in ablations.ABLATIONS:
+        return ablations.runs_for(fig, b, seeds)
     out = []
     presets = {"fig2": ("bf16", "nvfp4_paper", "fp8_blockwise"), "fig6a": ("bf16", "nvfp4_paper", "mxfp4_paper"),
                "fig6b": ("nvfp4_paper",)}.get(fig, ())
@@ -328,7 +331,16 @@ FIGURES = {
                    True),
     "fig6a": Figure("fig6a", "relative difference from BF16: NVFP4 vs MXFP4 (RHT d=32), same BF16 layers", True),
     "fig6b": Figure("fig6b", "MXFP4 on 1.0x-1.5x of NVFP4's tokens: the multiplier that matches NVFP4's loss", True),
+    "fig4": Figure("fig4", "ablation: the full recipe branched at 34% into no SR / no RHT / no 2D / no BF16 blocks",
+                   True),
+    "fig7": Figure("fig7", "ablation: switching forward / backward / both to BF16 at 82% (and both at 99%)", True),
+    "fig8": Figure("fig8", "ablation: the recipe built up one part at a time, in two orders", True),
+    "fig10": Figure("fig10", "ablation: SR on gradients / all backward operands / activations / weights", True),
+    "fig11": Figure("fig11", "ablation: RHT on Wgrad / also Fprop / also Dgrad / none", True),
+    "fig12": Figure("fig12", "ablation: RHT size d in {2, 4, 16, 128}, branched from d=16 at 34%", True),
+    "fig13": Figure("fig13", "ablation: RHT sign vectors: TE's, one from the seed, one per transform, none", True),
 }
+PART1 = ("fig1", "appB4", "fig2", "fig6a", "fig6b")
 
 
 def check_outputs(fig: str, out: Path, quick: bool, seeds: int):
@@ -343,10 +355,11 @@ def check_outputs(fig: str, out: Path, quick: bool, seeds: int):
     if not rows:
         raise RuntimeError(f"{fig}: {fig}.csv has no rows")
     if FIGURES[fig].trains:
+        from .train import diverged
         runs = runs_for(fig, quick, seeds)
-        want = sum(len(c.eval_steps()) for _, _, c in runs)
-        if len(rows) != want:
+        want = sum(len(c.eval_steps()) for _, _, c in runs if not diverged(out / "runs" / c.key()))
+        if sum(1 for r in rows if r["val_loss"] != "nan") != want:
             raise RuntimeError(f"{fig}: {len(rows)} rows in {fig}.csv, expected {want}")
-        bad = [r for r in rows if not math.isfinite(float(r["val_loss"]))]
+        bad = [r for r in rows if not math.isfinite(float(r["val_loss"])) and r["val_loss"] != "nan"]
         if bad:
             raise RuntimeError(f"{fig}: non-finite validation loss in {len(bad)} rows")

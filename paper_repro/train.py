@@ -61,9 +61,8 @@ class RunConfig:
         last = 1
         for ph in self.phases:
             at = ph.step(self.tokens // (self.batch * self.model.ctx))
-            if not last <= at < self.tokens // (self.batch * self.model.ctx):
-                raise ValueError(f"phase at {ph.at:g} of the run: phases need non-decreasing positions strictly "
-                                 "inside the run (after step 0, before the last step)")
+            if at < last:
+                raise ValueError(f"phase at {ph.at:g} of the run: phases need non-decreasing positions")
             last = at
         if self.steps < 2:
             raise ValueError(f"tokens={self.tokens} gives {self.steps} steps of {self.batch}x{self.model.ctx} tokens; "
@@ -137,7 +136,8 @@ class Phase:
             raise ValueError(f"Phase at={self.at!r}: a fraction of the run strictly between 0 and 1")
 
     def step(self, steps: int) -> int:
-        return int(round(self.at * steps))
+        """The step it starts at: round(at * steps), kept inside the run (1 .. steps - 1) for short runs."""
+        return min(max(int(round(self.at * steps)), 1), steps - 1)
 
 
 def apply_phase(model, cfg: "RunConfig", ph: Phase):

@@ -1,0 +1,214 @@
+"""The paper's recipe ablations (part 2): each figure is a set of variants of the NVFP4 recipe, trained over seeds,
+compared with the full recipe at the end of training and given a verdict against the paper's claim.
+
+Verdicts compare the final validation loss of a variant with the reference (the full recipe) paired by seed
+(same initial weights, data order and SR key): d = loss_variant - loss_reference, its mean m and standard error
+se over seeds. Where the paper says the variant is worse: "reproduces" if m > 2 se, "contradicts" if
+m < -2 se, else "not distinguishable from seed noise at this scale (spread X, effect Y)". Where the paper says
+it makes no difference: "reproduces" if |m| <= 2 se. A variant that diverged (train.divergence) reproduces a
+claim of divergence and contradicts any other.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from . import stats
+from .train import RunConfig, diverged
+
+BRANCH = 0.34          # fig4 / fig12: branch from the full recipe at 34% of the run, as the paper does
+LATE = 0.82            # fig7: just after the learning-rate decay starts at 80% (the paper's 8.2T of 10T)
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    make: object            # RunConfig (the figure's base, seed set) -> RunConfig
+    paper: str              # what the paper reports for it
+    expect: str             # "worse", "same", "diverges" or "reference"
+
+
+def _sw(cfg, **sw):
+    return replace(cfg, switches=tuple(sorted({**dict(cfg.switches), **sw}.items())))
+
+
+def _branch(at, preset=None, switches=None, keep_last=None, which="both"):
+    """A phase appended to the run: from ``at`` on, ``preset`` (default: the run's own, with its switches plus
+    ``switches``), the kept blocks ``keep_last`` and the GEMMs ``which``."""
+    def make(cfg):
+        sw = tuple(sorted(({} if preset else dict(cfg.switches)) | (switches or {}).items()))
+        ph = (at, preset or cfg.preset, sw, cfg.keep_last if keep_last is None else keep_last, which)
+        return replace(cfg, phases=cfg.phases + (ph,))
+    return make
+
+
+def _ref(cfg):
+    return cfg
+
+
+BASE_1D_RNE = dict(disable_2d_quantization=True, disable_rht=True, disable_stochastic_rounding=True)
+
+ABLATIONS = {
+    "fig4": ("Branches of the full recipe at 34% of the run", [
+        Variant("full recipe", _ref, "reference", "reference"),
+        Variant("no SR", _branch(BRANCH, switches={"disable_stochastic_rounding": True}),
+                "higher loss without SR on gradients", "worse"),
+        Variant("no RHT", _branch(BRANCH, switches={"disable_rht": True}), "higher loss without RHT on Wgrad",
+                "worse"),
+        Variant("no 2D weights", _branch(BRANCH, switches={"disable_2d_quantization": True}),
+                "higher loss with 1x16 weights", "worse"),
+        Variant("no BF16 blocks", _branch(BRANCH, keep_last=0), "higher loss with every block in NVFP4", "worse"),
+    ]),
+    "fig7": ("Switching to BF16 late in the run", [
+        Variant("NVFP4 throughout", _ref, "reference", "reference"),
+        Variant("BF16 forward at 82%", _branch(LATE, preset="bf16", which="forward"),
+                "most of the gap to BF16 closes when the forward switches", "better"),
+        Variant("BF16 backward at 82%", lambda c: _branch(LATE, preset="bf16", which="backward")(
+            _branch(LATE, switches={"disable_2d_quantization": True}, which="forward")(c)),
+                "little of the gap closes when only the backward switches (forward keeps NVFP4, 1x16 weights)",
+                "same"),
+        Variant("BF16 both at 82%", _branch(LATE, preset="bf16", which="both"), "the gap closes", "better"),
+        Variant("BF16 both at 99%", _branch(0.99, preset="bf16", which="both"),
+                "a switch in the last 1% of the run closes little", "same"),
+    ]),
+    "fig8": ("Adding the recipe's parts one at a time", [
+        Variant("base: 1x16 RNE", lambda c: _sw(c, **BASE_1D_RNE), "highest loss", "worse"),
+        Variant("+ 2D weights", lambda c: _sw(c, disable_rht=True, disable_stochastic_rounding=True),
+                "each part lowers the loss", "worse"),
+        Variant("+ 2D weights + RHT", lambda c: _sw(c, disable_stochastic_rounding=True),
+                "each part lowers the loss", "worse"),
+        Variant("full recipe (+ SR)", _ref, "reference", "reference"),
+        Variant("base + SR", lambda c: _sw(c, disable_2d_quantization=True, disable_rht=True),
+                "SR gives the largest single gain", "worse"),
+        Variant("base + SR + RHT", lambda c: _sw(c, disable_2d_quantization=True), "each part lowers the loss",
+                "worse"),
+    ]),
+    "fig10": ("Where stochastic rounding is applied", [
+        Variant("SR on gradients", _ref, "reference (the recipe)", "reference"),
+        Variant("SR on all backward operands", lambda c: _sw(c, sr_backward=True),
+                "no better than gradients only (weights and activations rounded stochastically in Dgrad/Wgrad)",
+                "same"),
+        Variant("SR on gradients and activations", lambda c: _sw(c, sr_activations=True),
+                "worse: SR on forward activations diverges or raises the loss", "worse"),
+        Variant("SR on gradients and weights", lambda c: _sw(c, sr_weights=True),
+                "worse: SR on weights raises the loss", "worse"),
+    ]),
+    "fig11": ("Which GEMM gets the RHT", [
+        Variant("RHT on Wgrad", _ref, "reference (the recipe)", "reference"),
+        Variant("RHT on Wgrad + Fprop", lambda c: _sw(c, rht_fprop=True),
+                "no gain at this size, and the forward pays the cost", "same"),
+        Variant("RHT on Wgrad + Dgrad", lambda c: _sw(c, rht_dgrad=True), "no gain", "same"),
+        Variant("no RHT", lambda c: _sw(c, disable_rht=True), "higher loss (more at larger scale)", "worse"),
+    ]),
+    "fig12": ("RHT size, branched from d=16 at 34%", [
+        Variant("d=16", _ref, "reference (the recipe)", "reference"),
+        Variant("d=2", _branch(BRANCH, switches={"rht_size": 2}), "too small to spread outliers: higher loss",
+                "worse"),
+        Variant("d=4", _branch(BRANCH, switches={"rht_size": 4}), "higher loss than d=16", "worse"),
+        Variant("d=128", _branch(BRANCH, switches={"rht_size": 128}), "no better than d=16", "same"),
+    ]),
+    "fig13": ("Random sign vectors of the RHT", [
+        Variant("TE's fixed vector", _ref, "reference (the recipe)", "reference"),
+        Variant("one vector from the seed", lambda c: _sw(c, rht_signs="fixed"), "the same as any fixed vector",
+                "same"),
+        Variant("a new vector per transform", lambda c: _sw(c, rht_signs="per_transform"),
+                "no better than one fixed vector", "same"),
+        Variant("no random signs", lambda c: _sw(c, rht_signs="none"), "higher loss without random signs",
+                "worse"),
+    ]),
+}
+
+
+def runs_for(fig: str, base: RunConfig, seeds: int) -> list[tuple[str, float, RunConfig]]:
+    """(label, 1.0, config) of every run of an ablation figure, plus the BF16 baseline, for each seed."""
+    _, variants = ABLATIONS[fig]
+    out = []
+    for s in range(seeds):
+        b = replace(base, preset="nvfp4_paper", seed=s)
+        out.append(("bf16", 1.0, replace(b, preset="bf16")))
+        for v in variants:
+            out.append((v.label, 1.0, v.make(b)))
+    return out
+
+
+def verdict(expect: str, diffs, diverged_flags) -> tuple[str, dict]:
+    """The verdict of a variant from its paired final-loss differences to the reference (see the module doc)."""
+    d = np.asarray(diffs, np.float64)
+    dv = any(diverged_flags)
+    if dv:
+        return ("reproduces (diverged)" if expect == "diverges" else "contradicts: diverged"), {"diverged": True}
+    n = len(d)
+    m = float(d.mean())
+    sd = float(d.std(ddof=1)) if n > 1 else math.nan
+    se = sd / math.sqrt(n) if n > 1 else math.nan
+    info = {"effect": m, "spread": sd, "stderr": se, "n": n}
+    if not math.isfinite(se):
+        return "one seed: no verdict", info
+    noise = f"not distinguishable from seed noise at this scale (spread {sd:.4f}, effect {m:+.4f})"
+    if expect in ("worse", "better"):
+        sign = 1 if expect == "worse" else -1
+        if sign * m > 2 * se:
+            return "reproduces", info
+        if sign * m < -2 * se:
+            return f"contradicts (effect {m:+.4f} ± {se:.4f})", info
+        return noise, info
+    if expect == "same":
+        return ("reproduces (no difference)" if abs(m) <= 2 * se else
+                f"contradicts: a difference of {m:+.4f} ± {se:.4f}"), info
+    return "reference", info
+
+
+def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
+    """Write fig.png / fig.csv / fig.json of an ablation figure from its finished runs."""
+    from .figures import TRAIN_COLUMNS, _band, _plt, _write_csv, _write_json, training_rows
+    title, variants = ABLATIONS[fig]
+    out = Path(out)
+    rows = training_rows(fig, runs, logs)
+    _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS, rows)
+    seeds = sorted({c.seed for _, _, c in runs})
+    final = {}
+    for lab, _, c in runs:
+        r = logs[c.key()]
+        final.setdefault(lab, {})[c.seed] = (r[-1]["val_loss"], bool(diverged(run_dirs[c.key()])))
+    ref = next(v.label for v in variants if v.expect == "reference")
+    summary = {"title": title, "seeds": len(seeds), "reference": ref, "variants": {}}
+    plt = _plt()
+    f, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.4))
+    cmap = plt.get_cmap("tab10")
+    for i, v in enumerate(variants):
+        t, R, ok = None, [], True
+        for s in seeds:
+            c = next(c for lab, _, c in runs if lab == v.label and c.seed == s)
+            b = next(c for lab, _, c in runs if lab == "bf16" and c.seed == s)
+            rv, rb = logs[c.key()], {r["step"]: r["val_loss"] for r in logs[b.key()]}
+            ok &= len(rv) == len(logs[b.key()])
+            if ok:
+                t = np.array([r["tokens"] for r in rv])
+                R.append(stats.rel_diff_pct([rb[r["step"]] for r in rv], [r["val_loss"] for r in rv]))
+        if ok and R:
+            _band(a0, t, np.array(R), cmap(i), v.label)
+        diffs = [final[v.label][s][0] - final[ref][s][0] for s in seeds]
+        flags = [final[v.label][s][1] for s in seeds]
+        word, info = verdict(v.expect, diffs, flags)
+        lm, ls = stats.mean_std([final[v.label][s][0] for s in seeds])
+        summary["variants"][v.label] = {"paper": v.paper, "expect": v.expect, "verdict": word,
+                                        "final_val_loss_mean": float(lm), "final_val_loss_std": float(ls), **info}
+        if v.label != ref:
+            a1.errorbar([i], [info.get("effect", math.nan)], yerr=[2 * info.get("stderr", math.nan)], fmt="o",
+                        color=cmap(i), capsize=4)
+    a0.axhline(0, color="k", lw=0.8)
+    a0.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)", title=title)
+    a0.legend(fontsize=7)
+    a1.axhline(0, color="k", lw=0.8)
+    a1.set_xticks(range(len(variants)), [v.label for v in variants], rotation=25, ha="right", fontsize=7)
+    a1.set(ylabel=f"final loss - {ref} (nats), ± 2 s.e.", title="effect at the end of training, paired by seed")
+    for a in (a0, a1):
+        a.grid(alpha=0.3)
+    f.tight_layout()
+    f.savefig(out / f"{fig}.png", dpi=130)
+    plt.close(f)
+    _write_json(out / f"{fig}.json", summary)
+    return summary
