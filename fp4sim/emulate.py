@@ -93,10 +93,19 @@ def _operand_stats(a, q, name):
                 amax=float(xp.abs(a).max()) if a.size else 0.0)
 
 
+def _family(q):
+    return (type(q.scheme), getattr(q.scheme, "elem", None)) if hasattr(q, "codes") else None
+
+
 def _matmul(qa, qb, recipe, a_axis, b_axis):
-    """A·Bᵀ of two operands along their dot axes (quantized or float32)."""
-    if hasattr(qa, "codes"):
+    """A·Bᵀ of two operands along their dot axes: the block-scaled GEMM when both are quantized in one format
+    family; otherwise (e.g. NVFP4 weights with BF16 activations, the paper's weights-only ablation) a mixed GEMM
+    that upcasts each quantized operand to its float32 values and multiplies in float32."""
+    fa, fb = _family(qa), _family(qb)
+    if fa is not None and fa == fb:
         return gemm(qa, qb, accumulate=recipe.accumulate)
+    qa = dequantize(qa) if fa is not None else qa
+    qb = dequantize(qb) if fb is not None else qb
     xp = xp_of(qa)
     A = qa if a_axis == 1 else qa.T
     B = qb if b_axis == 1 else qb.T

@@ -229,6 +229,9 @@ class Recipe:
                 ops[op] = rep(ops[op], rht=d, rht_signs=s)
             else:
                 ops[op] = rep(ops[op], rht=None, rht_signs="te")
+        for op in OPERANDS:                  # an operand given by name replaces the preset's (after the switches)
+            if op in overrides:
+                ops[op] = overrides.pop(op)
         return rep(r, **ops, **overrides)
 
 

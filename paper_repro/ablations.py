@@ -49,6 +49,9 @@ def _ref(cfg):
     return cfg
 
 
+_W16 = (("fprop_w", "nvfp4", (16, 16), "rne"), ("dgrad_w", "nvfp4", (16, 16), "rne"))
+_W1 = (("fprop_w", "nvfp4", (1, 16), "rne"), ("dgrad_w", "nvfp4", (1, 16), "rne"))
+_A1 = (("fprop_x", "nvfp4", (1, 16), "rne"), ("wgrad_x", "nvfp4", (1, 16), "rne"))
 BASE_1D_RNE = dict(disable_2d_quantization=True, disable_rht=True, disable_stochastic_rounding=True)
 
 ABLATIONS = {
@@ -119,6 +122,28 @@ ABLATIONS = {
         Variant("no random signs", lambda c: _sw(c, rht_signs="none"), "higher loss without random signs",
                 "worse"),
     ]),
+    "fig9": ("Which blocks stay in BF16 (of 4; the head always does)", [
+        Variant("last 1 block", lambda c: replace(c, log_wgrad_error=True), "reference (the recipe)", "reference"),
+        Variant("none", lambda c: replace(c, keep_last=0, log_wgrad_error=True),
+                "higher loss (at 12B: divergence) with every block in NVFP4", "worse"),
+        Variant("last 2 blocks", lambda c: replace(c, keep_last=2, log_wgrad_error=True),
+                "lower loss than fewer BF16 blocks", "better"),
+        Variant("first 1 block", lambda c: replace(c, keep_last=0, keep_first=1, log_wgrad_error=True),
+                "the last blocks matter more than the first", "worse"),
+        Variant("first 1 + last 1", lambda c: replace(c, keep_first=1, log_wgrad_error=True),
+                "little gain over the last block alone", "same"),
+    ]),
+    "fig14": ("NVFP4 on weights only or activations only (everything else BF16)", [
+        Variant("weights 16x16", lambda c: replace(c, preset="bf16", operands=_W16), "reference", "reference"),
+        Variant("weights 1x16, re-quantized along N for Dgrad",
+                lambda c: replace(c, preset="bf16", operands=_W1), "forward and backward see different weights: "
+                "higher loss than 16x16", "worse"),
+        Variant("weights 1x16, Dgrad reuses the Fprop copy",
+                lambda c: replace(c, preset="bf16", operands=_W1, switches=(("dgrad_w_reuse_fprop", True),)),
+                "the same weights in both directions: as good as 16x16", "same"),
+        Variant("activations 1x16", lambda c: replace(c, preset="bf16", operands=_A1),
+                "activations tolerate 1x16 blocks: close to weights-only", "same"),
+    ]),
 }
 
 
@@ -167,7 +192,8 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     title, variants = ABLATIONS[fig]
     out = Path(out)
     rows = training_rows(fig, runs, logs)
-    _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS, rows)
+    _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS + ("wgrad_rel_error_mean",), rows)
+    logged = any("wgrad_error" in r for rr in logs.values() for r in rr)
     seeds = sorted({c.seed for _, _, c in runs})
     final = {}
     for lab, _, c in runs:
@@ -176,8 +202,21 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     ref = next(v.label for v in variants if v.expect == "reference")
     summary = {"title": title, "seeds": len(seeds), "reference": ref, "variants": {}}
     plt = _plt()
-    f, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.4))
+    f, axes = plt.subplots(1, 3 if logged else 2, figsize=(17 if logged else 12, 4.4))
+    a0, a1 = axes[0], axes[1]
     cmap = plt.get_cmap("tab10")
+    if logged:                  # the paper's diagnostic: each run's mean relative Wgrad GEMM error over its layers
+        for i, v in enumerate(variants):
+            for s in seeds:
+                c = next(c for lab, _, c in runs if lab == v.label and c.seed == s)
+                pts = [(r["tokens"], np.mean(list(r["wgrad_error"].values()))) for r in logs[c.key()]
+                       if r.get("wgrad_error")]
+                if pts:
+                    axes[2].plot(*zip(*pts), color=cmap(i), lw=1, alpha=0.8, label=v.label if s == seeds[0] else None)
+        axes[2].set(xlabel="training tokens", ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)",
+                    title="Wgrad quantization error during training")
+        axes[2].legend(fontsize=7)
+        axes[2].grid(alpha=0.3)
     for i, v in enumerate(variants):
         t, R, ok = None, [], True
         for s in seeds:

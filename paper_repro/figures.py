@@ -16,7 +16,7 @@ import numpy as np
 
 from . import stats
 from .model import GPTConfig
-from .train import RunConfig
+from .train import COLUMNS, RunConfig
 
 # Full mode: sized so that `python -m paper_repro all` (every run of every figure) takes about 90 minutes on two
 # cores; the measured times are in figures/README.md.
@@ -97,9 +97,12 @@ def training_rows(fig, runs, logs, baseline="bf16"):
     for lab, mult, c in runs:
         for r in logs[c.key()]:
             b = base_by_seed.get(c.seed, {}).get(r["step"]) if lab != baseline else None
-            rows.append({"figure": fig, "run": lab, "seed": c.seed, **r,
-                         "rel_diff_pct": None if b is None else float(stats.rel_diff_pct(b, r["val_loss"])),
-                         "token_multiplier": mult if fig == "fig6b" else None})
+            row = {"figure": fig, "run": lab, "seed": c.seed, **{k: r[k] for k in COLUMNS},
+                   "rel_diff_pct": None if b is None else float(stats.rel_diff_pct(b, r["val_loss"])),
+                   "token_multiplier": mult if fig == "fig6b" else None}
+            if r.get("wgrad_error"):
+                row["wgrad_rel_error_mean"] = float(np.mean(list(r["wgrad_error"].values())))
+            rows.append(row)
     return rows
 
 
@@ -338,6 +341,8 @@ FIGURES = {
     "fig10": Figure("fig10", "ablation: SR on gradients / all backward operands / activations / weights", True),
     "fig11": Figure("fig11", "ablation: RHT on Wgrad / also Fprop / also Dgrad / none", True),
     "fig12": Figure("fig12", "ablation: RHT size d in {2, 4, 16, 128}, branched from d=16 at 34%", True),
+    "fig9": Figure("fig9", "ablation: which blocks stay BF16, with each layer's Wgrad GEMM error logged", True),
+    "fig14": Figure("fig14", "ablation: NVFP4 on weights only (16x16, 1x16 two ways) or activations only", True),
     "fig13": Figure("fig13", "ablation: RHT sign vectors: TE's, one from the seed, one per transform, none", True),
 }
 PART1 = ("fig1", "appB4", "fig2", "fig6a", "fig6b")

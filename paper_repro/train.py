@@ -52,12 +52,17 @@ class RunConfig:
     val_windows: int = 96
     accumulate: str = "fast"
     phases: tuple = ()
+    keep_first: int = 0
+    operands: tuple = ()
+    log_wgrad_error: bool = False
 
     def __post_init__(self):
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", GPTConfig(**self.model))
         object.__setattr__(self, "switches", tuple(tuple(kv) for kv in self.switches))
         object.__setattr__(self, "phases", tuple(Phase(*p) if not isinstance(p, Phase) else p for p in self.phases))
+        object.__setattr__(self, "operands", tuple((op, sch, tuple(b) if b else None, rnd)
+                                                   for op, sch, b, rnd in self.operands))
         last = 1
         for ph in self.phases:
             at = ph.step(self.tokens // (self.batch * self.model.ctx))
@@ -78,10 +83,11 @@ class RunConfig:
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
-        if not d["phases"]:
-            del d["phases"]                 # runs without phases keep the keys they had before phases existed
-        else:
-            d["phases"] = [list(dataclasses.astuple(p)) for p in self.phases]
+        d["phases"] = [list(dataclasses.astuple(p)) for p in self.phases]
+        d["operands"] = [list(o) for o in self.operands]
+        for k, v in OPTIONAL.items():       # at their defaults these fields are left out, so runs configured
+            if d[k] == v:                   # before they existed keep their keys (a hash of this JSON)
+                del d[k]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -102,18 +108,25 @@ class RunConfig:
     def recipe(self, preset=None, switches=None, keep_last=None):
         """The fp4sim Recipe of this run (or of a phase's preset / switches / kept blocks)."""
         return make_recipe(self.preset if preset is None else preset, self.switches if switches is None else switches,
-                           self.keep_last if keep_last is None else keep_last, self.seed, self.accumulate)
+                           self.keep_last if keep_last is None else keep_last, self.seed, self.accumulate,
+                           self.keep_first, self.operands if preset is None else ())
 
     def eval_steps(self) -> list[int]:
         return sorted({max(1, round(self.steps * (i + 1) / self.eval_points)) for i in range(self.eval_points)})
 
 
-def make_recipe(preset, switches, keep_last, seed, accumulate):
-    from fp4sim.training import Recipe
+OPTIONAL = {"phases": [], "keep_first": 0, "operands": [], "log_wgrad_error": False}
+
+
+def make_recipe(preset, switches, keep_last, seed, accumulate, keep_first=0, operands=()):
+    """A preset with its switches, the head and the first/last blocks in BF16, and ``operands``: (operand name,
+    scheme or None, block or None, rounding) overrides of single GEMM operands."""
+    from fp4sim.training import Operand, Recipe
     if preset == "none":
         return "none"
-    return Recipe.preset(preset, keep=("head",), keep_last=keep_last, seed=seed, accumulate=accumulate,
-                         **dict(switches))
+    ops = {op: Operand(sch, blk, rnd) for op, sch, blk, rnd in operands}
+    return Recipe.preset(preset, keep=("head",), keep_last=keep_last, keep_first=keep_first, seed=seed,
+                         accumulate=accumulate, **dict(switches), **ops)
 
 
 @dataclass(frozen=True)
@@ -198,9 +211,20 @@ def rows_to_csv(rows: list[dict]) -> str:
 
 
 def read_log(run_dir: Path) -> list[dict]:
+    """A finished run's rows (with its per-layer Wgrad errors, where it logged them)."""
     with open(run_dir / "log.csv", newline="") as f:
-        return [{"step": int(r["step"]), "tokens": int(r["tokens"]), "lr": float(r["lr"]),
+        rows = [{"step": int(r["step"]), "tokens": int(r["tokens"]), "lr": float(r["lr"]),
                  "train_loss": float(r["train_loss"]), "val_loss": float(r["val_loss"])} for r in csv.DictReader(f)]
+    w = Path(run_dir) / "wgrad_error.csv"
+    if w.is_file():
+        by_step = {}
+        with open(w, newline="") as f:
+            for r in csv.DictReader(f):
+                by_step.setdefault(int(r["step"]), {})[r["layer"]] = float(r["wgrad_rel_error"])
+        for r in rows:
+            if r["step"] in by_step:
+                r["wgrad_error"] = by_step[r["step"]]
+    return rows
 
 
 def diverged(run_dir: Path) -> str | None:
@@ -278,6 +302,23 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     def save():
         _atomic_write(ckpt, state(cfg.to_json()))
 
+    def wgrad_error() -> dict:
+        """Each quantized layer's relative Wgrad GEMM error (fp4sim.torch.suggest_high_precision, the paper's
+        App. E.2 diagnostic) on the first validation windows, leaving the run exactly as it was (gradients and
+        the call counters that key SR are restored)."""
+        from fp4sim.torch import suggest_high_precision
+        calls = {n: m._calls for n, m in qlayers.items()}
+        w = val[:cfg.batch]
+
+        def fwd_bwd():
+            F.cross_entropy(model(w[:, :-1]).reshape(-1, cfg.model.vocab), w[:, 1:].reshape(-1)).backward()
+        try:
+            _, rel = suggest_high_precision(model, fwd_bwd, fraction=1.0)
+        finally:
+            for n, c in calls.items():
+                qlayers[n]._calls = c
+        return {n: float(v) for n, v in rel.items() if not getattr(qlayers[n], "_fp4sim_kept", False)}
+
     def evaluate() -> float:
         model.eval()
         tot = 0.0
@@ -324,6 +365,8 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         if step in evals:
             rows.append({"step": step, "tokens": step * tokens_per_step, "lr": lr,
                          "train_loss": float(np.mean(acc)) if acc else math.nan, "val_loss": evaluate()})
+            if cfg.log_wgrad_error:
+                rows[-1]["wgrad_error"] = wgrad_error()
             acc = []
         done_here += 1
         if progress is not None:
@@ -335,6 +378,10 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
             last_ckpt = now
         if stop_after is not None and done_here >= stop_after and step < cfg.steps:
             return rows
+    if cfg.log_wgrad_error:
+        lines = ["step,layer,wgrad_rel_error"] + [f"{r['step']},{n},{v!r}" for r in rows
+                                                   for n, v in r.get("wgrad_error", {}).items()]
+        _atomic_write(run_dir / "wgrad_error.csv", ("\n".join(lines) + "\n").encode())
     _atomic_write(run_dir / "log.csv", rows_to_csv(rows).encode())
     _atomic_write(run_dir / "done.json", json.dumps({"config": json.loads(cfg.to_json()),
                                                      "diverged": diverged}).encode())

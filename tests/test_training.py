@@ -198,6 +198,31 @@ def test_rht_size_and_sign_strategies():
         Recipe.preset("nvfp4_paper", rht_sise=3)
 
 
+def test_preset_takes_operands_by_name_after_its_switches():
+    from fp4sim.training import Operand
+    w = Operand("nvfp4", (1, 16))
+    r = Recipe.preset("bf16", fprop_w=w, dgrad_w=w)
+    assert r.fprop_w == w and r.dgrad_w == w and r.fprop_x == Operand("bf16") and r.name == "bf16"
+    r = Recipe.preset("nvfp4_paper", disable_rht=True, wgrad_x=Operand("bf16"))
+    assert r.wgrad_x == Operand("bf16") and r.wgrad_dy.rht is None      # the switch still applies elsewhere
+
+
+def test_weights_only_recipe_runs_a_mixed_gemm_on_the_quantized_values():
+    """NVFP4 weights with BF16 activations (the paper's Fig. 14 weights-only case): no block-scaled GEMM takes the
+    pair, so the quantized operands are upcast to their values and multiplied in float32."""
+    from fp4sim.training import Operand
+    w16 = Operand("nvfp4", (16, 16))
+    r = Recipe.preset("bf16", fprop_w=w16, dgrad_w=w16)
+    rng = np.random.default_rng(3)
+    x, W, dy = (rng.standard_normal(s).astype(np.float32) for s in ((32, 64), (48, 64), (32, 48)))
+    y, _ = emulate.fprop(x, W, r)
+    want = np.matmul(fs.fake_quantize(x, "bf16"), fs.fake_quantize(W, "nvfp4_2d").T)
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+    dx = emulate.dgrad(dy, W, r)
+    want = np.matmul(fs.fake_quantize(dy, "bf16"), fs.fake_quantize(W, "nvfp4_2d", axis=0))
+    assert np.array_equal(dx.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
 def test_2d_weights_give_dgrad_the_fprop_values_and_1d_weights_do_not():
     w = heavy((48, 64), 2)
     for rec, same in ((Recipe.preset("nvfp4_paper"), True), (Recipe.preset("nvfp4_paper", disable_2d_quantization=True),
