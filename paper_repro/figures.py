@@ -188,8 +188,12 @@ def _fig6b(runs, logs, out: Path) -> dict:
     if res["status"] == "interpolated":
         a1.axvline(res["value"], color="0.4", ls="--",
                    label=f"match at {res['value']:.2f}x ± {res['stderr']:.2f} (paper: 1.36x)")
+    elif res["status"] == "at_or_below_min":
+        a1.set_title(f"MXFP4 reaches NVFP4's final loss already at {MULTS[0]:g}x (paper: 1.36x)")
     else:
-        a1.set_title(f"no match within {MULTS[0]:g}-{MULTS[-1]:g}x ({res['status']})")
+        ext = res["extrapolated"]
+        a1.set_title(f"MXFP4 does not reach NVFP4's final loss by {MULTS[-1]:g}x"
+                     + (f" (straight-line extrapolation: {ext:.2f}x)" if math.isfinite(ext) else ""))
     a1.set(xlabel="MXFP4 tokens / NVFP4 tokens", ylabel="final validation loss")
     for a in (a0, a1):
         a.legend(fontsize=8)
