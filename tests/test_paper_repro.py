@@ -85,17 +85,22 @@ def test_interrupted_run_resumes_to_the_same_curve(tmp_path):
 
 def test_resume_after_a_kill_gives_the_same_curve(tmp_path):
     """SIGKILL a training process after its first checkpoint, start it again: the finished log equals an
-    uninterrupted run's byte for byte (stochastic-rounding counters, optimizer state and data order restored)."""
+    uninterrupted run's byte for byte (stochastic-rounding counters, optimizer state and data order restored).
+    All three runs are fresh processes with the same environment, so only the resume logic is compared (the
+    bits of a run also depend on its process's thread settings, which earlier tests in this process change)."""
     cfg = replace(TINY, tokens=4 * 32 * 30, eval_points=6)
-    want_dir = tmp_path / "whole"
-    train(cfg, want_dir)
-    run_dir = tmp_path / "killed"
-    code = ("import sys, fp4sim; from paper_repro.train import RunConfig, train; "
-            f"train(RunConfig.from_json(sys.argv[1]), {str(run_dir)!r}, ckpt_every=2)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-c", code, cfg.to_json()], cwd=ROOT, env=env)
+
+    def cmd(run_dir, every):
+        code = ("import sys, fp4sim; from paper_repro.train import RunConfig, train; "
+                f"train(RunConfig.from_json(sys.argv[1]), {str(run_dir)!r}, ckpt_every={every})")
+        return [sys.executable, "-c", code, cfg.to_json()]
+
+    want_dir, run_dir = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(cmd(want_dir, None), cwd=ROOT, env=env, check=True, timeout=600)
+    p = subprocess.Popen(cmd(run_dir, 2), cwd=ROOT, env=env)
     t0 = time.time()
-    while not (run_dir / "ckpt.pt").exists() and p.poll() is None and time.time() - t0 < 120:
+    while not (run_dir / "ckpt.pt").exists() and p.poll() is None and time.time() - t0 < 300:
         time.sleep(0.05)
     time.sleep(0.3)
     assert p.poll() is None, "the run finished before it could be killed; make it longer"
@@ -104,7 +109,7 @@ def test_resume_after_a_kill_gives_the_same_curve(tmp_path):
     assert not (run_dir / "done.json").exists() and (run_dir / "ckpt.pt").exists()
     step = torch.load(run_dir / "ckpt.pt", weights_only=False)["step"]
     assert 0 < step < cfg.steps
-    train(cfg, run_dir)
+    subprocess.run(cmd(run_dir, None), cwd=ROOT, env=env, check=True, timeout=600)
     assert (run_dir / "log.csv").read_bytes() == (want_dir / "log.csv").read_bytes()
 
 
