@@ -39,7 +39,7 @@ def _branch(at, preset=None, switches=None, keep_last=None, which="both"):
     """A phase appended to the run: from ``at`` on, ``preset`` (default: the run's own, with its switches plus
     ``switches``), the kept blocks ``keep_last`` and the GEMMs ``which``."""
     def make(cfg):
-        sw = tuple(sorted(({} if preset else dict(cfg.switches)) | (switches or {}).items()))
+        sw = tuple(sorted((({} if preset else dict(cfg.switches)) | (switches or {})).items()))
         ph = (at, preset or cfg.preset, sw, cfg.keep_last if keep_last is None else keep_last, which)
         return replace(cfg, phases=cfg.phases + (ph,))
     return make

@@ -347,3 +347,11 @@ def test_ablation_runs_share_the_reference_and_branch_where_the_paper_does():
     base = next(c for lab, _, c in figures.runs_for("fig8", False, 1) if lab == "base: 1x16 RNE")
     r = base.recipe()
     assert r.fprop_w.block in (None, (1, 16)) and r.wgrad_x.rht is None and r.dgrad_dy.rounding == "rne"
+
+
+def test_a_branch_keeps_the_runs_own_switches_and_adds_its_own():
+    from paper_repro import ablations
+    c = replace(TINY, switches=(("rht_size", 4),))
+    b = ablations._branch(0.5, switches={"disable_rht": True})(c)
+    assert b.phases[0].switches == (("disable_rht", True), ("rht_size", 4))
+    assert ablations._branch(0.5, preset="bf16")(c).phases[0].switches == ()
