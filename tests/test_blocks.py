@@ -241,6 +241,101 @@ def test_rht_bf16_rounds_once_at_a_double_rounding_trap():
     assert fs.rht(x4, 4, None, out="fp32")[0, 0] == np.float32(mid)  # float32 alone lands on the tie
 
 
+def _rht_index_order_oracle(x, d, signs, out):
+    """fp4sim.rht's definition in NumPy: the float64 sum in index order i = 0..d-1, times float64(1/sqrt(d)),
+    rounded once to float32 (NumPy's cast) or to bfloat16 (scaled, np.rint, scaled back), as bit patterns."""
+    from fp4sim.hadamard import hadamard_matrix, rht_signs
+    sh = rht_signs(d, signs)[:, None] * hadamard_matrix(d)
+    X = x.astype(np.float64).reshape(x.shape[0], -1, d)
+    acc = np.zeros(X.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i in range(d):
+            acc = acc + X[:, :, i:i + 1] * sh[i][None, None, :]
+        v = (acc * np.sqrt(1.0 / d)).reshape(x.shape)
+        if out == "fp32":
+            return v.astype(np.float32).view(np.uint32)
+        fin = np.isfinite(v)
+        e = np.frexp(np.where(fin, v, 0.0))[1]
+        q = np.maximum(e - 8, -133)                       # bf16 keeps 8 significant bits, quantum >= 2^-133
+        r = np.ldexp(np.rint(np.ldexp(np.where(fin, v, 0.0), -q)), q)
+        r = np.where(np.abs(r) > float(fs.BF16.max), np.copysign(np.inf, v), r)
+        r = np.where(fin, r, v)
+        bits = (r.astype(np.float32).view(np.uint32) >> 16) << 16
+    return np.where(np.isnan(v), np.uint32(0x7FFF0000), bits).astype(np.uint32)
+
+
+def _rht_edge_rows(d, seed, s):
+    """Chunks around the kernel's fast paths: the butterfly (taken when a chunk's nonzero inputs are finite and
+    span at most 29 - log2(d) binades, where the float64 sum is exact in any order) and the bf16 rounding on
+    the float64 bits (float32's normal range). ``s``: the sign vector, so that output 0 can add d terms of one
+    sign."""
+    rng = np.random.default_rng(seed)
+    scale = np.sqrt(1.0 / d)
+    rows = []
+
+    def chunk(exps, neg=None):
+        m = 1.0 + rng.integers(0, 2**23, len(exps)) / 2**23
+        c = np.ldexp(m, np.asarray(exps)).astype(np.float32)
+        return np.where(rng.random(len(exps)) < 0.5 if neg is None else neg, -c, c)
+
+    for spread in (0, 5, 21, 22, 23, 24, 26, 28, 30, 40, 60, 100):
+        for _ in range(6):                       # random signs and exponents across the spread
+            top = int(rng.integers(-20, 60))
+            ex = rng.integers(top - spread, top + 1, d)
+            ex[rng.integers(d)] = top
+            ex[rng.integers(d)] = top - spread
+            rows.append(chunk(ex))
+    for spread in range(20, 33):                 # most terms in the top 4 binades, 1-3 tiny ones: beyond the
+        for _ in range(40):                      # bound (25 binades at d=16, 22 at d=128) the index-order sum
+            ex = rng.integers(17, 21, d)         # rounds, and differs from the butterfly's from 27 / 25
+            ex[rng.integers(0, d, rng.integers(1, 4))] = 20 - spread
+            rows.append(chunk(ex))
+    lim = 29 - int(np.log2(d))
+    k = d // 2 - 1
+    for spread in range(lim - 2, lim + 9):       # output 0 = t + sum(B) - sum(B): large partial sums that cancel,
+        for _ in range(40):                      # leaving the tiny t; from lim + 4 on, the rounding of the
+            B = chunk(np.full(k, 20), neg=np.zeros(k, bool))       # partial sums differs between the
+            t = chunk([20 - spread], neg=[False])                   # index-order loop and the butterfly
+            u = np.concatenate([B, t, -B[rng.permutation(k)], [0.0]])
+            rows.append(np.where(s < 0, -u, u))
+    for target in ((2 - 2.0**-9) * 2.0**127, (2 - 2.0**-7) * 2.0**127, 2.0**127, 2.0**-126, 2.0**-126 * (1 - 2.0**-9)):
+        v = np.float32(target / (d * scale))     # output 0 = d * v * scale: bf16 overflow by rounding, the
+        if np.isfinite(v):                       # largest bf16, the smallest normal, and just below it
+            rows.append(np.where(s < 0, -v, v).astype(np.float32))
+    for k in (1, 3, 5, 127, 255):                # single inputs: every output is +-x0 * scale, on bf16 ties
+        r = np.zeros(d, np.float32)              # (exact where scale is a power of two) with odd and even
+        r[0] = np.float32((1 + k * 2.0**-8) / scale)        # lower neighbours
+        rows += [r, -r, r * np.float32(2.0**-100)]
+    big = chunk(np.full(d, 126))                                      # sums near float32 / bfloat16 overflow
+    rows += [big, np.abs(big), chunk(np.full(d, 127)), -np.abs(chunk(np.full(d, 127)))]
+    rows += [chunk(np.full(d, -126)), chunk(np.full(d, -127)), chunk(rng.integers(-130, -120, d))]
+    sub = (rng.integers(1, 2**23, d) * 2.0**-149).astype(np.float32)   # float32 subnormal inputs
+    rows += [sub, -sub, np.where(np.arange(d) % 2 == 0, sub, chunk(np.full(d, -110)))]
+    rows += [np.zeros(d, np.float32), np.full(d, -0.0, np.float32)]
+    cancel = chunk(np.full(d // 2, 3))
+    rows.append(np.concatenate([cancel, cancel]))                     # outputs that cancel to exactly zero
+    for special in (np.inf, -np.inf, np.nan):
+        r = chunk(rng.integers(-5, 5, d))
+        r[rng.integers(d)] = special
+        rows.append(r)
+    r = chunk(rng.integers(-5, 5, d))
+    r[0], r[-1] = np.inf, -np.inf
+    rows.append(r)
+    return np.concatenate([np.asarray(r, np.float32) for r in rows]).reshape(-1, d)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8, 16, 32, 64, 128])
+def test_rht_fast_paths_equal_the_index_order_sum(d):
+    from fp4sim.hadamard import rht_signs
+    for signs in (["te"] if d == 16 else []) + [d + 1, None]:
+        x = _rht_edge_rows(d, d, rht_signs(d, signs))
+        for out in ("bf16", "fp32"):
+            got = fs.rht(x, d, signs, out=out).view(np.uint32)
+            want = _rht_index_order_oracle(x, d, signs, out)
+            bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
+            assert bad.size == 0, (signs, out, bad[:5], got.reshape(-1)[bad[:5]], want.reshape(-1)[bad[:5]])
+
+
 def test_pack_unpack_and_swizzle_roundtrip():
     from fp4sim.layout import pack_fp4, swizzle_scales, unswizzle_scales
     c = np.random.default_rng(0).integers(0, 16, (5, 34), dtype=np.uint8)

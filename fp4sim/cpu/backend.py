@@ -131,7 +131,8 @@ class CpuKernels:
     def rht(x2, d, sh, scale, to_bf16):
         y = np.empty(x2.shape, np.uint32)
         if x2.size:
-            rht_kernel(x2, sh, scale, to_bf16, y)
+            x2 = np.ascontiguousarray(x2, np.float32)
+            rht_kernel(x2, x2.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
         return y.view(np.float32)
 
 
