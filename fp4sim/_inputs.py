@@ -11,8 +11,10 @@ from ._xp import xp_of
 _FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16))
 
 
-def as_float32(x, name: str = "x") -> np.ndarray:
-    """``x`` as a C-contiguous float32 NumPy array (float16/bfloat16 widen exactly, float64 rounds RNE)."""
+def as_float32(x, name: str = "x", order: str = "C") -> np.ndarray:
+    """``x`` as a C-contiguous float32 NumPy array (float16/bfloat16 widen exactly, float64 rounds RNE);
+    ``order="K"``: float32 in any layout (a float32 view is returned as it is, for callers that move an axis
+    and copy once themselves)."""
     if isinstance(x, np.ndarray):
         arr = x
     elif hasattr(x, "detach") and hasattr(x, "dtype") and "torch" in type(x).__module__:
@@ -30,7 +32,7 @@ def as_float32(x, name: str = "x") -> np.ndarray:
             f"{name} has dtype {arr.dtype}; fp4sim takes float32, float16, bfloat16 (ml_dtypes) or float64 — "
             f"convert with {name}.astype(np.float32) if the values are meant as numbers")
     with np.errstate(over="ignore"):  # float64 beyond float32's range rounds to +-Inf, as a cast does
-        return np.asarray(arr, dtype=np.float32, order="C")  # (keeps 0-d inputs 0-d)
+        return np.asarray(arr, dtype=np.float32, order=order)  # (keeps 0-d inputs 0-d)
 
 
 def check_axis(axis, ndim: int, what: str) -> int:

@@ -4,7 +4,8 @@ array module; then it calls the small set of kernel entry points that both backe
 A backend ("kernels" object) provides::
 
     xp                                   the array module (numpy or cupy)
-    as_float32(x)                        x as a C-contiguous float32 array of that module (or a clear error)
+    as_float32(x, order="C")             x as a C-contiguous (order="K": any layout) float32 array of that
+                                         module (or a clear error)
     sr_bytes(sr, shape)                  the per-element random bytes of an SRPlan, in ``shape``
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
@@ -289,7 +290,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
                  scale_layout="linear", fake=False, return_intermediates=False, row_scaled=None,
                  per_tensor_scale=None):
     """:func:`fp4sim.quantize` (or ``fake_quantize`` with ``fake=True``) on the backend ``kern``."""
-    xs = kern.as_float32(x)
+    xs = kern.as_float32(x, order="K")   # to2d copies once, with the block axis last
     p = plan_quantize(xs.shape, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed,
                       stream, sr_bits, rbits_mapping, scale_layout, fake, row_scaled, per_tensor_scale)
     xp, sch = kern.xp, p.scheme
@@ -412,7 +413,7 @@ def rht_args(xs, d, signs, axis, out):
 def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16"):
     """:func:`fp4sim.rht` on the backend ``kern``."""
     xp = kern.xp
-    xs = kern.as_float32(x)
+    xs = kern.as_float32(x, order="K")
     axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
     xm = xp.ascontiguousarray(xp.moveaxis(xs, axis, -1))
     x2 = xm.reshape(-1, K)

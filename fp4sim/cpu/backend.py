@@ -20,8 +20,8 @@ class CpuKernels:
     xp = np
 
     @staticmethod
-    def as_float32(x):
-        return as_float32(x)
+    def as_float32(x, order="C"):
+        return as_float32(x, order=order)
 
     @staticmethod
     def sr_bytes(sr, shape):

@@ -31,11 +31,11 @@ class GpuKernels:
         self.xp = be.xp
         self._tables = {}
 
-    def as_float32(self, x, name="x"):
+    def as_float32(self, x, name="x", order="C"):
         if x.dtype not in _FLOATS:
             raise TypeError(f"{name} has dtype {x.dtype}; on the GPU fp4sim takes float16, float32 or float64 CuPy "
                             f"arrays (bfloat16 tensors: pass them through fp4sim.torch or .float() first)")
-        return self.xp.ascontiguousarray(x, dtype=np.float32)
+        return self.xp.ascontiguousarray(x, dtype=np.float32) if order == "C" else self.xp.asarray(x, np.float32)
 
     def table(self, t: np.ndarray):
         """A small float64 lookup table on the device (exact float32 values), uploaded once."""
