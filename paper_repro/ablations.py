@@ -186,6 +186,49 @@ def verdict(expect: str, diffs, diverged_flags) -> tuple[str, dict]:
     return "reference", info
 
 
+def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
+    """The Wgrad GEMM error of every RHT size on the same tensors: for each seed, the d=16 run's snapshot at the
+    branch point (the weights all of fig12's branches start from), one forward and backward pass on the first
+    validation windows under each variant's recipe, each NVFP4 layer's relative Wgrad error against the float64
+    product of the same operands (fp4sim.torch.suggest_high_precision). Rows: seed, variant, layer, rel_error."""
+    import torch
+
+    from . import data
+    from .model import build
+    from .train import Phase, _quant_layers, apply_phase
+    from fp4sim.torch import suggest_high_precision
+    _, variants = ABLATIONS[fig]
+    ref = next(v.label for v in variants if v.expect == "reference")
+    out = []
+    _, val_ids = data.splits()
+    for seed in sorted({c.seed for _, _, c in runs}):
+        base = next(c for lab, _, c in runs if lab == ref and c.seed == seed)
+        step = Phase(BRANCH, base.preset).step(base.steps)
+        snap = Path(run_dirs[base.key()]) / f"snap-{step}.pt"
+        if not snap.is_file():
+            raise FileNotFoundError(f"{fig}: {snap} is missing (a branch trains it); remove the branch runs' folders "
+                                    "under runs/ to train them again")
+        st = torch.load(snap, weights_only=False)
+        val = torch.from_numpy(data.val_windows(val_ids, base.val_windows, base.model.ctx))[:base.batch]
+        for v in variants:
+            cfg = next(c for lab, _, c in runs if lab == v.label and c.seed == seed)
+            model = build(cfg.model, cfg.recipe(), seed)
+            model.load_state_dict(st["model"])
+            if cfg.phases:
+                apply_phase(model, cfg, cfg.phases[-1])
+            q = _quant_layers(model)
+            for n, c in st["calls"].items():
+                q[n]._calls = c
+
+            def fwd_bwd():
+                logits = model(val[:, :-1])
+                torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.model.vocab), val[:, 1:].reshape(-1)).backward()
+            _, rel = suggest_high_precision(model, fwd_bwd, fraction=1.0)
+            out += [{"seed": seed, "variant": v.label, "layer": n, "rel_error": float(e)} for n, e in rel.items()
+                    if not getattr(q[n], "_fp4sim_kept", False)]
+    return out
+
+
 def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     """Write fig.png / fig.csv / fig.json of an ablation figure from its finished runs."""
     from .figures import TRAIN_COLUMNS, _band, _plt, _write_csv, _write_json, training_rows
@@ -194,6 +237,9 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     rows = training_rows(fig, runs, logs)
     _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS + ("wgrad_rel_error_mean",), rows)
     logged = any("wgrad_error" in r for rr in logs.values() for r in rr)
+    at_branch = wgrad_error_at_branch(runs, run_dirs, fig) if fig == "fig12" else None
+    if at_branch is not None:
+        _write_csv(out / f"{fig}_wgrad_error.csv", ("seed", "variant", "layer", "rel_error"), at_branch)
     seeds = sorted({c.seed for _, _, c in runs})
     final = {}
     for lab, _, c in runs:
@@ -202,9 +248,24 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     ref = next(v.label for v in variants if v.expect == "reference")
     summary = {"title": title, "seeds": len(seeds), "reference": ref, "variants": {}}
     plt = _plt()
-    f, axes = plt.subplots(1, 3 if logged else 2, figsize=(17 if logged else 12, 4.4))
+    panel3 = logged or at_branch is not None
+    f, axes = plt.subplots(1, 3 if panel3 else 2, figsize=(17 if panel3 else 12, 4.4))
     a0, a1 = axes[0], axes[1]
     cmap = plt.get_cmap("tab10")
+    if at_branch is not None:   # every RHT size on the same weights and batch: the snapshot at the branch point
+        by = {}
+        for r in at_branch:
+            by.setdefault(r["variant"], {}).setdefault(r["seed"], []).append(r["rel_error"])
+        summary["wgrad_error_at_branch"] = {}
+        for i, v in enumerate(variants):
+            per_seed = [float(np.mean(e)) for e in by.get(v.label, {}).values()]
+            m, sd = stats.mean_std(per_seed)
+            summary["wgrad_error_at_branch"][v.label] = {"mean": float(m), "std": float(sd), "seeds": len(per_seed)}
+            axes[2].bar([i], [m], yerr=[sd], color=cmap(i), capsize=4)
+        axes[2].set_xticks(range(len(variants)), [v.label for v in variants], fontsize=8)
+        axes[2].set(ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)",
+                    title=f"Wgrad error of each d on the same tensors (step at {BRANCH:.0%})")
+        axes[2].grid(alpha=0.3, axis="y")
     if logged:                  # the paper's diagnostic: each run's mean relative Wgrad GEMM error over its layers
         for i, v in enumerate(variants):
             for s in seeds:

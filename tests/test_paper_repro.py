@@ -52,6 +52,20 @@ def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
         assert set(rows[0]) == set(figures.TRAIN_COLUMNS + extra)
         assert {r["run"] for r in rows} == {lab for lab, _, _ in runs}
         assert {int(r["seed"]) for r in rows} == set(range(figures.QUICK_SEEDS))
+    if fig == "fig12":          # every RHT size's Wgrad error on the branch point's tensors
+        w = list(csv.DictReader(open(tmp_path / "fig12_wgrad_error.csv")))
+        per = {(r["variant"], int(r["seed"]), r["layer"]): float(r["rel_error"]) for r in w}
+        labels = [v.label for v in ablations.ABLATIONS["fig12"][1]]
+        layers = {lay for _, _, lay in per}
+        assert layers and all(lay.startswith("layers.0.") for lay in layers)   # the last block and head are BF16
+        assert set(per) == {(v, s, lay) for v in labels for s in range(figures.QUICK_SEEDS) for lay in layers}
+        assert all(0 < e < 1 for e in per.values())
+        for s in range(figures.QUICK_SEEDS):     # the same tensors under another d quantize differently
+            assert all(per[("d=2", s, lay)] != per[("d=16", s, lay)] for lay in layers)
+        summ = json.load(open(tmp_path / "fig12.json"))["wgrad_error_at_branch"]
+        for v in labels:
+            want = np.mean([np.mean([per[(v, s, lay)] for lay in layers]) for s in range(figures.QUICK_SEEDS)])
+            assert summ[v]["mean"] == pytest.approx(want, rel=1e-12)
 
 
 def test_cli_lists_and_refuses_bad_arguments(tmp_path):
