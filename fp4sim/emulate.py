@@ -112,12 +112,14 @@ def _matmul(qa, qb, recipe, a_axis, b_axis):
     return xp.matmul(A, B.T).astype(np.float32)
 
 
-def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None):
-    """y = x · Wᵀ: x (M, K), w (N, K) -> (M, N) float32. Returns (y, the quantized weight for reuse)."""
+def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, return_qx=False):
+    """y = x · Wᵀ: x (M, K), w (N, K) -> (M, N) float32. Returns (y, the quantized weight for reuse), and the
+    quantized activation third with ``return_qx`` (for ``wgrad_x_reuse_fprop``)."""
     s = _signs(recipe.fprop_x, recipe, layer, call, 0) if recipe.fprop_x.rht else None
     qx = quantize_operand(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s, stats)
     qw = quantize_operand(w, recipe.fprop_w, 1, recipe, layer, call, "fprop_w", s, stats)
-    return _matmul(qx, qw, recipe, 1, 1), qw
+    y = _matmul(qx, qw, recipe, 1, 1)
+    return (y, qw, qx) if return_qx else (y, qw)
 
 
 def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None):
@@ -133,9 +135,14 @@ def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, 
     return _matmul(qdy, qw, recipe, 1, 0)
 
 
-def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None):
-    """dW = dyᵀ · x: dy (M, N), x (M, K) -> (N, K) float32."""
+def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx_fprop=None):
+    """dW = dyᵀ · x: dy (M, N), x (M, K) -> (N, K) float32. With ``recipe.wgrad_x_reuse_fprop``, ``qx_fprop``
+    (Fprop's quantized x, along K) is used as it is, upcast to float32, instead of x re-quantized along M."""
     s = _signs(recipe.wgrad_dy, recipe, layer, call, 2) if recipe.wgrad_dy.rht else None
     qdy = quantize_operand(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s, stats)
+    if recipe.wgrad_x_reuse_fprop and qx_fprop is not None and recipe.wgrad_x.quantized:
+        xv = dequantize(qx_fprop) if hasattr(qx_fprop, "codes") else qx_fprop
+        dyv = dequantize(qdy) if hasattr(qdy, "codes") else qdy
+        return xp_of(xv).matmul(dyv.T, xv).astype(np.float32)
     qx = quantize_operand(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s, stats)
     return _matmul(qdy, qx, recipe, 0, 0)

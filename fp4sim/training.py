@@ -91,6 +91,9 @@ class Recipe:
     rht_dtype : ``"bf16"`` (default; TransformerEngine's kernels round the rotated tensor to bf16) or ``"fp32"``.
     dgrad_w_reuse_fprop : simulation-only: Dgrad uses the weight exactly as quantized for Fprop (along K), not
         re-quantized along N (the paper's Fig. 14 "same dim" case for 1x16 weights).
+    wgrad_x_reuse_fprop : simulation-only: Wgrad uses the activation exactly as quantized for Fprop (along K), not
+        re-quantized along the tokens (Fig. 14's "same dim" case for 1x16 activations); needs a Wgrad GEMM
+        without an RHT (the Fprop copy is not rotated).
     accumulate : ``"exact"`` (the tensor core's rule, :func:`fp4sim.gemm`) or ``"fast"`` (dequantize + BLAS).
     seed : the Philox key of stochastic rounding and of ``"fixed"`` / ``"per_transform"`` RHT signs.
     """
@@ -107,6 +110,7 @@ class Recipe:
     high_precision: str | None = "bf16"
     rht_dtype: str = "bf16"
     dgrad_w_reuse_fprop: bool = False
+    wgrad_x_reuse_fprop: bool = False
     accumulate: str = "exact"
     seed: int = 0
     name: str = "custom"
@@ -130,6 +134,9 @@ class Recipe:
                 raise ValueError(f"{k}={v!r}: a number of blocks >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed={self.seed!r}: an integer in [0, 2**63)")
+        if self.wgrad_x_reuse_fprop and self.wgrad_x.rht:
+            raise ValueError("wgrad_x_reuse_fprop: Wgrad would reuse Fprop's copy of x, which has no RHT, but the "
+                             f"Wgrad GEMM has a {self.wgrad_x.rht}-point RHT; disable it (disable_rht=True)")
         for g in ("fprop", "dgrad", "wgrad"):
             a, b = [getattr(self, op) for op in OPERANDS if GEMM_OF[op] == g]
             if (a.rht, a.rht_signs if a.rht else None) != (b.rht, b.rht_signs if b.rht else None):

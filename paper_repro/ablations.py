@@ -143,6 +143,9 @@ ABLATIONS = {
                 "the same weights in both directions: as good as 16x16", "same"),
         Variant("activations 1x16", lambda c: replace(c, preset="bf16", operands=_A1),
                 "activations tolerate 1x16 blocks: close to weights-only", "same"),
+        Variant("activations 1x16, Wgrad reuses the Fprop copy",
+                lambda c: replace(c, preset="bf16", operands=_A1, switches=(("wgrad_x_reuse_fprop", True),)),
+                "the inconsistency matters little for activations: about the same as re-quantizing them", "same"),
     ]),
 }
 

@@ -4,9 +4,11 @@ transformers models and DDP."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import os
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -236,6 +238,30 @@ def test_2d_weights_give_dgrad_the_fprop_values_and_1d_weights_do_not():
     got = emulate.dgrad(dy, w, reuse, qw_fprop=qw)
     want = fs.dequantize(emulate.quantize_operand(dy, reuse.dgrad_dy, 1, reuse, 0, 0, "dgrad_dy")) @ fs.dequantize(qw)
     assert np.array_equal(got, want.astype(np.float32))
+
+
+def test_wgrad_can_reuse_the_fprop_copy_of_the_activations():
+    from fp4sim.training import Operand
+    a1 = Operand("nvfp4", (1, 16))
+    reuse = Recipe.preset("bf16", fprop_x=a1, wgrad_x=a1, wgrad_x_reuse_fprop=True)
+    x, w, dy = heavy((32, 64), 5), heavy((48, 64), 6), heavy((32, 48), 7)
+    y, _, qx = emulate.fprop(x, w, reuse, return_qx=True)
+    got = emulate.wgrad(dy, x, reuse, qx_fprop=qx)
+    xk = fs.dequantize(fs.quantize(x, "nvfp4", axis=1))                  # x along K, as Fprop quantized it
+    dyb = dy.astype(ml_dtypes.bfloat16).astype(np.float32)                # the BF16 gradient operand
+    assert np.array_equal(got, (dyb.T @ xk).astype(np.float32))
+    again = emulate.wgrad(dy, x, replace(reuse, wgrad_x_reuse_fprop=False))   # re-quantized along the tokens
+    xm = fs.dequantize(fs.quantize(x, "nvfp4", axis=0))
+    assert np.array_equal(again, (dyb.T @ xm).astype(np.float32)) and not np.array_equal(got, again)
+    # through QuantLinear: the same dW as the emulated GEMM on the Fprop copy
+    lin = QuantLinear(64, 48, bias=False, recipe=reuse)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+    xt = torch.from_numpy(x).requires_grad_(True)
+    lin(xt).backward(torch.from_numpy(dy))
+    assert np.array_equal(lin.weight.grad.numpy(), got)
+    with pytest.raises(ValueError, match="wgrad_x_reuse_fprop.*RHT"):
+        Recipe.preset("nvfp4_paper", wgrad_x_reuse_fprop=True)
 
 
 def test_sr_is_reproducible_seeded_and_unbiased():

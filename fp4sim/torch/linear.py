@@ -50,11 +50,12 @@ class _Fn(torch.autograd.Function):
         x2 = _to_array(x.reshape(-1, x.shape[-1]))
         w = _to_array(weight)
         stats = layer._stats_sink("fprop", call)
-        y, qw = emulate.fprop(x2, w, rec, layer.layer_index, call, stats)
+        y, qw, qx = emulate.fprop(x2, w, rec, layer.layer_index, call, stats, return_qx=True)
         ctx.layer, ctx.call, ctx.lead, ctx.x_dtype = layer, call, lead, x.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         ctx.qw = qw if rec.dgrad_w_reuse_fprop else None
+        ctx.qx = qx if rec.wgrad_x_reuse_fprop else None
         out = _to_tensor(y, x, torch.float32)
         if bias is not None:
             out = out + bias.to(torch.float32)
@@ -74,7 +75,8 @@ class _Fn(torch.autograd.Function):
             dx = _to_tensor(d, x, ctx.x_dtype).reshape(*ctx.lead, -1)
         if ctx.needs_input_grad[1]:
             stats = layer._stats_sink("wgrad", call)
-            d = emulate.wgrad(dy2, _to_array(x.reshape(-1, x.shape[-1])), rec, layer.layer_index, call, stats)
+            d = emulate.wgrad(dy2, _to_array(x.reshape(-1, x.shape[-1])), rec, layer.layer_index, call, stats,
+                              ctx.qx)
             dw = _to_tensor(d, weight, weight.dtype)
             if layer._wgrad_probe is not None:
                 layer._wgrad_probe(d, dy2, _to_array(x.reshape(-1, x.shape[-1])))
