@@ -27,24 +27,6 @@ def f64_to_bf16_bits(v, buf, bits):
     return encode_one(u, 0, 0, 8, 7, -126, 127, 0x7F7F, False, 0x7F80, 0x7FFF, 0x8000)
 
 
-@nb.njit(inline="always", cache=True)
-def f64_to_bf16_bits_normal(v, b64, i64):
-    """bfloat16 code of a float64 rounded once (RNE) on its bits (``b64`` / ``i64``: a one-element float64
-    buffer and its int64 view), or -1 where ``v`` is not in float32's
-    normal range (zero, subnormal, beyond 2^128, inf or NaN: :func:`f64_to_bf16_bits` handles those)."""
-    b64[0] = v
-    u = i64[0]
-    a = u & np.int64(0x7FFFFFFFFFFFFFFF)
-    e = a >> np.int64(52)
-    if e < 1023 - 126 or e > 1023 + 127:
-        return np.int64(-1)
-    a = (a + np.int64((1 << 44) - 1) + ((a >> np.int64(45)) & np.int64(1))) >> np.int64(45)   # 1 + 11 + 7 bits
-    e = a >> np.int64(7)
-    ef = e - 1023 + 127                          # float32 / bfloat16 biased exponent after the rounding
-    code = np.int64(0x7F80) if ef >= 255 else (ef << np.int64(7)) | (a & np.int64(0x7F))
-    return code | (np.int64(0x8000) if u < 0 else np.int64(0))
-
-
 # A chunk whose nonzero float32 inputs span at most 29 - log2(d) binades (biased exponents emin..emax,
 # subnormals counted as 1) has an exact float64 sum in any order: every term is a multiple of 2^(emin-150), the
 # sum and every partial sum is below d * 2^(emax-126), and log2(d) + (emax-126) - (emin-150) <= 53. Then the
@@ -59,10 +41,13 @@ def rht_kernel(x2, xb, signs, signs_h, scale, to_bf16, out):
 
     ``signs_h`` = diag(signs) @ H_d as float64 (+-1, H_d Sylvester); the sum is the float64 sum over
     i = 0..d-1 in index order. Where that sum is exact (chunks within :func:`spread_limit` binades, all finite) the
-    butterfly computes it in d log d additions; other chunks take the index-order loop.
+    butterfly computes it in d log d additions; other chunks take the index-order loop. Each row is transposed
+    into a (d, chunks) buffer first, so that every butterfly stage and the rounding run as vector loops over the
+    row's chunks.
     """
     R, K = x2.shape
     d = signs_h.shape[0]
+    nch = K // d
     lim = 29
     h = d
     while h > 1:
@@ -71,48 +56,88 @@ def rht_kernel(x2, xb, signs, signs_h, scale, to_bf16, out):
     for r in nb.prange(R):
         buf = np.empty(1, np.float32)
         bits = buf.view(np.uint32)
-        z = np.empty(d, np.float64)
-        b64 = np.empty(1, np.float64)
-        i64 = b64.view(np.int64)
-        for c0 in range(0, K, d):
-            emax = 0
-            emin = 255
+        t = np.empty(d * nch, np.uint32)          # t[i * nch + c] = bits of x[r, c * d + i]
+        z = np.empty(d * nch, np.float64)
+        zi = z.view(np.int64)
+        fast = np.empty(nch, np.bool_)
+        emax = np.empty(nch, np.int32)
+        emin = np.empty(nch, np.int32)
+        for c in range(nch):
             for i in range(d):
-                b = np.int32(xb[r, c0 + i] & np.uint32(0x7FFFFFFF))
+                t[i * nch + c] = xb[r, c * d + i]
+        emax[:] = 0
+        emin[:] = 255
+        for i in range(d):
+            o = i * nch
+            for c in range(nch):
+                b = np.int32(t[o + c] & np.uint32(0x7FFFFFFF))
                 e = b >> 23
-                if b != 0:
-                    emax = max(emax, e)
-                    emin = min(emin, max(e, 1))
-            if emax < 255 and emax - emin <= lim:     # lim = spread_limit(d)
-                for i in range(d):
-                    z[i] = np.float64(x2[r, c0 + i]) * signs[i]
-                h = 1
-                while h < d:
-                    for i0 in range(0, d, 2 * h):
-                        for i in range(i0, i0 + h):
-                            p = z[i]
-                            q = z[i + h]
-                            z[i] = p + q
-                            z[i + h] = p - q
-                    h *= 2
+                nz = b != 0
+                emax[c] = max(emax[c], e if nz else np.int32(0))
+                emin[c] = min(emin[c], max(e, np.int32(1)) if nz else np.int32(255))
+        nslow = 0
+        for c in range(nch):
+            fast[c] = (emax[c] < 255) & (emax[c] - emin[c] <= lim)      # lim = spread_limit(d)
+            nslow += np.int32(not fast[c])
+        tf = t.view(np.float32)
+        for i in range(d):
+            o = i * nch
+            si = signs[i]
+            for c in range(nch):
+                z[o + c] = np.float64(tf[o + c]) * si
+        h = 1
+        while h < d:                              # the butterfly, each step a vector loop over the chunks
+            for i0 in range(0, d, 2 * h):
+                for i in range(i0, i0 + h):
+                    o, o2 = i * nch, (i + h) * nch
+                    for c in range(nch):
+                        p = z[o + c]
+                        q = z[o2 + c]
+                        z[o + c] = p + q
+                        z[o2 + c] = p - q
+            h *= 2
+        for k in range(d * nch):
+            z[k] = (0.0 + z[k]) * scale           # 0.0 + : an exact zero is +0, as the index-order sum's
+        odd = 0
+        if to_bf16:                               # RNE on the float64 bits, for float32's normal range
+            for j in range(d):
+                o = j * nch
+                for c in range(nch):
+                    u = zi[o + c]
+                    a = u & np.int64(0x7FFFFFFFFFFFFFFF)
+                    e = a >> np.int64(52)
+                    ok = (e >= 1023 - 126) & (e <= 1023 + 127)
+                    a = (a + np.int64((1 << 44) - 1) + ((a >> np.int64(45)) & np.int64(1))) >> np.int64(45)
+                    ef = (a >> np.int64(7)) - 896           # float32 / bfloat16 biased exponent after rounding
+                    code = np.int64(0x7F80) if ef >= 255 else (ef << np.int64(7)) | (a & np.int64(0x7F))
+                    code |= np.int64(0x8000) if u < 0 else np.int64(0)
+                    out[r, c * d + j] = np.uint32(code) << np.uint32(16)
+                    odd += np.int32(not ok)
+            if odd:                               # zeros, subnormals, huge values, inf, NaN
                 for j in range(d):
-                    v = (0.0 + z[j]) * scale       # 0.0 + : an exact zero is +0, as the index-order sum's
+                    for c in range(nch):
+                        u = zi[j * nch + c] & np.int64(0x7FFFFFFFFFFFFFFF)
+                        e = u >> np.int64(52)
+                        if e < 1023 - 126 or e > 1023 + 127:
+                            out[r, c * d + j] = np.uint32(f64_to_bf16_bits(z[j * nch + c], buf, bits)) << np.uint32(16)
+        else:
+            for j in range(d):
+                o = j * nch
+                for c in range(nch):
+                    buf[0] = np.float32(z[o + c])
+                    out[r, c * d + j] = bits[0]
+        if nslow:                                 # chunks whose sum may round: the index-order loop
+            for c in range(nch):
+                if fast[c]:
+                    continue
+                c0 = c * d
+                for j in range(d):
+                    acc = 0.0
+                    for i in range(d):
+                        acc += np.float64(x2[r, c0 + i]) * signs_h[i, j]
+                    v = acc * scale
                     if to_bf16:
-                        c = f64_to_bf16_bits_normal(v, b64, i64)
-                        if c < 0:
-                            c = np.int64(f64_to_bf16_bits(v, buf, bits))
-                        out[r, c0 + j] = np.uint32(c) << np.uint32(16)
+                        out[r, c0 + j] = np.uint32(f64_to_bf16_bits(v, buf, bits)) << np.uint32(16)
                     else:
                         buf[0] = np.float32(v)
                         out[r, c0 + j] = bits[0]
-                continue
-            for j in range(d):
-                acc = 0.0
-                for i in range(d):
-                    acc += np.float64(x2[r, c0 + i]) * signs_h[i, j]
-                v = acc * scale
-                if to_bf16:
-                    out[r, c0 + j] = np.uint32(f64_to_bf16_bits(v, buf, bits)) << np.uint32(16)
-                else:
-                    buf[0] = np.float32(v)
-                    out[r, c0 + j] = bits[0]
