@@ -355,10 +355,19 @@ def fp8_kernel(x2, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide,
 # ------------------------------------------------------------------------------------------------- dequantize
 @nb.njit(parallel=True, cache=True)
 def fp4_dequant_kernel(codes, blockfac, bk, out):
-    """out[r, k] = E2M1(code[r, k]) * blockfac[r, k // bk] for packed FP4 codes (element 2t low nibble)."""
+    """out[r, k] = E2M1(code[r, k]) * blockfac[r, k // bk] for packed FP4 codes (element 2t low nibble).
+
+    ``bk`` is a power of two (16 or 32): one vector loop over the code bytes, a byte's block by a shift.
+    """
     R, K = out.shape
+    sh = 0
+    while (2 << sh) < bk:
+        sh += 1                                   # byte t holds elements 2t, 2t + 1 of block t >> sh
     for r in nb.prange(R):
-        for k in range(K):
-            b = codes[r, k >> 1]
-            c = (b >> np.uint8(4)) if (k & 1) else (b & np.uint8(15))
-            out[r, k] = E2M1_VALUES[c] * blockfac[r, k // bk]
+        for t in range(K // 2):
+            b = codes[r, t]
+            f = blockfac[r, t >> sh]
+            out[r, 2 * t] = E2M1_VALUES[b & np.uint8(15)] * f
+            out[r, 2 * t + 1] = E2M1_VALUES[b >> np.uint8(4)] * f
+        if K & 1:
+            out[r, K - 1] = E2M1_VALUES[codes[r, K >> 1] & np.uint8(15)] * blockfac[r, (K - 1) // bk]
