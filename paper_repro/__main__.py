@@ -1,4 +1,6 @@
-"""python -m paper_repro FIG [--quick] [--out DIR] [--seeds N] | list | all [--quick] | ablations [--quick]
+"""python -m paper_repro FIG [--quick] [--out DIR] [--seeds N] | list | all [--quick] | ablations [--quick] | table
+
+``table`` prints the verdicts of the ablation figures already made in DIR as a Markdown table.
 
 Regenerates a figure of the NVFP4 paper at small scale: trains the tiny GPTs it needs (resuming any that were
 interrupted, reusing any already finished under DIR/runs/) and writes DIR/FIG.png, DIR/FIG.csv and DIR/FIG.json.
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paper_repro", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("fig", help=f"list, all (the part-1 figures: {', '.join(figures.PART1)}), ablations (the "
-                                f"rest), or one of {', '.join(FIGURES)}")
+                                f"rest), table (their verdicts), or one of {', '.join(FIGURES)}")
     ap.add_argument("--quick", action="store_true", help="a tiny model for a few steps (seconds): checks the pipeline")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: figures/)")
     ap.add_argument("--seeds", type=int, help=f"seeds per training curve (default {figures.FULL_SEEDS}; "
@@ -52,6 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="torch and Numba threads (default: all cores, at most 2)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
+    if a.fig == "table":
+        print(ablations.verdict_table(a.out), end="")
+        return 0
     if a.fig == "list":
         for f in FIGURES.values():
             print(f"{f.name:6}  {f.what}{'' if f.trains else ' (no training)'}")

@@ -315,3 +315,30 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     plt.close(f)
     _write_json(out / f"{fig}.json", summary)
     return summary
+
+
+def verdict_table(out: Path) -> str:
+    """The verdicts of every ablation figure whose JSON is in ``out``, as a Markdown table (figures/README.md
+    and the closing notes quote it): the paper's claim, the paired effect on the final validation loss (mean
+    ± standard error over seeds, nats; positive = worse than the reference), the seed spread of that difference,
+    and the verdict."""
+    import json
+    lines = ["| figure | variant (vs reference) | the paper | effect on the final loss (nats) | seed spread | "
+             "verdict |", "|---|---|---|---|---|---|"]
+    for fig in ABLATIONS:
+        p = Path(out) / f"{fig}.json"
+        if not p.is_file():
+            continue
+        j = json.loads(p.read_text())
+        for var in ABLATIONS[fig][1]:                   # in the figure's order
+            lab, v = var.label, j["variants"].get(var.label)
+            if v is None or v["expect"] == "reference":
+                continue
+            if v.get("diverged"):
+                eff, spread = "diverged", ""
+            elif math.isfinite(v.get("stderr", math.nan)):
+                eff, spread = f"{v['effect']:+.4f} ± {v['stderr']:.4f}", f"{v['spread']:.4f}"
+            else:
+                eff, spread = f"{v.get('effect', math.nan):+.4f}", ""
+            lines.append(f"| {fig} | {lab} (vs {j['reference']}) | {v['paper']} | {eff} | {spread} | {v['verdict']} |")
+    return "\n".join(lines) + "\n"

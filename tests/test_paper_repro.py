@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fp4sim as fs  # noqa: E402
-from paper_repro import build_data, data, figures, stats  # noqa: E402
+from paper_repro import ablations, build_data, data, figures, stats  # noqa: E402
 from paper_repro.model import GPT, GPTConfig, build  # noqa: E402
 from paper_repro.train import RunConfig, train, wsd_lr  # noqa: E402
 
@@ -47,11 +47,20 @@ def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
     if figures.FIGURES[fig].trains:
         runs = figures.runs_for(fig, True, figures.QUICK_SEEDS)
         assert len(rows) == sum(len(c.eval_steps()) for _, _, c in runs)
-        from paper_repro import ablations
         extra = ("wgrad_rel_error_mean",) if fig in ablations.ABLATIONS else ()
         assert set(rows[0]) == set(figures.TRAIN_COLUMNS + extra)
         assert {r["run"] for r in rows} == {lab for lab, _, _ in runs}
         assert {int(r["seed"]) for r in rows} == set(range(figures.QUICK_SEEDS))
+    if fig in ablations.ABLATIONS:  # the verdict table lists every variant but the reference, in order
+        t = _run(["table", "--out", str(tmp_path)], timeout=60)
+        assert t.returncode == 0, t.stderr
+        summ = json.load(open(tmp_path / f"{fig}.json"))
+        got = [ln for ln in t.stdout.splitlines() if ln.startswith(f"| {fig} |")]
+        want = [v for v in ablations.ABLATIONS[fig][1] if v.expect != "reference"]
+        assert len(got) == len(want)
+        for ln, v in zip(got, want):
+            assert ln.startswith(f"| {fig} | {v.label} (vs {summ['reference']}) | {v.paper} |")
+            assert ln.endswith(f"| {summ['variants'][v.label]['verdict']} |")
     if fig == "fig12":          # every RHT size's Wgrad error on the branch point's tensors
         w = list(csv.DictReader(open(tmp_path / "fig12_wgrad_error.csv")))
         per = {(r["variant"], int(r["seed"]), r["layer"]): float(r["rel_error"]) for r in w}
