@@ -1,4 +1,5 @@
-"""NVFP4 / MXFP4 quantize and fake-quantize throughput on a 4096x4096 float32 tensor, as ratios to baselines
+"""NVFP4 / MXFP4 quantize, fake-quantize, dequantize and RHT throughput on a 4096x4096 float32 tensor, as ratios
+to baselines
 measured in the same run: (a) a Numba streaming kernel that reads float32 and writes uint8 (the memory-bound
 floor), (b) torchao's ``nvfp4_quantize`` eager and under ``torch.compile`` (when torch/torchao are installed).
 
@@ -58,7 +59,11 @@ def main():
            ("fake_quantize nvfp4", lambda: fs.fake_quantize(x, "nvfp4")),
            ("fake_quantize nvfp4_2d", lambda: fs.fake_quantize(x, "nvfp4_2d")),
            ("fake_quantize mxfp4", lambda: fs.fake_quantize(x, "mxfp4")),
-           ("dequantize nvfp4", (lambda q: lambda: fs.dequantize(q))(fs.quantize(x, "nvfp4")))]
+           ("dequantize nvfp4", (lambda q: lambda: fs.dequantize(q))(fs.quantize(x, "nvfp4"))),
+           ("dequantize mxfp4", (lambda q: lambda: fs.dequantize(q))(fs.quantize(x, "mxfp4"))),
+           ("rht d=16 (bf16 out)", lambda: fs.rht(x, 16)),
+           ("rht d=16 (fp32 out)", lambda: fs.rht(x, 16, out="fp32")),
+           ("rht d=16 along axis 0", lambda: fs.rht(x, 16, axis=0))]
     for name, fn in ops:
         t = best(fn, a.repeat)
         row = {"op": name, "ms": t * 1e3, "vs_stream": t_stream / t}

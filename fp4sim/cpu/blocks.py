@@ -208,7 +208,7 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_va
                 for j in range(nbk):
                     f = fac[j]
                     for k in range(j * 16, j * 16 + 16):
-                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rrow[k]), nsr, E2M1_MAGS, E2M1_STEPS)
+                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rrow[k]), nsr)
             else:
                 for j in range(nbk):
                     f = fac[j]
