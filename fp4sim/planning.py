@@ -213,11 +213,20 @@ class QuantPlan:
     fake: bool
 
     def to2d(self, xp, a):
-        return xp.ascontiguousarray(xp.moveaxis(a, self.axis, -1)).reshape(-1, self.K)
+        return axis_last(xp, a, self.axis).reshape(-1, self.K)
 
     def back(self, xp, y2):
         """A (R, K) result in the input's original layout."""
         return xp.moveaxis(y2.reshape(self.lead + (self.K,)), -1, self.axis)
+
+
+def axis_last(xp, a, axis):
+    """``a`` with ``axis`` moved last, C-contiguous (on the CPU a tiled copy: NumPy's strided copy of a large
+    transpose is several times slower)."""
+    if xp is np:
+        from .cpu.transpose import axis_last as cpu_axis_last
+        return cpu_axis_last(a, axis)
+    return xp.ascontiguousarray(xp.moveaxis(a, axis, -1))
 
 
 def plan_quantize(shape, scheme, axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
@@ -415,7 +424,7 @@ def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16"):
     xp = kern.xp
     xs = kern.as_float32(x, order="K")
     axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
-    xm = xp.ascontiguousarray(xp.moveaxis(xs, axis, -1))
+    xm = axis_last(xp, xs, axis)
     x2 = xm.reshape(-1, K)
     y = kern.rht(x2, d, sh, math.sqrt(1.0 / d), to_bf16)
     return xp.moveaxis(y.reshape(xm.shape), -1, axis)

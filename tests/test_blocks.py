@@ -535,3 +535,18 @@ def test_row_scaled_four_over_six_takes_given_row_amaxes_and_refuses_2d():
     np.testing.assert_array_equal(q.scales, scales)
     with pytest.raises(ValueError, match="1x16"):
         fs.quantize(x, "nvfp4_2d", row_scaled=True, four_over_six="mae")
+
+
+@pytest.mark.parametrize("shape,axis", [((300, 257), 0), ((3, 70, 50), 1), ((5, 64, 33, 7), 1), ((9, 40, 33), 0),
+                                        ((16, 16), 0)])
+def test_tiled_axis_move_copies_exactly(shape, axis):
+    from fp4sim.cpu.transpose import axis_last
+    rng = np.random.default_rng(1)
+    for a in (heavy(shape, 2), rng.integers(0, 256, shape).astype(np.uint8)):
+        want = np.ascontiguousarray(np.moveaxis(a, axis, -1))
+        got = axis_last(a, axis)
+        assert got.flags.c_contiguous and got.shape == want.shape and got.dtype == want.dtype
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    if len(shape) == 2:                            # a transposed view moved back is contiguous: no copy
+        v = heavy(shape[::-1], 3).T
+        assert np.shares_memory(axis_last(v, 0), v)
