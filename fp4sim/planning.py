@@ -424,6 +424,10 @@ def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16"):
     xp = kern.xp
     xs = kern.as_float32(x, order="K")
     axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
+    if axis != xs.ndim - 1 and hasattr(kern, "rht_axis") and xs.flags.c_contiguous:
+        outer = math.prod(xs.shape[:axis])               # CPU: along a strided axis without transposing
+        y = kern.rht_axis(xs.reshape(outer, K, -1), d, sh, math.sqrt(1.0 / d), to_bf16)
+        return y.reshape(xs.shape)
     xm = axis_last(xp, xs, axis)
     x2 = xm.reshape(-1, K)
     y = kern.rht(x2, d, sh, math.sqrt(1.0 / d), to_bf16)

@@ -334,6 +334,11 @@ def test_rht_fast_paths_equal_the_index_order_sum(d):
             want = _rht_index_order_oracle(x, d, signs, out)
             bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
             assert bad.size == 0, (signs, out, bad[:5], got.reshape(-1)[bad[:5]], want.reshape(-1)[bad[:5]])
+            # along a strided axis (the kernel that works on columns without transposing): chunks as columns
+            n = x.shape[0] // 2 * 2
+            x3 = np.ascontiguousarray(x[:n].reshape(2, n // 2, d).transpose(0, 2, 1))      # (2, d, n/2)
+            got3 = fs.rht(x3, d, signs, axis=1, out=out).view(np.uint32)
+            assert np.array_equal(got3, want[:n].reshape(2, n // 2, d).transpose(0, 2, 1)), (signs, out)
 
 
 def test_pack_unpack_and_swizzle_roundtrip():

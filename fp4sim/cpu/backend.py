@@ -9,7 +9,7 @@ from ..planning import POW2_DEC, POW2_ENC, as_float32, kernel_params
 from ..rng import philox_bytes, seed_key
 from . import blocks as _b
 from . import elements as _e
-from .hadamard import rht_kernel
+from .hadamard import rht_axis_kernel, rht_kernel
 
 f32 = np.float32
 
@@ -133,6 +133,14 @@ class CpuKernels:
         if x2.size:
             x2 = np.ascontiguousarray(x2, np.float32)
             rht_kernel(x2, x2.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
+        return y.view(np.float32)
+
+    @staticmethod
+    def rht_axis(a3, d, sh, scale, to_bf16):
+        """The RHT along axis 1 of a C-contiguous (outer, K, inner) float32 array, in that layout."""
+        y = np.empty(a3.shape, np.uint32)
+        if a3.size:
+            rht_axis_kernel(a3, a3.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
         return y.view(np.float32)
 
 

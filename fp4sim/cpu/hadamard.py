@@ -141,3 +141,106 @@ def rht_kernel(x2, xb, signs, signs_h, scale, to_bf16, out):
                     else:
                         buf[0] = np.float32(v)
                         out[r, c0 + j] = bits[0]
+
+
+CB = 128        # columns per task of the strided kernel (its float64 buffer stays in L1 / L2)
+
+
+@nb.njit(parallel=True, cache=True)
+def rht_axis_kernel(a3, ab, signs, signs_h, scale, to_bf16, out):
+    """:func:`rht_kernel` along axis 1 of a C-contiguous (outer, K, inner) array, written in the same layout:
+    chunk g of column c is a3[o, g*d : g*d + d, c]. Rows of a chunk are contiguous in memory, so the butterfly
+    runs as vector loops over CB columns at a time without transposing anything; the same exactness rule
+    picks the butterfly or the index-order loop per column."""
+    O, K, I = a3.shape
+    d = signs_h.shape[0]
+    ng = K // d
+    ncb = (I + CB - 1) // CB
+    lim = 29
+    h = d
+    while h > 1:
+        lim -= 1
+        h //= 2
+    for task in nb.prange(O * ng * ncb):
+        o = task // (ng * ncb)
+        rem = task - o * ng * ncb
+        g = rem // ncb
+        c0 = (rem - g * ncb) * CB
+        n = min(CB, I - c0)
+        k0 = g * d
+        buf = np.empty(1, np.float32)
+        bits = buf.view(np.uint32)
+        z = np.empty(d * CB, np.float64)
+        zi = z.view(np.int64)
+        fast = np.empty(CB, np.bool_)
+        emax = np.zeros(CB, np.int32)
+        emin = np.full(CB, 255, np.int32)
+        for i in range(d):
+            for c in range(n):
+                b = np.int32(ab[o, k0 + i, c0 + c] & np.uint32(0x7FFFFFFF))
+                e = b >> 23
+                nz = b != 0
+                emax[c] = max(emax[c], e if nz else np.int32(0))
+                emin[c] = min(emin[c], max(e, np.int32(1)) if nz else np.int32(255))
+        nslow = 0
+        for c in range(n):
+            fast[c] = (emax[c] < 255) & (emax[c] - emin[c] <= lim)      # lim = spread_limit(d)
+            nslow += np.int32(not fast[c])
+        for i in range(d):
+            si = signs[i]
+            for c in range(n):
+                z[i * CB + c] = np.float64(a3[o, k0 + i, c0 + c]) * si
+        h = 1
+        while h < d:
+            for i0 in range(0, d, 2 * h):
+                for i in range(i0, i0 + h):
+                    p0, q0 = i * CB, (i + h) * CB
+                    for c in range(n):
+                        p = z[p0 + c]
+                        q = z[q0 + c]
+                        z[p0 + c] = p + q
+                        z[q0 + c] = p - q
+            h *= 2
+        for j in range(d):
+            for c in range(n):
+                z[j * CB + c] = (0.0 + z[j * CB + c]) * scale     # 0.0 + : an exact zero is +0
+        odd = 0
+        if to_bf16:
+            for j in range(d):
+                for c in range(n):
+                    u = zi[j * CB + c]
+                    a = u & np.int64(0x7FFFFFFFFFFFFFFF)
+                    e = a >> np.int64(52)
+                    ok = (e >= 1023 - 126) & (e <= 1023 + 127)
+                    a = (a + np.int64((1 << 44) - 1) + ((a >> np.int64(45)) & np.int64(1))) >> np.int64(45)
+                    ef = (a >> np.int64(7)) - 896
+                    code = np.int64(0x7F80) if ef >= 255 else (ef << np.int64(7)) | (a & np.int64(0x7F))
+                    code |= np.int64(0x8000) if u < 0 else np.int64(0)
+                    out[o, k0 + j, c0 + c] = np.uint32(code) << np.uint32(16)
+                    odd += np.int32(not ok)
+            if odd:
+                for j in range(d):
+                    for c in range(n):
+                        u = zi[j * CB + c] & np.int64(0x7FFFFFFFFFFFFFFF)
+                        e = u >> np.int64(52)
+                        if e < 1023 - 126 or e > 1023 + 127:
+                            out[o, k0 + j, c0 + c] = np.uint32(f64_to_bf16_bits(z[j * CB + c], buf, bits)) << np.uint32(16)
+        else:
+            for j in range(d):
+                for c in range(n):
+                    buf[0] = np.float32(z[j * CB + c])
+                    out[o, k0 + j, c0 + c] = bits[0]
+        if nslow:
+            for c in range(n):
+                if fast[c]:
+                    continue
+                for j in range(d):
+                    acc = 0.0
+                    for i in range(d):
+                        acc += np.float64(a3[o, k0 + i, c0 + c]) * signs_h[i, j]
+                    v = acc * scale
+                    if to_bf16:
+                        out[o, k0 + j, c0 + c] = np.uint32(f64_to_bf16_bits(v, buf, bits)) << np.uint32(16)
+                    else:
+                        buf[0] = np.float32(v)
+                        out[o, k0 + j, c0 + c] = bits[0]
