@@ -27,6 +27,28 @@ def f64_to_bf16_bits(v, buf, bits):
     return encode_one(u, 0, 0, 8, 7, -126, 127, 0x7F7F, False, 0x7F80, 0x7FFF, 0x8000)
 
 
+@nb.njit(inline="always", cache=True)
+def bf16_of_f64_bits(u):
+    """(bfloat16 code of the float64 with bits ``u`` rounded once, RNE, on its bits; whether ``u`` lies in
+    float32's normal range, where that code is right: elsewhere use :func:`f64_to_bf16_bits`)."""
+    a = u & np.int64(0x7FFFFFFFFFFFFFFF)
+    e = a >> np.int64(52)
+    ok = (e >= 1023 - 126) & (e <= 1023 + 127)
+    a = (a + np.int64((1 << 44) - 1) + ((a >> np.int64(45)) & np.int64(1))) >> np.int64(45)   # 1 + 11 + 7 bits
+    ef = (a >> np.int64(7)) - 896                 # float32 / bfloat16 biased exponent after the rounding
+    code = np.int64(0x7F80) if ef >= 255 else (ef << np.int64(7)) | (a & np.int64(0x7F))
+    return code | (np.int64(0x8000) if u < 0 else np.int64(0)), ok
+
+
+@nb.njit(inline="always", cache=True)
+def f64_round_bits(v, to_bf16, buf, bits):
+    """float32 bit pattern of ``v`` rounded once to bfloat16 (``to_bf16``) or to float32."""
+    if to_bf16:
+        return np.uint32(f64_to_bf16_bits(v, buf, bits)) << np.uint32(16)
+    buf[0] = np.float32(v)
+    return bits[0]
+
+
 # A chunk whose nonzero float32 inputs span at most 29 - log2(d) binades (biased exponents emin..emax,
 # subnormals counted as 1) has an exact float64 sum in any order: every term is a multiple of 2^(emin-150), the
 # sum and every partial sum is below d * 2^(emax-126), and log2(d) + (emax-126) - (emin-150) <= 53. Then the
@@ -103,23 +125,14 @@ def rht_kernel(x2, xb, signs, signs_h, scale, to_bf16, out):
             for j in range(d):
                 o = j * nch
                 for c in range(nch):
-                    u = zi[o + c]
-                    a = u & np.int64(0x7FFFFFFFFFFFFFFF)
-                    e = a >> np.int64(52)
-                    ok = (e >= 1023 - 126) & (e <= 1023 + 127)
-                    a = (a + np.int64((1 << 44) - 1) + ((a >> np.int64(45)) & np.int64(1))) >> np.int64(45)
-                    ef = (a >> np.int64(7)) - 896           # float32 / bfloat16 biased exponent after rounding
-                    code = np.int64(0x7F80) if ef >= 255 else (ef << np.int64(7)) | (a & np.int64(0x7F))
-                    code |= np.int64(0x8000) if u < 0 else np.int64(0)
+                    code, ok = bf16_of_f64_bits(zi[o + c])
                     out[r, c * d + j] = np.uint32(code) << np.uint32(16)
                     odd += np.int32(not ok)
             if odd:                               # zeros, subnormals, huge values, inf, NaN
                 for j in range(d):
                     for c in range(nch):
-                        u = zi[j * nch + c] & np.int64(0x7FFFFFFFFFFFFFFF)
-                        e = u >> np.int64(52)
-                        if e < 1023 - 126 or e > 1023 + 127:
-                            out[r, c * d + j] = np.uint32(f64_to_bf16_bits(z[j * nch + c], buf, bits)) << np.uint32(16)
+                        if not bf16_of_f64_bits(zi[j * nch + c])[1]:
+                            out[r, c * d + j] = f64_round_bits(z[j * nch + c], True, buf, bits)
         else:
             for j in range(d):
                 o = j * nch
@@ -135,12 +148,7 @@ def rht_kernel(x2, xb, signs, signs_h, scale, to_bf16, out):
                     acc = 0.0
                     for i in range(d):
                         acc += np.float64(x2[r, c0 + i]) * signs_h[i, j]
-                    v = acc * scale
-                    if to_bf16:
-                        out[r, c0 + j] = np.uint32(f64_to_bf16_bits(v, buf, bits)) << np.uint32(16)
-                    else:
-                        buf[0] = np.float32(v)
-                        out[r, c0 + j] = bits[0]
+                    out[r, c0 + j] = f64_round_bits(acc * scale, to_bf16, buf, bits)
 
 
 CB = 128        # columns per task of the strided kernel (its float64 buffer stays in L1 / L2)
@@ -208,23 +216,14 @@ def rht_axis_kernel(a3, ab, signs, signs_h, scale, to_bf16, out):
         if to_bf16:
             for j in range(d):
                 for c in range(n):
-                    u = zi[j * CB + c]
-                    a = u & np.int64(0x7FFFFFFFFFFFFFFF)
-                    e = a >> np.int64(52)
-                    ok = (e >= 1023 - 126) & (e <= 1023 + 127)
-                    a = (a + np.int64((1 << 44) - 1) + ((a >> np.int64(45)) & np.int64(1))) >> np.int64(45)
-                    ef = (a >> np.int64(7)) - 896
-                    code = np.int64(0x7F80) if ef >= 255 else (ef << np.int64(7)) | (a & np.int64(0x7F))
-                    code |= np.int64(0x8000) if u < 0 else np.int64(0)
+                    code, ok = bf16_of_f64_bits(zi[j * CB + c])
                     out[o, k0 + j, c0 + c] = np.uint32(code) << np.uint32(16)
                     odd += np.int32(not ok)
             if odd:
                 for j in range(d):
                     for c in range(n):
-                        u = zi[j * CB + c] & np.int64(0x7FFFFFFFFFFFFFFF)
-                        e = u >> np.int64(52)
-                        if e < 1023 - 126 or e > 1023 + 127:
-                            out[o, k0 + j, c0 + c] = np.uint32(f64_to_bf16_bits(z[j * CB + c], buf, bits)) << np.uint32(16)
+                        if not bf16_of_f64_bits(zi[j * CB + c])[1]:
+                            out[o, k0 + j, c0 + c] = f64_round_bits(z[j * CB + c], True, buf, bits)
         else:
             for j in range(d):
                 for c in range(n):
@@ -238,9 +237,4 @@ def rht_axis_kernel(a3, ab, signs, signs_h, scale, to_bf16, out):
                     acc = 0.0
                     for i in range(d):
                         acc += np.float64(a3[o, k0 + i, c0 + c]) * signs_h[i, j]
-                    v = acc * scale
-                    if to_bf16:
-                        out[o, k0 + j, c0 + c] = np.uint32(f64_to_bf16_bits(v, buf, bits)) << np.uint32(16)
-                    else:
-                        buf[0] = np.float32(v)
-                        out[o, k0 + j, c0 + c] = bits[0]
+                    out[o, k0 + j, c0 + c] = f64_round_bits(acc * scale, to_bf16, buf, bits)
