@@ -197,13 +197,19 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_va
                 sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
         for r in range(r0, r1):
             xr = row_padded(x2, r, K, Kp, xrow)
-            if use_rb:
+            sr_direct = mode == 4 and flavor <= 2 and not nanfac and K == Kp and use_rb
+            if use_rb and not sr_direct:
                 rrow[:K] = rb[r]
             if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
                 for j in range(nbk):
                     f = fac[j]
                     for k in range(j * 16, j * 16 + 16):
                         crow[k] = e2m1_rne(xr[k] * f)
+            elif sr_direct:                            # the row's random bytes read in place (through a
+                for j in range(nbk):                   # row copy SR was 2-5x slower on 4096-wide rows)
+                    f = fac[j]
+                    for k in range(j * 16, j * 16 + 16):
+                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rb[r, k]), nsr)
             elif mode == 4 and flavor <= 2 and not nanfac:
                 for j in range(nbk):
                     f = fac[j]
