@@ -132,7 +132,7 @@ class CpuKernels:
         y = np.empty(x2.shape, np.uint32)
         if x2.size:
             x2 = np.ascontiguousarray(x2, np.float32)
-            rht_kernel(x2, x2.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
+            rht_kernel(x2.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
         return y.view(np.float32)
 
     @staticmethod
@@ -140,7 +140,7 @@ class CpuKernels:
         """The RHT along axis 1 of a C-contiguous (outer, K, inner) float32 array, in that layout."""
         y = np.empty(a3.shape, np.uint32)
         if a3.size:
-            rht_axis_kernel(a3, a3.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
+            rht_axis_kernel(a3.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
         return y.view(np.float32)
 
 
