@@ -104,12 +104,16 @@ def _matmul(qa, qb, recipe, a_axis, b_axis):
     fa, fb = _family(qa), _family(qb)
     if fa is not None and fa == fb:
         return gemm(qa, qb, accumulate=recipe.accumulate)
-    qa = dequantize(qa) if fa is not None else qa
-    qb = dequantize(qb) if fb is not None else qb
-    xp = xp_of(qa)
-    A = qa if a_axis == 1 else qa.T
-    B = qb if b_axis == 1 else qb.T
-    return xp.matmul(A, B.T).astype(np.float32)
+    return _upcast_matmul(qa, qb, a_axis, b_axis)
+
+
+def _upcast_matmul(qa, qb, a_axis, b_axis):
+    """A·Bᵀ in float32 of the operands' float32 values (quantized ones dequantized)."""
+    a = dequantize(qa) if hasattr(qa, "codes") else qa
+    b = dequantize(qb) if hasattr(qb, "codes") else qb
+    A = a if a_axis == 1 else a.T
+    B = b if b_axis == 1 else b.T
+    return xp_of(a).matmul(A, B.T).astype(np.float32)
 
 
 def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, return_qx=False):
@@ -128,9 +132,7 @@ def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, 
     qdy = quantize_operand(dy2, recipe.dgrad_dy, 1, recipe, layer, call, "dgrad_dy", s, stats)
     if recipe.dgrad_w_reuse_fprop and qw_fprop is not None and recipe.dgrad_w.quantized:
         # simulation only: the Fprop weight (quantized along K) used as it is along N
-        wv = dequantize(qw_fprop) if hasattr(qw_fprop, "codes") else qw_fprop
-        dyv = dequantize(qdy) if hasattr(qdy, "codes") else qdy
-        return xp_of(wv).matmul(dyv, wv).astype(np.float32)
+        return _upcast_matmul(qdy, qw_fprop, 1, 0)
     qw = quantize_operand(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s, stats)
     return _matmul(qdy, qw, recipe, 1, 0)
 
@@ -141,8 +143,6 @@ def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx
     s = _signs(recipe.wgrad_dy, recipe, layer, call, 2) if recipe.wgrad_dy.rht else None
     qdy = quantize_operand(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s, stats)
     if recipe.wgrad_x_reuse_fprop and qx_fprop is not None and recipe.wgrad_x.quantized:
-        xv = dequantize(qx_fprop) if hasattr(qx_fprop, "codes") else qx_fprop
-        dyv = dequantize(qdy) if hasattr(qdy, "codes") else qdy
-        return xp_of(xv).matmul(dyv.T, xv).astype(np.float32)
+        return _upcast_matmul(qdy, qx_fprop, 0, 0)
     qx = quantize_operand(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s, stats)
     return _matmul(qdy, qx, recipe, 0, 0)

@@ -197,29 +197,27 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_va
                 sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
         for r in range(r0, r1):
             xr = row_padded(x2, r, K, Kp, xrow)
-            sr_direct = mode == 4 and flavor <= 2 and not nanfac and K == Kp and use_rb
-            if use_rb and not sr_direct:
-                rrow[:K] = rb[r]
+            rr = rrow                                  # the row's random bytes: read in place unless the
+            if use_rb:                                 # row needs padding (through a row copy SR was 2-5x
+                if K == Kp:                            # slower on 4096-wide rows)
+                    rr = rb[r]
+                else:
+                    rrow[:K] = rb[r]
             if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
                 for j in range(nbk):
                     f = fac[j]
                     for k in range(j * 16, j * 16 + 16):
                         crow[k] = e2m1_rne(xr[k] * f)
-            elif sr_direct:                            # the row's random bytes read in place (through a
-                for j in range(nbk):                   # row copy SR was 2-5x slower on 4096-wide rows)
-                    f = fac[j]
-                    for k in range(j * 16, j * 16 + 16):
-                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rb[r, k]), nsr)
             elif mode == 4 and flavor <= 2 and not nanfac:
                 for j in range(nbk):
                     f = fac[j]
                     for k in range(j * 16, j * 16 + 16):
-                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rrow[k]), nsr)
+                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rr[k]), nsr)
             else:
                 for j in range(nbk):
                     f = fac[j]
                     for k in range(j * 16, j * 16 + 16):
-                        crow[k] = nvfp4_elem(xr[k], f, flavor, mode, np.int32(rrow[k]), nsr)
+                        crow[k] = nvfp4_elem(xr[k], f, flavor, mode, np.int32(rr[k]), nsr)
             for t in range(Kp // 2):                   # phase 4: pack, element 2t in the low nibble
                 codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
             if do_fake:

@@ -111,7 +111,7 @@ def e2m1_rne(v):
 
 
 @nb.njit(inline="always", cache=True)
-def e2m1_sr(v, r, nsr, mags=None, steps=None):
+def e2m1_sr(v, r, nsr):
     """E2M1 code of float32 ``v`` rounded stochastically with random integer ``r`` of ``nsr`` bits: the
     same rule as :func:`e2m1_code` with mode 4, in float32 mask arithmetic only so the loop vectorises: the
     lower neighbour and its step (``E2M1_MAGS`` / ``E2M1_STEPS`` of the count ``lo`` of grid points at or
