@@ -134,6 +134,9 @@ class Recipe:
                 raise ValueError(f"{k}={v!r}: a number of blocks >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed={self.seed!r}: an integer in [0, 2**63)")
+        for k in ("dgrad_w_reuse_fprop", "wgrad_x_reuse_fprop"):
+            if not isinstance(getattr(self, k), bool):
+                raise TypeError(f"{k}={getattr(self, k)!r}: give True or False")
         if self.wgrad_x_reuse_fprop and self.wgrad_x.rht:
             raise ValueError("wgrad_x_reuse_fprop: Wgrad would reuse Fprop's copy of x, which has no RHT, but the "
                              f"Wgrad GEMM has a {self.wgrad_x.rht}-point RHT; disable it (disable_rht=True)")

@@ -55,6 +55,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.fig == "table":
+        if not any((a.out / f"{f}.json").is_file() for f in ablations.ABLATIONS):
+            print(f"paper_repro: no ablation figure in {a.out} yet; make them with 'python -m paper_repro "
+                  f"ablations --out {a.out}'", file=sys.stderr)
+            return 2
         print(ablations.verdict_table(a.out), end="")
         return 0
     if a.fig == "list":

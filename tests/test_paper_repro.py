@@ -84,6 +84,8 @@ def test_cli_lists_and_refuses_bad_arguments(tmp_path):
     assert r.returncode == 2 and "unknown figure 'fig99'" in r.stderr
     r = _run(["fig2", "--quick", "--seeds", "0", "--out", str(tmp_path)])
     assert r.returncode == 2 and "--seeds" in r.stderr
+    r = _run(["table", "--out", str(tmp_path)])                # nothing made there yet
+    assert r.returncode == 2 and "no ablation figure" in r.stderr and not r.stdout
 
 
 # ------------------------------------------------------------------------------------------- harness

@@ -262,6 +262,8 @@ def test_wgrad_can_reuse_the_fprop_copy_of_the_activations():
     assert np.array_equal(lin.weight.grad.numpy(), got)
     with pytest.raises(ValueError, match="wgrad_x_reuse_fprop.*RHT"):
         Recipe.preset("nvfp4_paper", wgrad_x_reuse_fprop=True)
+    with pytest.raises(TypeError, match="wgrad_x_reuse_fprop='yes'"):
+        Recipe.preset("bf16", wgrad_x_reuse_fprop="yes")
 
 
 def test_sr_is_reproducible_seeded_and_unbiased():
