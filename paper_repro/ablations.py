@@ -198,8 +198,7 @@ def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
 
     from . import data
     from .model import build
-    from .train import Phase, _quant_layers, apply_phase
-    from fp4sim.torch import suggest_high_precision
+    from .train import Phase, _quant_layers, apply_phase, wgrad_errors
     _, variants = ABLATIONS[fig]
     ref = next(v.label for v in variants if v.expect == "reference")
     out = []
@@ -222,13 +221,8 @@ def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
             q = _quant_layers(model)
             for n, c in st["calls"].items():
                 q[n]._calls = c
-
-            def fwd_bwd():
-                logits = model(val[:, :-1])
-                torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.model.vocab), val[:, 1:].reshape(-1)).backward()
-            _, rel = suggest_high_precision(model, fwd_bwd, fraction=1.0)
-            out += [{"seed": seed, "variant": v.label, "layer": n, "rel_error": float(e)} for n, e in rel.items()
-                    if not getattr(q[n], "_fp4sim_kept", False)]
+            out += [{"seed": seed, "variant": v.label, "layer": n, "rel_error": e}
+                    for n, e in wgrad_errors(model, val, cfg.model.vocab).items()]
     return out
 
 

@@ -197,6 +197,27 @@ def _quant_layers(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+def wgrad_errors(model, windows, vocab: int) -> dict:
+    """Each quantized layer's relative Wgrad GEMM error (fp4sim.torch.suggest_high_precision, the paper's App. E.2
+    diagnostic) for one forward and backward pass on ``windows`` (token ids, shape (batch, ctx + 1)), against the
+    float64 product of the same operands; layers kept in BF16 are left out. The model is left exactly as it was:
+    gradients, and the call counters that key stochastic rounding, are restored."""
+    import torch.nn.functional as F
+
+    from fp4sim.torch import suggest_high_precision
+    qlayers = _quant_layers(model)
+    calls = {n: m._calls for n, m in qlayers.items()}
+
+    def fwd_bwd():
+        F.cross_entropy(model(windows[:, :-1]).reshape(-1, vocab), windows[:, 1:].reshape(-1)).backward()
+    try:
+        _, rel = suggest_high_precision(model, fwd_bwd, fraction=1.0)
+    finally:
+        for n, c in calls.items():
+            qlayers[n]._calls = c
+    return {n: float(v) for n, v in rel.items() if not getattr(qlayers[n], "_fp4sim_kept", False)}
+
+
 def _fmt(v) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
@@ -302,23 +323,6 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     def save():
         _atomic_write(ckpt, state(cfg.to_json()))
 
-    def wgrad_error() -> dict:
-        """Each quantized layer's relative Wgrad GEMM error (fp4sim.torch.suggest_high_precision, the paper's
-        App. E.2 diagnostic) on the first validation windows, leaving the run exactly as it was (gradients and
-        the call counters that key SR are restored)."""
-        from fp4sim.torch import suggest_high_precision
-        calls = {n: m._calls for n, m in qlayers.items()}
-        w = val[:cfg.batch]
-
-        def fwd_bwd():
-            F.cross_entropy(model(w[:, :-1]).reshape(-1, cfg.model.vocab), w[:, 1:].reshape(-1)).backward()
-        try:
-            _, rel = suggest_high_precision(model, fwd_bwd, fraction=1.0)
-        finally:
-            for n, c in calls.items():
-                qlayers[n]._calls = c
-        return {n: float(v) for n, v in rel.items() if not getattr(qlayers[n], "_fp4sim_kept", False)}
-
     def evaluate() -> float:
         model.eval()
         tot = 0.0
@@ -366,7 +370,7 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
             rows.append({"step": step, "tokens": step * tokens_per_step, "lr": lr,
                          "train_loss": float(np.mean(acc)) if acc else math.nan, "val_loss": evaluate()})
             if cfg.log_wgrad_error:
-                rows[-1]["wgrad_error"] = wgrad_error()
+                rows[-1]["wgrad_error"] = wgrad_errors(model, val[:cfg.batch], cfg.model.vocab)
             acc = []
         done_here += 1
         if progress is not None:

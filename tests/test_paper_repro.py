@@ -100,6 +100,27 @@ def test_same_seed_gives_the_same_csv_bytes_and_another_seed_does_not(tmp_path):
     assert train(TINY, tmp_path / "a") == a                   # and is read back, not retrained
 
 
+def test_logging_the_wgrad_error_changes_no_training_bits(tmp_path):
+    """The diagnostic runs an extra forward/backward pass between steps; the SR counters and the gradients it
+    touches are restored, so the run's log equals the unlogged run's byte for byte."""
+    from paper_repro.train import _quant_layers, wgrad_errors
+    train(TINY, tmp_path / "plain")
+    logged = train(replace(TINY, log_wgrad_error=True), tmp_path / "logged")
+    assert (tmp_path / "plain" / "log.csv").read_bytes() == (tmp_path / "logged" / "log.csv").read_bytes()
+    assert all(r["wgrad_error"] and all(0 < e < 1 for e in r["wgrad_error"].values()) for r in logged)
+    model = build(TINY.model, TINY.recipe(), 0)
+    ids = torch.randint(0, TINY.model.vocab, (2, TINY.model.ctx + 1))
+    q = _quant_layers(model)
+    for m in q.values():
+        m._calls = 7
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    errs = wgrad_errors(model, ids, TINY.model.vocab)
+    assert errs and set(errs) <= set(q) and not any(getattr(q[n], "_fp4sim_kept", False) for n in errs)
+    assert all(m._calls == 7 for m in q.values())
+    assert all(bool((p.grad == 0.25).all()) for p in model.parameters())
+
+
 def test_interrupted_run_resumes_to_the_same_curve(tmp_path):
     want = train(TINY, tmp_path / "whole")
     part = train(TINY, tmp_path / "cut", ckpt_every=3, stop_after=5)       # stops after step 5; ckpt at step 3
