@@ -7,6 +7,8 @@ A backend ("kernels" object) provides::
     as_float32(x, order="C")             x as a C-contiguous (order="K": any layout) float32 array of that
                                          module (or a clear error)
     sr_bytes(sr, shape)                  the per-element random bytes of an SRPlan, in ``shape``
+    philox_in_kernel                     True where nvfp4 / mx take a :class:`PhiloxRows` for ``rb``: Philox
+                                         bits generated inside the kernel, no tensor-sized byte array
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
@@ -69,6 +71,33 @@ class SRPlan:
     per: object = None
     seed: int | None = None
     stream: int = 0
+
+
+@dataclass(frozen=True)
+class PhiloxRows:
+    """Seeded stochastic-rounding bits that a kernel generates itself for its (R, K) rows (SPEC §1.3's mapping of
+    the original flat index): ``layout`` 1 when row r, element k is flat index r*K + k (the block axis is last,
+    or only size-1 axes follow it); 2 when the block axis has stride ``stride`` (a multiple of 16) in the
+    original C order, so 16 consecutive rows share each Philox call. ``mask`` keeps the low ``nsr`` bits."""
+    layout: int
+    k0: int
+    k1: int
+    stream: int
+    mask: int
+    stride: int
+
+
+def philox_rows(sr: SRPlan, shape, axis: int):
+    """The :class:`PhiloxRows` of a seeded plan for an input of ``shape`` blocked along ``axis``, or None when
+    the block axis's stride is not 1 or a multiple of 16 (then the byte array is generated and moved)."""
+    if sr.kind != ids.SR_PHILOX:
+        return None
+    stride = math.prod(shape[axis + 1:])
+    if stride != 1 and stride % 16:
+        return None
+    from .rng import seed_key
+    k0, k1 = seed_key(sr.seed)
+    return PhiloxRows(1 if stride == 1 else 2, k0, k1, sr.stream, (1 << sr.nsr) - 1, stride)
 
 
 def plan_sr(n: int, shape, rounding: str, rbits, seed, sr_bits, stream, rbits_mapping) -> SRPlan:
@@ -305,7 +334,10 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     xp, sch = kern.xp, p.scheme
     x2 = p.to2d(xp, xs)
     use_rb = p.sr.kind != ids.SR_NONE
-    rb = p.to2d(xp, kern.sr_bytes(p.sr, xs.shape)) if use_rb else xp.zeros((1, 1), np.uint8)
+    rb = (philox_rows(p.sr, xs.shape, p.axis) if use_rb and getattr(kern, "philox_in_kernel", False)
+          and isinstance(sch, (NVFP4, MX)) else None)
+    if rb is None:
+        rb = p.to2d(xp, kern.sr_bytes(p.sr, xs.shape)) if use_rb else xp.zeros((1, 1), np.uint8)
     if isinstance(sch, BF16Cast):
         srp = SRPlan(ids.SR_GIVEN, p.sr.nsr, rb.reshape(-1)) if use_rb else p.sr
         codes = kern.encode(x2, sch.elem, p.mode, p.rounding == "sr", p.sr.nsr, srp)

@@ -8,6 +8,8 @@ shares one Philox call, and the bits of an element do not depend on the tensor's
 """
 from __future__ import annotations
 
+import sys
+
 import numba as nb
 import numpy as np
 
@@ -18,6 +20,7 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 _MASK32 = 0xFFFFFFFF
+_LITTLE = sys.byteorder == "little"
 
 
 @nb.njit(inline="always", cache=True)
@@ -97,6 +100,100 @@ def byte_of(r, i):
     elif lane == 3:
         w = r[3]
     return np.uint8((w >> np.uint64(8 * (i & 3))) & np.uint64(0xFF))
+
+
+@nb.njit(inline="always", cache=True)
+def _philox_at(b, k0, k1, stream):
+    return philox_block(np.uint64(b) & np.uint64(0xFFFFFFFF), np.uint64(b) >> np.uint64(32), stream, np.uint64(0),
+                        k0, k1)
+
+
+@nb.njit(inline="always", cache=True)
+def philox_words(w, b0, bstep, nblk, k0, k1, stream):
+    """``w[4i .. 4i+3]`` = the Philox output of block ``b0 + i * bstep`` (counter (b_lo, b_hi, stream, 0)), for
+    i < nblk: :func:`philox_block` written as one loop over blocks that the compiler vectorises (4x faster)."""
+    m = np.uint64(0xFFFFFFFF)
+    for i in range(nblk):
+        b = np.uint64(b0 + i * bstep)
+        c0 = b & m
+        c1 = b >> np.uint64(32)
+        c2 = stream
+        c3 = np.uint64(0)
+        a0 = k0
+        a1 = k1
+        for _ in range(10):
+            p0 = np.uint64(0xD2511F53) * c0
+            p1 = np.uint64(0xCD9E8D57) * c2
+            n0 = (p1 >> np.uint64(32)) ^ c1 ^ a0
+            n2 = (p0 >> np.uint64(32)) ^ c3 ^ a1
+            c1 = p1 & m
+            c3 = p0 & m
+            c0 = n0
+            c2 = n2
+            a0 = (a0 + np.uint64(0x9E3779B9)) & m
+            a1 = (a1 + np.uint64(0xBB67AE85)) & m
+        w[4 * i] = np.uint32(c0)
+        w[4 * i + 1] = np.uint32(c1)
+        w[4 * i + 2] = np.uint32(c2)
+        w[4 * i + 3] = np.uint32(c3)
+
+
+@nb.njit(cache=True)
+def philox_bytes_row(out, base, n, k0, k1, stream, mask):
+    """``out[t] = mask & (the random byte of flat element index base + t)`` for ``t < n``, one Philox call per
+    16-element block the range touches (the kernels' rows, generated in place of a tensor-sized byte array).
+    The whole blocks inside the range are generated together (:func:`philox_words`); a partial block at either
+    end element by element."""
+    b_first = (base + 15) >> 4                 # the whole blocks: b_first .. b_end - 1
+    b_end = (base + n) >> 4
+    if b_end > b_first:
+        nblk = b_end - b_first
+        i0 = b_first * 16 - base
+        if _LITTLE and i0 % 4 == 0:            # byte t of a word is its t-th byte in memory: write the words
+            philox_words(out[i0:i0 + 16 * nblk].view(np.uint32), b_first, 1, nblk, k0, k1, stream)
+            if mask != np.uint8(0xFF):
+                for t in range(i0, i0 + 16 * nblk):
+                    out[t] &= mask
+        else:
+            w = np.empty(4 * nblk, np.uint32)
+            philox_words(w, b_first, 1, nblk, k0, k1, stream)
+            for q in range(4 * nblk):
+                wq = w[q]
+                for t in range(4):
+                    out[i0 + 4 * q + t] = np.uint8((wq >> np.uint32(8 * t)) & np.uint32(0xFF)) & mask
+    hb = base >> 4
+    if base & 15:                              # a partial block at the start
+        _philox_part(out, hb, base, n, k0, k1, stream, mask)
+    if (base + n) & 15 and (b_end != hb or not base & 15):   # at the end, unless it is the same block
+        _philox_part(out, b_end, base, n, k0, k1, stream, mask)
+
+
+@nb.njit(inline="always", cache=True)
+def _philox_part(out, b, base, n, k0, k1, stream, mask):
+    r = _philox_at(b, k0, k1, stream)
+    i0 = b * 16 - base
+    for t in range(16):
+        if 0 <= i0 + t < n:
+            out[i0 + t] = byte_of(r, t) & mask
+
+
+@nb.njit(cache=True)
+def philox_bytes_cols(out, base, stride, n, k0, k1, stream, mask):
+    """``out[t, k] = mask & (the random byte of flat index base + k * stride + t)`` for t < 16, k < n: 16 rows of
+    a block axis with stride ``stride`` (``base`` and ``stride`` multiples of 16, so each k is one Philox call)."""
+    w = np.empty(4 * n, np.uint32)
+    philox_words(w, base >> 4, stride >> 4, n, k0, k1, stream)
+    if _LITTLE:                                # word j's byte t is byte 4j + t in memory: a (n, 16) transpose
+        wb = w.view(np.uint8)
+        for t in range(16):
+            for k in range(n):
+                out[t, k] = wb[16 * k + t] & mask
+    else:
+        for k in range(n):
+            for lane in range(4):
+                wq = w[4 * k + lane]
+                for t in range(4):
+                    out[4 * lane + t, k] = np.uint8((wq >> np.uint32(8 * t)) & np.uint32(0xFF)) & mask
 
 
 @nb.njit(parallel=True, cache=True)

@@ -85,6 +85,38 @@ def test_sr_seed_uses_the_original_flat_index_for_any_axis():
     np.testing.assert_array_equal(_codes(q), codes)
 
 
+@pytest.mark.parametrize("shape,axis", [((8, 64), -1), ((5, 37), -1), ((3, 33, 1), 1), ((64, 32), 0),
+                                        ((16, 16), 0), ((2, 40, 16), 1), ((4, 6, 32), 0), ((48, 20), 0),
+                                        ((3, 5, 7), 1), ((4, 6, 8), 1)])
+def test_seeded_sr_generated_in_the_kernel_equals_the_byte_array(shape, axis):
+    """Seeded SR draws its Philox bytes inside the NVFP4 / MX kernels when the block axis is last (rows) or has
+    a stride that is a multiple of 16 (16 rows per Philox call); other strides use the byte array. Every
+    layout against quantize with those bytes given as rbits (itself checked against the reference above) and
+    against the reference directly for NVFP4."""
+    from fp4sim.rng import philox_bytes
+    x = heavy(shape, 11)
+    for scheme, kw in [("nvfp4", {}), ("nvfp4_2d", {}), ("nvfp4", {"flavor": "modelopt"}), ("mxfp4", {}),
+                       ("mxfp8_e4m3", {})]:
+        if scheme == "nvfp4_2d" and len(shape) != 2:
+            continue
+        for nsr in (8, 3):
+            a = fs.quantize(x, scheme, axis=axis, rounding="sr", seed=2**40 + 9, stream=5, sr_bits=nsr, **kw)
+            rb = (philox_bytes(2**40 + 9, x.size, 5) & np.uint8((1 << nsr) - 1)).reshape(shape)
+            b = fs.quantize(x, scheme, axis=axis, rounding="sr", rbits=rb, sr_bits=nsr, **kw)
+            np.testing.assert_array_equal(a.codes, b.codes, err_msg=f"{scheme} {kw} nsr={nsr}")
+            np.testing.assert_array_equal(a.scales, b.scales)
+            fa = fs.fake_quantize(x, scheme, axis=axis, rounding="sr", seed=2**40 + 9, stream=5, sr_bits=nsr, **kw)
+            np.testing.assert_array_equal(fa.view(np.uint32), fs.dequantize(b).view(np.uint32))
+            x2 = np.moveaxis(x, axis, -1).reshape(-1, shape[axis])
+            rb2 = np.moveaxis(rb, axis, -1).reshape(x2.shape)
+            if scheme == "nvfp4" and not kw:
+                codes, _ = ref.nvfp4_ref(x2, "te", 1, rounding="sr", n=nsr, rb=rb2)
+                np.testing.assert_array_equal(_codes(a), codes)
+            elif scheme == "mxfp4":
+                codes, _ = ref.mx_ref(x2, fs.E2M1, "rceil", rounding="sr", rb=rb2, n=nsr)
+                np.testing.assert_array_equal(_codes(a), codes)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("elem,mode", [(fs.E2M1, m) for m in ("rceil", "floor", "ceil", "even")]
                          + [(fs.E4M3, "rceil"), (fs.E4M3, "floor"), (fs.E5M2, "rceil"), (fs.E5M2, "even")])

@@ -72,12 +72,13 @@ def test_e2m1_sr_kernel_path_equals_the_generic_encoder():
     exhaustively above and against the reference): every grid point and midpoint +-300 ulps with every random
     byte, random values with random bytes, specials; nsr 8, 3 and 1."""
     import numba as nb
-    from fp4sim.cpu.elements import e2m1_sr
+    from fp4sim.cpu.elements import e2m1_sr, sr_consts
 
     @nb.njit
     def loop(x, r, nsr, out):
+        thr, inv = sr_consts(nsr)
         for i in range(x.shape[0]):
-            out[i] = e2m1_sr(x[i], np.int32(r[i]), nsr)
+            out[i] = e2m1_sr(x[i], np.float32(r[i]), thr, inv)
 
     g = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 12], np.float32)
     u = g.view(np.int32)[:, None] + np.arange(-300, 301, dtype=np.int32)[None, :]
@@ -256,6 +257,41 @@ def test_philox_byte_stream_matches_pure_python_reference():
         got = philox_bytes(seed, 203, stream=stream, start=start)
         want = philox_bytes_ref(seed, range(start, start + 203), stream)
         assert list(got) == want
+
+
+def test_in_kernel_philox_rows_and_columns_match_the_pure_python_reference():
+    """The quantize kernels' own Philox bytes (rng.philox_bytes_row / philox_bytes_cols, which replace the
+    tensor-sized byte array): ranges starting and ending inside a 16-element block, inside one block, at a
+    byte offset that is not a word boundary (the path that cannot write whole words), 2**32-crossing block
+    counters and masks; columns of a strided block axis."""
+    import numba as nb
+    from fp4sim.reference.philox import philox_bytes_ref
+    from fp4sim.rng import philox_bytes_cols, philox_bytes_row, seed_key
+
+    @nb.njit
+    def row(out, base, n, k0, k1, stream, mask):
+        philox_bytes_row(out, base, n, k0, k1, stream, mask)
+
+    @nb.njit
+    def cols(out, base, stride, n, k0, k1, stream, mask):
+        philox_bytes_cols(out, base, stride, n, k0, k1, stream, mask)
+
+    for seed, stream in [(0, 0), (0x123456789ABCDEF0, 7), (2**64 - 1, 2**32 - 1)]:
+        k0, k1 = (np.uint64(k) for k in seed_key(seed))
+        for base, n in [(0, 64), (16, 33), (3, 5), (5, 11), (7, 100), (2, 30), (12, 4), (2**36 - 5, 40),
+                        (16 * (2**32 - 1), 48), (1, 1), (0, 15)]:
+            for nsr in (8, 3):
+                out = np.full(n + 2, 0xAB, np.uint8)
+                row(out[1:n + 1], base, n, k0, k1, np.uint64(stream), np.uint8((1 << nsr) - 1))
+                want = [b & ((1 << nsr) - 1) for b in philox_bytes_ref(seed, range(base, base + n), stream)]
+                assert list(out[1:n + 1]) == want, (seed, base, n, nsr)
+                assert out[0] == out[-1] == 0xAB                  # nothing written outside the range
+        for base, stride, n in [(0, 16, 5), (32, 48, 7), (16 * 2**32, 16 * 3, 4)]:
+            out = np.zeros((16, n), np.uint8)
+            cols(out, base, stride, n, k0, k1, np.uint64(stream), np.uint8(0x1F))
+            want = np.array([philox_bytes_ref(seed, [base + k * stride + t for k in range(n)], stream)
+                             for t in range(16)]) & 0x1F
+            np.testing.assert_array_equal(out, want)
 
 
 def test_sr_exact_expectation_by_enumerating_all_rbits():

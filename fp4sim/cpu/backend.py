@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import ids
 from ..formats import E2M1, E4M3
-from ..planning import POW2_DEC, POW2_ENC, as_float32, kernel_params
+from ..planning import POW2_DEC, POW2_ENC, PhiloxRows, as_float32, kernel_params
 from ..rng import philox_bytes, seed_key
 from . import blocks as _b
 from . import elements as _e
@@ -14,10 +14,20 @@ from .hadamard import rht_axis_kernel, rht_kernel
 f32 = np.float32
 
 
+def _sr_args(rb):
+    """The kernels' random-byte arguments (rb, ph, k0, k1, stream, mask, stride) from a byte array (R, K) or a
+    PhiloxRows (the bytes then come from Philox inside the kernel)."""
+    if isinstance(rb, PhiloxRows):
+        return (np.zeros((1, 1), np.uint8), rb.layout, np.uint64(rb.k0), np.uint64(rb.k1), np.uint64(rb.stream),
+                np.uint8(rb.mask), rb.stride)
+    return rb, 0, np.uint64(0), np.uint64(0), np.uint64(0), np.uint8(0xFF), 1
+
+
 class CpuKernels:
     """Numba kernels on NumPy arrays."""
 
     xp = np
+    philox_in_kernel = True
 
     @staticmethod
     def as_float32(x, order="C"):
@@ -68,7 +78,7 @@ class CpuKernels:
         codes = np.empty((R, nbk * 8), np.uint8)
         scales = np.empty((-(-R // tile), nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
-        _b.nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, np.ascontiguousarray(c0, np.float32),
+        _b.nvfp4_kernel(x2, *_sr_args(rb), mode, nsr, flavor, tile, np.ascontiguousarray(c0, np.float32),
                         np.ascontiguousarray(c1, np.float32), np.ascontiguousarray(dq, np.float32).reshape(-1, 2),
                         E4M3.values, codes, scales, fv, fake)
         return codes, scales, fv
@@ -81,7 +91,7 @@ class CpuKernels:
         codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8)
         scales = np.empty((R, nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
-        _b.mx_kernel(x2, rb, use_rb, mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
+        _b.mx_kernel(x2, *_sr_args(rb), mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
                      *kernel_params(fmt), is_fp4, fmt.values, codes, scales, fv, fake)
         return codes, scales, fv
 

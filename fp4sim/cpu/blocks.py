@@ -10,7 +10,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, encode_one
+from ..rng import philox_bytes_cols, philox_bytes_row
+from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, encode_one, sr_consts
 
 from ..ids import FLAVOR_IDS, MODELOPT, PAPER, TE, TORCHAO  # noqa: F401  (ids are defined once, in fp4sim.ids)
 
@@ -148,24 +149,54 @@ def row_padded(x2, r, K, Kp, buf):
     return buf
 
 
+@nb.njit(inline="always", cache=True)
+def sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, c0):
+    """Row r's random bytes for the kernels: ``ph`` 0: row r of ``rb`` (in place, or its zero-padded copy in
+    ``rrow``); 1: Philox of flat indices r*K + k into ``rrow``; 2: row r - c0 of ``rcols`` (the 16-row Philox
+    buffer of the row's group, filled by the caller)."""
+    if ph == 1:
+        philox_bytes_row(rrow, np.int64(r) * K, K, pk0, pk1, pstream, pmask)
+        return rrow
+    if ph == 2:
+        return rcols[r - c0]
+    if K == Kp:
+        return rb[r]
+    rrow[:K] = rb[r]
+    return rrow
+
+
+@nb.njit(inline="always", cache=True)
+def sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, r0, K, rcols):
+    """With ``ph`` 2, the random bytes of rows r0 .. r0+15 (r0 a multiple of 16) into ``rcols``: the block axis
+    of the original tensor has stride ``pstride`` (a multiple of 16), rows are its other indices in C order."""
+    if ph == 2:
+        base = (np.int64(r0) // pstride) * K * pstride + np.int64(r0) % pstride
+        philox_bytes_cols(rcols, base, pstride, K, pk0, pk1, pstream, pmask)
+
+
 @nb.njit(parallel=True, cache=True)
-def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_vals,
+def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_vals,
                  codes, scales, fake, do_fake):
     """NVFP4 quantize. ``tile`` is 1 (1x16 blocks) or 16 (16x16 tiles, one scale per tile).
 
     codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); fake: (R, K) dequantized values when do_fake,
     where ``dqv`` holds the flavour's dequantize constants. ``c0v``, ``c1v``, ``dqv`` hold one set of per-tensor
-    constants, or one per row (row-scaled NVFP4, tile 1). Each task handles one group of ``tile`` rows in
-    phases that vectorise: block amax (integer max over bit patterns), per-block scale (scalar), element
-    codes over the whole padded row, nibble packing.
+    constants, or one per row (row-scaled NVFP4, tile 1). Stochastic rounding's bytes (:func:`sr_row_bytes`):
+    ``ph`` 0 from ``rb`` (R, K), 1 and 2 Philox generated per row or per 16 rows (key pk0/pk1, stream, masked by
+    pmask). Each task handles 16 rows with ``ph`` 2, else one group of ``tile`` rows, in phases that vectorise:
+    block amax (integer max over bit patterns), per-block scale (scalar), element codes over the whole padded
+    row, nibble packing.
     """
     R, K = x2.shape
     nbk = (K + 15) // 16
     Kp = nbk * 16
     ngroups = (R + tile - 1) // tile
-    for g in nb.prange(ngroups):
+    per = 16 // tile if ph == 2 else 1             # groups per task
+    thr, inv = sr_consts(nsr)
+    for sg in nb.prange((ngroups + per - 1) // per):
         xrow = np.zeros(Kp, np.float32)
         rrow = np.zeros(Kp, np.uint8)
+        rcols = np.zeros((16 if ph == 2 else 1, Kp), np.uint8)
         crow = np.empty(Kp, np.uint8)
         amaxb = np.zeros(nbk, np.uint32)
         sf = np.empty(nbk, np.float32)
@@ -173,58 +204,60 @@ def nvfp4_kernel(x2, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_va
         sbytes = np.empty(nbk, np.uint8)
         fac = np.empty(nbk, np.float32)
         sdq = np.empty(nbk, np.float32)
-        r0 = g * tile
-        r1 = min(r0 + tile, R)
-        ci = np.int64(g) if c0v.shape[0] > 1 else np.int64(0)
-        c0, c1 = c0v[ci], c1v[ci]
-        dq = dqv[ci]
-        for r in range(r0, r1):                       # phase 1: block amax over the group's rows
-            xr = row_padded(x2, r, K, Kp, xrow)
-            xb = xr.view(np.uint32)
+        c0r = sg * per * tile
+        if mode == 4:
+            sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, c0r, K, rcols)
+        for g in range(sg * per, min(sg * per + per, ngroups)):
+            r0 = g * tile
+            r1 = min(r0 + tile, R)
+            ci = np.int64(g) if c0v.shape[0] > 1 else np.int64(0)
+            c0, c1 = c0v[ci], c1v[ci]
+            dq = dqv[ci]
+            amaxb[:] = 0
+            for r in range(r0, r1):                       # phase 1: block amax over the group's rows
+                xr = row_padded(x2, r, K, Kp, xrow)
+                xb = xr.view(np.uint32)
+                for j in range(nbk):
+                    m = amaxb[j]
+                    for k in range(j * 16, j * 16 + 16):
+                        a = xb[k] & np.uint32(0x7FFFFFFF)
+                        m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
+                    amaxb[j] = m
+            nvfp4_scales(amaxb.view(np.float32), flavor, c0, c1, e4m3_vals, sf, cb, sbytes, fac)  # phase 2
+            nanfac = False
             for j in range(nbk):
-                m = amaxb[j]
-                for k in range(j * 16, j * 16 + 16):
-                    a = xb[k] & np.uint32(0x7FFFFFFF)
-                    m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
-                amaxb[j] = m
-        nvfp4_scales(amaxb.view(np.float32), flavor, c0, c1, e4m3_vals, sf, cb, sbytes, fac)  # phase 2
-        nanfac = False
-        for j in range(nbk):
-            scales[g, j] = sbytes[j]
-            nanfac |= fac[j] != fac[j]
-        if do_fake:
-            for j in range(nbk):
-                sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
-        for r in range(r0, r1):
-            xr = row_padded(x2, r, K, Kp, xrow)
-            rr = rrow                                  # the row's random bytes: read in place unless the
-            if use_rb:                                 # row needs padding (through a row copy SR was 2-5x
-                if K == Kp:                            # slower on 4096-wide rows)
-                    rr = rb[r]
-                else:
-                    rrow[:K] = rb[r]
-            if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
-                for j in range(nbk):
-                    f = fac[j]
-                    for k in range(j * 16, j * 16 + 16):
-                        crow[k] = e2m1_rne(xr[k] * f)
-            elif mode == 4 and flavor <= 2 and not nanfac:
-                for j in range(nbk):
-                    f = fac[j]
-                    for k in range(j * 16, j * 16 + 16):
-                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rr[k]), nsr)
-            else:
-                for j in range(nbk):
-                    f = fac[j]
-                    for k in range(j * 16, j * 16 + 16):
-                        crow[k] = nvfp4_elem(xr[k], f, flavor, mode, np.int32(rr[k]), nsr)
-            for t in range(Kp // 2):                   # phase 4: pack, element 2t in the low nibble
-                codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
+                scales[g, j] = sbytes[j]
+                nanfac |= fac[j] != fac[j]
             if do_fake:
                 for j in range(nbk):
-                    f = sdq[j]
-                    for k in range(j * 16, min(j * 16 + 16, K)):
-                        fake[r, k] = E2M1_VALUES[crow[k]] * f
+                    sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
+            for r in range(r0, r1):
+                xr = row_padded(x2, r, K, Kp, xrow)
+                rr = rrow
+                if mode == 4:                              # read in place where possible: through a row copy
+                    rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, c0r)  # SR was 2-5x
+                if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
+                    for j in range(nbk):
+                        f = fac[j]
+                        for k in range(j * 16, j * 16 + 16):
+                            crow[k] = e2m1_rne(xr[k] * f)
+                elif mode == 4 and flavor <= 2 and not nanfac:
+                    for j in range(nbk):
+                        f = fac[j]
+                        for k in range(j * 16, j * 16 + 16):
+                            crow[k] = e2m1_sr(xr[k] * f, np.float32(rr[k]), thr, inv)
+                else:
+                    for j in range(nbk):
+                        f = fac[j]
+                        for k in range(j * 16, j * 16 + 16):
+                            crow[k] = nvfp4_elem(xr[k], f, flavor, mode, np.int32(rr[k]), nsr)
+                for t in range(Kp // 2):                   # phase 4: pack, element 2t in the low nibble
+                    codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
+                if do_fake:
+                    for j in range(nbk):
+                        f = sdq[j]
+                        for k in range(j * 16, min(j * 16 + 16, K)):
+                            fake[r, k] = E2M1_VALUES[crow[k]] * f
 
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
@@ -270,53 +303,66 @@ def mx_scale_byte(amax, mode, emax, mbits, rcp, buf, bits):
 
 
 @nb.njit(parallel=True, cache=True)
-def mx_kernel(x2, rb, use_rb, mode, nsr, scale_mode, emax, rcp, pow2_enc, pow2_dec,
+def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, scale_mode, emax, rcp, pow2_enc, pow2_dec,
               mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals,
               codes, scales, fake, do_fake):
-    """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8."""
+    """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8. Stochastic
+    rounding's bytes as in :func:`nvfp4_kernel` (``ph``; a task handles 16 rows with ``ph`` 2, else one)."""
     R, K = x2.shape
     nb_ = (K + 31) // 32
     Kp = nb_ * 32
-    for r in nb.prange(R):
+    per = 16 if ph == 2 else 1
+    thr, inv = sr_consts(nsr)
+    for sg in nb.prange((R + per - 1) // per):
         buf = np.empty(1, np.float32)
         bits = buf.view(np.uint32)
         xrow = np.zeros(Kp, np.float32)
+        rrow = np.zeros(Kp, np.uint8)
+        rcols = np.zeros((16 if ph == 2 else 1, Kp), np.uint8)
         crow = np.empty(Kp, np.uint8)
-        xr = row_padded(x2, r, K, Kp, xrow)
-        xb = xr.view(np.uint32)
         fast = is_fp4 and mode == 0
-        for j in range(nb_):
-            k0 = j * 32
-            m = np.uint32(0)                          # block amax over the bit patterns, NaN excluded
-            for k in range(k0, k0 + 32):
-                a = xb[k] & np.uint32(0x7FFFFFFF)
-                m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
-            bits[0] = m
-            e = mx_scale_byte(buf[0], scale_mode, emax, mbits, rcp, buf, bits)
-            scales[r, j] = e
-            mul = pow2_enc[e]
-            if fast:                                  # RNE E2M1: comparison masks over a 32-wide block
+        if mode == 4:
+            sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, sg * per, K, rcols)
+        for r in range(sg * per, min(sg * per + per, R)):
+            xr = row_padded(x2, r, K, Kp, xrow)
+            xb = xr.view(np.uint32)
+            rr = rrow
+            if mode == 4:
+                rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, sg * per)
+            for j in range(nb_):
+                k0 = j * 32
+                m = np.uint32(0)                          # block amax over the bit patterns, NaN excluded
                 for k in range(k0, k0 + 32):
-                    crow[k] = e2m1_rne(xr[k] * mul)
+                    a = xb[k] & np.uint32(0x7FFFFFFF)
+                    m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
+                bits[0] = m
+                e = mx_scale_byte(buf[0], scale_mode, emax, mbits, rcp, buf, bits)
+                scales[r, j] = e
+                mul = pow2_enc[e]
+                if fast:                                  # RNE E2M1: comparison masks over a 32-wide block
+                    for k in range(k0, k0 + 32):
+                        crow[k] = e2m1_rne(xr[k] * mul)
+                elif is_fp4 and mode == 4:                # SR E2M1, likewise
+                    for k in range(k0, k0 + 32):
+                        crow[k] = e2m1_sr(xr[k] * mul, np.float32(rr[k]), thr, inv)
+                else:
+                    for k in range(k0, k0 + 32):
+                        y = xr[k] * mul
+                        if is_fp4:
+                            crow[k] = e2m1_code(y, mode, np.int32(rr[k]), nsr, E2M1_MAGS, E2M1_STEPS)
+                        else:
+                            crow[k] = encode_one(f32_bits(y, buf, bits), mode, np.int32(rr[k]), nsr, mbits, emin,
+                                                 bias, maxmag, True, nosat, nanc, signbit)
+                if do_fake:
+                    dmul = pow2_dec[e]
+                    for k in range(k0, min(k0 + 32, K)):
+                        fake[r, k] = elem_vals[crow[k]] * dmul
+            if is_fp4:
+                for t in range(Kp // 2):                  # element 2t in the low nibble
+                    codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
             else:
-                for k in range(k0, k0 + 32):
-                    rr = np.int32(rb[r, k]) if (use_rb and k < K) else np.int32(0)
-                    y = xr[k] * mul
-                    if is_fp4:
-                        crow[k] = e2m1_code(y, mode, rr, nsr, E2M1_MAGS, E2M1_STEPS)
-                    else:
-                        crow[k] = encode_one(f32_bits(y, buf, bits), mode, rr, nsr, mbits, emin, bias, maxmag,
-                                             True, nosat, nanc, signbit)
-            if do_fake:
-                dmul = pow2_dec[e]
-                for k in range(k0, min(k0 + 32, K)):
-                    fake[r, k] = elem_vals[crow[k]] * dmul
-        if is_fp4:
-            for t in range(Kp // 2):                  # element 2t in the low nibble
-                codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
-        else:
-            for k in range(Kp):
-                codes[r, k] = crow[k]
+                for k in range(Kp):
+                    codes[r, k] = crow[k]
 
 
 # ------------------------------------------------------------------------------------------------- FP8

@@ -111,11 +111,18 @@ def e2m1_rne(v):
 
 
 @nb.njit(inline="always", cache=True)
-def e2m1_sr(v, r, nsr):
-    """E2M1 code of float32 ``v`` rounded stochastically with random integer ``r`` of ``nsr`` bits: the
-    same rule as :func:`e2m1_code` with mode 4, in float32 mask arithmetic only so the loop vectorises: the
-    lower neighbour and its step (``E2M1_MAGS`` / ``E2M1_STEPS`` of the count ``lo`` of grid points at or
-    below |v|) are sums of masks, not table lookups (a gather per element made SR 4x slower than RNE)."""
+def sr_consts(nsr):
+    """(2**nsr, 2**-nsr) as float32: the constants :func:`e2m1_sr` takes, computed once per loop."""
+    return np.float32(1 << nsr), np.float32(1.0 / (1 << nsr))
+
+
+@nb.njit(inline="always", cache=True)
+def e2m1_sr(v, rf, thr, inv):
+    """E2M1 code of float32 ``v`` rounded stochastically with random integer ``rf`` (as float32) of ``nsr`` bits,
+    ``thr, inv = sr_consts(nsr)``: the same rule as :func:`e2m1_code` with mode 4, in float32 mask arithmetic
+    only so the loop vectorises: the lower neighbour and its step (``E2M1_MAGS`` / ``E2M1_STEPS`` of the count
+    ``lo`` of grid points at or below |v|) are sums of masks, not table lookups (a gather per element made SR 4x
+    slower than RNE). Rounds up iff |v| - lower >= (2**nsr - r) * step * 2**-nsr, a product that is exact."""
     f = np.float32
     ax = abs(v)
     lo = (f(ax >= f(0.5)) + f(ax >= f(1.0)) + f(ax >= f(1.5)) + f(ax >= f(2.0)) + f(ax >= f(3.0))
@@ -123,9 +130,9 @@ def e2m1_sr(v, r, nsr):
     ge4, ge6, ge7 = f(lo >= f(4.0)), f(lo >= f(6.0)), f(lo >= f(7.0))
     lov = ge4 * (lo - f(2.0)) + (f(1.0) - ge4) * (lo * f(0.5)) + ge7      # 0 .5 1 1.5 | 2 3 4 | 6
     st = f(0.5) + ge4 * f(0.5) + ge6 - ge7 * f(2.0)                        # .5 .5 .5 .5 1 1 2 0
-    up = (ax > lov) & (lo < f(7.0)) & ((ax - lov) >= f((1 << nsr) - r) * (st * f(1.0 / (1 << nsr))))
-    c = np.int32(lo) + np.int32(up) + (np.int32(8) if math.copysign(f(1.0), v) < f(0.0) else np.int32(0))
-    return np.int32(7) if ax != ax else c
+    up = (ax > lov) & (lo < f(7.0)) & ((ax - lov) >= (thr - rf) * (st * inv))
+    c = lo + f(up) + (f(8.0) if math.copysign(f(1.0), v) < f(0.0) else f(0.0))
+    return np.int32(7) if ax != ax else np.int32(c)
 
 
 @nb.njit(inline="always", cache=True)
