@@ -219,7 +219,8 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavo
                 xb = xr.view(np.uint32)
                 for j in range(nbk):
                     m = amaxb[j]
-                    for k in range(j * 16, j * 16 + 16):
+                    for t16 in range(16):                 # a constant trip count: vectorised without a remainder loop
+                        k = j * 16 + t16
                         a = xb[k] & np.uint32(0x7FFFFFFF)
                         m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
                     amaxb[j] = m
@@ -239,17 +240,20 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavo
                 if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
                     for j in range(nbk):
                         f = fac[j]
-                        for k in range(j * 16, j * 16 + 16):
+                        for t16 in range(16):
+                            k = j * 16 + t16
                             crow[k] = e2m1_rne(xr[k] * f)
                 elif mode == 4 and flavor <= 2 and not nanfac:
                     for j in range(nbk):
                         f = fac[j]
-                        for k in range(j * 16, j * 16 + 16):
+                        for t16 in range(16):
+                            k = j * 16 + t16
                             crow[k] = e2m1_sr(xr[k] * f, np.float32(rr[k]), thr, inv)
                 else:
                     for j in range(nbk):
                         f = fac[j]
-                        for k in range(j * 16, j * 16 + 16):
+                        for t16 in range(16):
+                            k = j * 16 + t16
                             crow[k] = nvfp4_elem(xr[k], f, flavor, mode, np.int32(rr[k]), nsr)
                 for t in range(Kp // 2):                   # phase 4: pack, element 2t in the low nibble
                     codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
@@ -332,7 +336,8 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, scale_mo
             for j in range(nb_):
                 k0 = j * 32
                 m = np.uint32(0)                          # block amax over the bit patterns, NaN excluded
-                for k in range(k0, k0 + 32):
+                for t32 in range(32):
+                    k = k0 + t32
                     a = xb[k] & np.uint32(0x7FFFFFFF)
                     m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
                 bits[0] = m
@@ -340,13 +345,16 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, scale_mo
                 scales[r, j] = e
                 mul = pow2_enc[e]
                 if fast:                                  # RNE E2M1: comparison masks over a 32-wide block
-                    for k in range(k0, k0 + 32):
+                    for t32 in range(32):
+                        k = k0 + t32
                         crow[k] = e2m1_rne(xr[k] * mul)
                 elif is_fp4 and mode == 4:                # SR E2M1, likewise
-                    for k in range(k0, k0 + 32):
+                    for t32 in range(32):
+                        k = k0 + t32
                         crow[k] = e2m1_sr(xr[k] * mul, np.float32(rr[k]), thr, inv)
                 else:
-                    for k in range(k0, k0 + 32):
+                    for t32 in range(32):
+                        k = k0 + t32
                         y = xr[k] * mul
                         if is_fp4:
                             crow[k] = e2m1_code(y, mode, np.int32(rr[k]), nsr, E2M1_MAGS, E2M1_STEPS)
