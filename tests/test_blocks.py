@@ -117,6 +117,26 @@ def test_seeded_sr_generated_in_the_kernel_equals_the_byte_array(shape, axis):
                 np.testing.assert_array_equal(_codes(a), codes)
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_seeded_sr_allocates_no_per_element_byte_array(scheme):
+    """tracemalloc peak of quantize beyond its outputs: with seed= the Philox bytes are made inside the kernel,
+    so SR costs no more memory than RNE: none of the n random bytes for the block axis last, and along axis 0
+    only the input's moved copy (4 bytes per element), not the bytes and their moved copy as well."""
+    import tracemalloc
+    x = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    for axis, allowed in ((-1, 0), (0, x.nbytes)):
+        for kw in ({}, {"rounding": "sr", "seed": 3}):
+            fs.quantize(x, scheme, axis=axis, **kw)          # compile outside the measurement
+            tracemalloc.start()
+            try:
+                q = fs.quantize(x, scheme, axis=axis, **kw)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            extra = peak - q.codes.nbytes - q.scales.nbytes
+            assert extra - allowed < x.size // 16, (axis, kw, extra)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("elem,mode", [(fs.E2M1, m) for m in ("rceil", "floor", "ceil", "even")]
                          + [(fs.E4M3, "rceil"), (fs.E4M3, "floor"), (fs.E5M2, "rceil"), (fs.E5M2, "even")])
