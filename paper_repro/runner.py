@@ -36,6 +36,10 @@ def run_all(cfgs: list[RunConfig], out: Path, *, quiet: bool = False, ckpt_secon
                 bar.set_description(f"run {todo.index(c) + 1}/{len(todo)} {c.preset} seed {c.seed}")
 
                 def progress(ntok, loss, bar=bar):
+                    if loss is None:                  # tokens a resumed or branched run does not train
+                        bar.total -= ntok
+                        bar.refresh()
+                        return
                     bar.update(ntok)
                     bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             else:

@@ -269,7 +269,9 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     """Train (or resume, or just read) the run; return its log rows.
 
     ckpt_seconds / ckpt_every: checkpoint after this much wall time or every this many steps (and at the end);
-    progress(step_tokens, loss): called after every step; stop_after: return after this many steps of this call
+    progress(step_tokens, loss): called after every step, and once before the first with ``loss=None`` and the
+    tokens already behind the run (resumed from its checkpoint or a branch point's snapshot), which this call
+    does not train; stop_after: return after this many steps of this call
     without finishing (an interruption, for tests) — the last checkpoint is where a later call resumes.
     """
     import torch
@@ -314,6 +316,8 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         load(ckpt, cfg.to_json())
     elif snap is not None and snap.is_file():           # a sibling branch already trained the shared prefix
         load(snap, cfg.parent().to_json())
+    if progress is not None and step:
+        progress(step * cfg.batch * cfg.model.ctx, None)
     for ph, at in zip(cfg.phases, phase_at):            # phases already passed (a resumed run; the one at this
         if at < step:                                   # very step is applied by the loop below)
             apply_phase(model, cfg, ph)

@@ -125,7 +125,11 @@ def test_interrupted_run_resumes_to_the_same_curve(tmp_path):
     want = train(TINY, tmp_path / "whole")
     part = train(TINY, tmp_path / "cut", ckpt_every=3, stop_after=5)       # stops after step 5; ckpt at step 3
     assert len(part) < len(want) and (tmp_path / "cut" / "ckpt.pt").exists()
-    assert train(TINY, tmp_path / "cut", ckpt_every=3) == want
+    calls = []
+    assert train(TINY, tmp_path / "cut", ckpt_every=3, progress=lambda n, loss: calls.append((n, loss))) == want
+    tps = TINY.batch * TINY.model.ctx                   # the progress bar learns the 3 steps it does not train
+    assert calls[0] == (3 * tps, None) and [n for n, _ in calls[1:]] == [tps] * (TINY.steps - 3)
+    assert all(loss is not None for _, loss in calls[1:])
     assert (tmp_path / "cut" / "log.csv").read_bytes() == (tmp_path / "whole" / "log.csv").read_bytes()
 
 
