@@ -234,9 +234,9 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavo
                     sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
             for r in range(r0, r1):
                 xr = row_padded(x2, r, K, Kp, xrow)
-                rr = rrow
-                if mode == 4:                              # read in place where possible: through a row copy
-                    rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, c0r)  # SR was 2-5x
+                rr = rrow                                  # the row's random bytes (given ones read in place
+                if mode == 4:                              # where possible: through a row copy SR was 2-5x slower)
+                    rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, c0r)
                 if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
                     for j in range(nbk):
                         f = fac[j]
