@@ -123,18 +123,21 @@ def test_seeded_sr_allocates_no_per_element_byte_array(scheme):
     so SR costs no more memory than RNE: none of the n random bytes for the block axis last, and along axis 0
     only the input's moved copy (4 bytes per element), not the bytes and their moved copy as well."""
     import tracemalloc
-    x = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((1024, 2048)).astype(np.float32)
     for axis, allowed in ((-1, 0), (0, x.nbytes)):
         for kw in ({}, {"rounding": "sr", "seed": 3}):
             fs.quantize(x, scheme, axis=axis, **kw)          # compile outside the measurement
-            tracemalloc.start()
-            try:
-                q = fs.quantize(x, scheme, axis=axis, **kw)
-                peak = tracemalloc.get_traced_memory()[1]
-            finally:
-                tracemalloc.stop()
-            extra = peak - q.codes.nbytes - q.scales.nbytes
-            assert extra - allowed < x.size // 16, (axis, kw, extra)
+            extra = []
+            for _ in range(3):     # the least of three: a first call's one-off Python objects are not the kernel's
+                tracemalloc.start()
+                try:
+                    q = fs.quantize(x, scheme, axis=axis, **kw)
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+                extra.append(peak - q.codes.nbytes - q.scales.nbytes)
+                del q
+            assert min(extra) - allowed < x.size // 16, (axis, kw, extra)   # one byte per element would be 16x
 
 
 @pytest.mark.parametrize("case", list(CASES))
