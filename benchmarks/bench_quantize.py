@@ -27,6 +27,7 @@ def main():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((a.n, a.n)) * np.exp(rng.standard_normal((a.n, 1)))).astype(np.float32)
     out = np.empty(x.size, np.uint8)
+    rbits = rng.integers(0, 256, x.shape, dtype=np.uint8)
     t_stream = best(lambda: stream_f32_to_u8(x.reshape(-1), out), a.repeat)
     res = {"numba_threads": nb.get_num_threads(), "n": a.n, "stream_ms": t_stream * 1e3, "rows": []}
     torch_t = {}
@@ -54,8 +55,12 @@ def main():
     ops = [("quantize nvfp4", lambda: fs.quantize(x, "nvfp4")),
            ("quantize nvfp4 torchao flavour", lambda: fs.quantize(x, "nvfp4", flavor="torchao")),
            ("quantize nvfp4 sr (seed)", lambda: fs.quantize(x, "nvfp4", rounding="sr", seed=1)),
+           ("quantize nvfp4 sr (rbits)", lambda: fs.quantize(x, "nvfp4", rounding="sr", rbits=rbits)),
+           ("quantize nvfp4 along axis 0", lambda: fs.quantize(x, "nvfp4", axis=0)),
+           ("quantize nvfp4 sr (seed) axis 0", lambda: fs.quantize(x, "nvfp4", axis=0, rounding="sr", seed=1)),
            ("quantize nvfp4_2d", lambda: fs.quantize(x, "nvfp4_2d")),
            ("quantize mxfp4", lambda: fs.quantize(x, "mxfp4")),
+           ("quantize mxfp4 sr (seed)", lambda: fs.quantize(x, "mxfp4", rounding="sr", seed=1)),
            ("fake_quantize nvfp4", lambda: fs.fake_quantize(x, "nvfp4")),
            ("fake_quantize nvfp4_2d", lambda: fs.fake_quantize(x, "nvfp4_2d")),
            ("fake_quantize mxfp4", lambda: fs.fake_quantize(x, "mxfp4")),
@@ -73,6 +78,11 @@ def main():
         e = f"{row.get('vs_torchao_eager', float('nan')):12.2f}"
         c = f"{row.get('vs_torchao_compiled', float('nan')):15.2f}"
         print(f"{name:34} {t * 1e3:8.2f} {t_stream / t:10.2f} {e} {c}")
+    ms = {r["op"]: r["ms"] for r in res["rows"]}
+    for sr, rne in (("quantize nvfp4 sr (seed)", "quantize nvfp4"), ("quantize nvfp4 sr (rbits)", "quantize nvfp4"),
+                    ("quantize nvfp4 sr (seed) axis 0", "quantize nvfp4 along axis 0"),
+                    ("quantize mxfp4 sr (seed)", "quantize mxfp4")):
+        print(f"{sr} / {rne}: {ms[sr] / ms[rne]:.2f}x")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
