@@ -82,10 +82,16 @@ def philox4x32_10(counter, key) -> np.ndarray:
 
 
 @nb.njit(inline="always", cache=True)
+def _philox_at(b, k0, k1, stream):
+    """The Philox output of 16-element block ``b`` (counter (b_lo, b_hi, stream, 0))."""
+    return philox_block(np.uint64(b) & np.uint64(0xFFFFFFFF), np.uint64(b) >> np.uint64(32), np.uint64(stream),
+                        np.uint64(0), k0, k1)
+
+
+@nb.njit(inline="always", cache=True)
 def philox_block_for(i, k0, k1, stream):
     """The Philox output covering elements ``16*(i//16) ... 16*(i//16)+15`` (lane ``(i//4)%4``, byte ``i%4``)."""
-    b = np.uint64(i) >> np.uint64(4)
-    return philox_block(b & np.uint64(0xFFFFFFFF), b >> np.uint64(32), np.uint64(stream), np.uint64(0), k0, k1)
+    return _philox_at(np.uint64(i) >> np.uint64(4), k0, k1, stream)
 
 
 @nb.njit(inline="always", cache=True)
@@ -100,12 +106,6 @@ def byte_of(r, i):
     elif lane == 3:
         w = r[3]
     return np.uint8((w >> np.uint64(8 * (i & 3))) & np.uint64(0xFF))
-
-
-@nb.njit(inline="always", cache=True)
-def _philox_at(b, k0, k1, stream):
-    return philox_block(np.uint64(b) & np.uint64(0xFFFFFFFF), np.uint64(b) >> np.uint64(32), stream, np.uint64(0),
-                        k0, k1)
 
 
 @nb.njit(inline="always", cache=True)
@@ -161,20 +161,17 @@ def philox_bytes_row(out, base, n, k0, k1, stream, mask):
                 wq = w[q]
                 for t in range(4):
                     out[i0 + 4 * q + t] = np.uint8((wq >> np.uint32(8 * t)) & np.uint32(0xFF)) & mask
-    hb = base >> 4
-    if base & 15:                              # a partial block at the start
-        _philox_part(out, hb, base, n, k0, k1, stream, mask)
-    if (base + n) & 15 and (b_end != hb or not base & 15):   # at the end, unless it is the same block
-        _philox_part(out, b_end, base, n, k0, k1, stream, mask)
-
-
-@nb.njit(inline="always", cache=True)
-def _philox_part(out, b, base, n, k0, k1, stream, mask):
-    r = _philox_at(b, k0, k1, stream)
-    i0 = b * 16 - base
-    for t in range(16):
-        if 0 <= i0 + t < n:
-            out[i0 + t] = byte_of(r, t) & mask
+    if n <= 0:
+        return
+    first = base >> 4                          # the blocks at either end (one if the range lies in one block)
+    last = (base + n - 1) >> 4
+    for b in range(first, last + 1, max(last - first, 1)):
+        i0 = b * 16 - base
+        if i0 < 0 or i0 + 16 > n:              # partial: element by element
+            r = _philox_at(b, k0, k1, stream)
+            for t in range(16):
+                if 0 <= i0 + t < n:
+                    out[i0 + t] = byte_of(r, t) & mask
 
 
 @nb.njit(cache=True)

@@ -196,7 +196,7 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavo
     for sg in nb.prange((ngroups + per - 1) // per):
         xrow = np.zeros(Kp, np.float32)
         rrow = np.zeros(Kp, np.uint8)
-        rcols = np.zeros((16 if ph == 2 else 1, Kp), np.uint8)
+        rcols = np.zeros((16, Kp) if ph == 2 else (1, 1), np.uint8)   # used with ph 2 only
         crow = np.empty(Kp, np.uint8)
         amaxb = np.zeros(nbk, np.uint32)
         sf = np.empty(nbk, np.float32)
@@ -322,7 +322,7 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, scale_mo
         bits = buf.view(np.uint32)
         xrow = np.zeros(Kp, np.float32)
         rrow = np.zeros(Kp, np.uint8)
-        rcols = np.zeros((16 if ph == 2 else 1, Kp), np.uint8)
+        rcols = np.zeros((16, Kp) if ph == 2 else (1, 1), np.uint8)   # used with ph 2 only
         crow = np.empty(Kp, np.uint8)
         fast = is_fp4 and mode == 0
         if mode == 4:
