@@ -1,7 +1,8 @@
 """The paper's recipe ablations (part 2): each figure is a set of variants of the NVFP4 recipe, trained over seeds,
 compared with the full recipe at the end of training and given a verdict against the paper's claim.
 
-Verdicts compare the final validation loss of a variant with the reference (the full recipe) paired by seed
+Verdicts compare the final validation loss of a variant with the reference (the full recipe; or the variant
+named by ``Variant.vs``, where the paper's claim is about that pair) paired by seed
 (same initial weights, data order and SR key): d = loss_variant - loss_reference, its mean m and standard error
 se over seeds. Where the paper says the variant is worse: "reproduces" if m > 2 se, "contradicts" if
 m < -2 se, else "not distinguishable from seed noise at this scale (spread X, effect Y)". Where the paper says
@@ -29,6 +30,8 @@ class Variant:
     make: object            # RunConfig (the figure's base, seed set) -> RunConfig
     paper: str              # what the paper reports for it
     expect: str             # "worse", "same", "diverges" or "reference"
+    vs: str = ""            # the variant it is compared with, where the paper compares it with another than the
+    #                         figure's reference (fig14: reusing the Fprop copy of activations vs re-quantizing)
 
 
 def _sw(cfg, **sw):
@@ -145,7 +148,8 @@ ABLATIONS = {
                 "activations tolerate 1x16 blocks: close to weights-only", "same"),
         Variant("activations 1x16, Wgrad reuses the Fprop copy",
                 lambda c: replace(c, preset="bf16", operands=_A1, switches=(("wgrad_x_reuse_fprop", True),)),
-                "the inconsistency matters little for activations: about the same as re-quantizing them", "same"),
+                "the inconsistency matters little for activations: about the same as re-quantizing them", "same",
+                vs="activations 1x16"),
     ]),
 }
 
@@ -287,11 +291,12 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
                 R.append(stats.rel_diff_pct([rb[r["step"]] for r in rv], [r["val_loss"] for r in rv]))
         if ok and R:
             _band(a0, t, np.array(R), cmap(i), v.label)
-        diffs = [final[v.label][s][0] - final[ref][s][0] for s in seeds]
-        flags = [final[v.label][s][1] for s in seeds]
+        vs = v.vs or ref
+        diffs = [final[v.label][s][0] - final[vs][s][0] for s in seeds]
+        flags = [final[v.label][s][1] or final[vs][s][1] for s in seeds]
         word, info = verdict(v.expect, diffs, flags)
         lm, ls = stats.mean_std([final[v.label][s][0] for s in seeds])
-        summary["variants"][v.label] = {"paper": v.paper, "expect": v.expect, "verdict": word,
+        summary["variants"][v.label] = {"paper": v.paper, "expect": v.expect, "verdict": word, "vs": vs,
                                         "final_val_loss_mean": float(lm), "final_val_loss_std": float(ls), **info}
         if v.label != ref:
             a1.errorbar([i], [info.get("effect", math.nan)], yerr=[2 * info.get("stderr", math.nan)], fmt="o",
@@ -300,8 +305,10 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
     a0.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)", title=title)
     a0.legend(fontsize=7)
     a1.axhline(0, color="k", lw=0.8)
-    a1.set_xticks(range(len(variants)), [v.label for v in variants], rotation=25, ha="right", fontsize=7)
-    a1.set(ylabel=f"final loss - {ref} (nats), ± 2 s.e.", title="effect at the end of training, paired by seed")
+    a1.set_xticks(range(len(variants)), [v.label + (f"\n(vs {v.vs})" if v.vs else "") for v in variants], rotation=25,
+                  ha="right", fontsize=7)
+    against = ref if not any(v.vs for v in variants) else f"{ref} (or the run named)"
+    a1.set(ylabel=f"final loss - {against} (nats), ± 2 s.e.", title="effect at the end of training, paired by seed")
     for a in (a0, a1):
         a.grid(alpha=0.3)
     f.tight_layout()
@@ -334,5 +341,6 @@ def verdict_table(out: Path) -> str:
                 eff, spread = f"{v['effect']:+.4f} ± {v['stderr']:.4f}", f"{v['spread']:.4f}"
             else:
                 eff, spread = f"{v.get('effect', math.nan):+.4f}", ""
-            lines.append(f"| {fig} | {lab} (vs {j['reference']}) | {v['paper']} | {eff} | {spread} | {v['verdict']} |")
+            lines.append(f"| {fig} | {lab} (vs {v.get('vs', j['reference'])}) | {v['paper']} | {eff} | {spread} | "
+                         f"{v['verdict']} |")
     return "\n".join(lines) + "\n"

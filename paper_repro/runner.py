@@ -33,7 +33,8 @@ def run_all(cfgs: list[RunConfig], out: Path, *, quiet: bool = False, ckpt_secon
     try:
         for i, (k, c) in enumerate(uniq.items()):
             if c in todo:
-                bar.set_description(f"run {todo.index(c) + 1}/{len(todo)} {c.preset} seed {c.seed}")
+                ops = f" + NVFP4 {','.join(o[0] for o in c.operands)}" if c.operands else ""
+                bar.set_description(f"run {todo.index(c) + 1}/{len(todo)} {c.key().rsplit('-', 1)[0]}{ops}")
 
                 def progress(ntok, loss, bar=bar):
                     if loss is None:                  # tokens a resumed or branched run does not train

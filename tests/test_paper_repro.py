@@ -58,9 +58,17 @@ def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
         got = [ln for ln in t.stdout.splitlines() if ln.startswith(f"| {fig} |")]
         want = [v for v in ablations.ABLATIONS[fig][1] if v.expect != "reference"]
         assert len(got) == len(want)
+        last = {}                                   # the final validation loss of every (run, seed), from the CSV
+        for r in rows:
+            k = (r["run"], int(r["seed"]))
+            if int(r["step"]) >= last.get(k, (-1, 0))[0]:
+                last[k] = (int(r["step"]), float(r["val_loss"]))
         for ln, v in zip(got, want):
-            assert ln.startswith(f"| {fig} | {v.label} (vs {summ['reference']}) | {v.paper} |")
+            vs = v.vs or summ["reference"]
+            assert ln.startswith(f"| {fig} | {v.label} (vs {vs}) | {v.paper} |")
             assert ln.endswith(f"| {summ['variants'][v.label]['verdict']} |")
+            d = [last[(v.label, s)][1] - last[(vs, s)][1] for s in range(figures.QUICK_SEEDS)]
+            assert summ["variants"][v.label]["effect"] == pytest.approx(np.mean(d), rel=1e-9, abs=1e-12)
     if fig == "fig12":          # every RHT size's Wgrad error on the branch point's tensors
         w = list(csv.DictReader(open(tmp_path / "fig12_wgrad_error.csv")))
         per = {(r["variant"], int(r["seed"]), r["layer"]): float(r["rel_error"]) for r in w}
