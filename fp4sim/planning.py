@@ -9,6 +9,9 @@ A backend ("kernels" object) provides::
     sr_bytes(sr, shape)                  the per-element random bytes of an SRPlan, in ``shape``
     philox_in_kernel                     True where nvfp4 / mx take a :class:`PhiloxRows` for ``rb``: Philox
                                          bits generated inside the kernel, no tensor-sized byte array
+    moved_rows(a, axis)                  optional (CPU): ``a``'s (R, K) rows along ``axis``, as an array or an
+                                         object the kernels below gather a chunk of rows at a time from
+                                         (x2 and rb of absmax, row_absmax, nvfp4, mx)
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
@@ -332,12 +335,16 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     p = plan_quantize(xs.shape, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed,
                       stream, sr_bits, rbits_mapping, scale_layout, fake, row_scaled, per_tensor_scale)
     xp, sch = kern.xp, p.scheme
-    x2 = p.to2d(xp, xs)
+    # The CPU kernels read an input blocked along another axis than the last a chunk of rows at a time
+    # (kern.moved_rows): no tensor-sized moved copy. 4over6 and the FP8 / BF16 schemes take the copy.
+    rows = (kern.moved_rows if hasattr(kern, "moved_rows") and isinstance(sch, (NVFP4, MX))
+            and not getattr(sch, "four_over_six", None) else lambda a, ax: p.to2d(xp, a))
+    x2 = rows(xs, p.axis)
     use_rb = p.sr.kind != ids.SR_NONE
     rb = (philox_rows(p.sr, xs.shape, p.axis) if use_rb and getattr(kern, "philox_in_kernel", False)
           and isinstance(sch, (NVFP4, MX)) else None)
     if rb is None:
-        rb = p.to2d(xp, kern.sr_bytes(p.sr, xs.shape)) if use_rb else xp.zeros((1, 1), np.uint8)
+        rb = rows(kern.sr_bytes(p.sr, xs.shape), p.axis) if use_rb else xp.zeros((1, 1), np.uint8)
     if isinstance(sch, BF16Cast):
         srp = SRPlan(ids.SR_GIVEN, p.sr.nsr, rb.reshape(-1)) if use_rb else p.sr
         codes = kern.encode(x2, sch.elem, p.mode, p.rounding == "sr", p.sr.nsr, srp)

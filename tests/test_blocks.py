@@ -117,14 +117,74 @@ def test_seeded_sr_generated_in_the_kernel_equals_the_byte_array(shape, axis):
                 np.testing.assert_array_equal(_codes(a), codes)
 
 
+@pytest.mark.parametrize("shape,axis", [((100, 48), 0), ((3, 40, 33), 1), ((40, 3, 16), 0), ((64, 4, 8), 0),
+                                        ((35, 37), 0)])
+def test_quantize_along_another_axis_reads_the_input_in_chunks_of_rows(monkeypatch, shape, axis):
+    """An input blocked along another axis than the last is gathered 16 rows at a time here (the chunk size made
+    tiny), so 16x16 tiles, 16-row Philox groups and rows that cross the outer axis start and end inside chunks
+    (strides 33 and 37 draw the seeded bytes as an array, also read a chunk at a time): every scheme against the
+    reference on the moved input, and fake_quantize against dequantize. Also with the input gathered in chunks
+    and the (smaller) random bytes copied whole, and with a Fortran-ordered input copied whole and the bytes
+    gathered in chunks."""
+    from fp4sim.cpu import backend, transpose
+    from fp4sim.rng import philox_bytes
+    monkeypatch.setattr(backend, "chunk_rows", lambda K, itemsize=4: 16)
+    x0 = heavy(shape, 21)
+    x0[(0,) * len(shape)] = np.nan
+    K = shape[axis]
+    mv = np.moveaxis(x0, axis, -1).reshape(-1, K)
+    given = np.random.default_rng(2).integers(0, 256, shape, dtype=np.uint8)
+    seeded = philox_bytes(99, x0.size, 7).reshape(shape)
+    refs = {}                                  # the reference's outputs, the same for the three layouts
+    for limit, x in ((0, x0), (x0.size, x0), (0, np.asfortranarray(x0))):
+        monkeypatch.setattr(transpose, "CHUNK_BYTES", limit)
+        if x.flags.c_contiguous:
+            assert isinstance(transpose.moved_rows(x, axis), transpose.MovedRows) and mv.shape[0] > 16
+            assert isinstance(transpose.moved_rows(given, axis), transpose.MovedRows) == (limit == 0)
+        _check_moved(x, axis, mv, given, seeded, refs)
+
+
+def _check_moved(x, axis, mv, given, seeded, refs):
+    shape = x.shape
+    for kw, rb in [({}, None), ({"rounding": "sr", "rbits": given}, given),
+                   ({"rounding": "sr", "seed": 99, "stream": 7}, seeded)]:
+        rb2 = None if rb is None else np.moveaxis(rb, axis, -1).reshape(mv.shape)
+        rnd = kw.get("rounding", "rne")
+        for scheme, skw, want in [
+                ("nvfp4", {}, lambda: ref.nvfp4_ref(mv, "te", 1, rounding=rnd, rb=rb2)),
+                ("nvfp4", {"flavor": "torchao"}, lambda: ref.nvfp4_ref(mv, "torchao", 1, rounding=rnd, rb=rb2)),
+                ("nvfp4_2d", {}, lambda: ref.nvfp4_ref(mv, "te", 16, rounding=rnd, rb=rb2)),
+                ("nvfp4", {"row_scaled": True}, lambda: ref.nvfp4_ref(mv, "te", 1, rounding=rnd, rb=rb2,
+                                                                      row_scaled=True)),
+                ("mxfp4", {}, lambda: ref.mx_ref(mv, fs.E2M1, "rceil", rounding=rnd, rb=rb2)),
+                ("mxfp8_e4m3", {}, lambda: ref.mx_ref(mv, fs.E4M3, "rceil", rounding=rnd, rb=rb2))]:
+            if scheme == "nvfp4_2d" and len(shape) != 2:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)     # the NaN element
+                q = fs.quantize(x, scheme, axis=axis, **skw, **kw)
+                fq = fs.fake_quantize(x, scheme, axis=axis, **skw, **kw)
+                dq = fs.dequantize(q)
+            key = (scheme, str(skw), rnd, rb is seeded)
+            codes, scales = refs[key] if key in refs else refs.setdefault(key, want())
+            got = _codes(q) if scheme != "mxfp8_e4m3" else q.codes.reshape(codes.shape)
+            np.testing.assert_array_equal(got, codes, err_msg=f"{scheme} {skw} {kw.keys()}")
+            np.testing.assert_array_equal(q.linear_scales(), scales)
+            np.testing.assert_array_equal(fq.view(np.uint32), dq.view(np.uint32))
+
+
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
 def test_seeded_sr_allocates_no_per_element_byte_array(scheme):
     """tracemalloc peak of quantize beyond its outputs: with seed= the Philox bytes are made inside the kernel,
-    so SR costs no more memory than RNE: none of the n random bytes for the block axis last, and along axis 0
-    only the input's moved copy (4 bytes per element), not the bytes and their moved copy as well."""
+    so SR costs no more memory than RNE: none of the n random bytes for the block axis last; along axis 0 the
+    input is gathered a chunk of rows at a time (a quarter of this tensor), not copied whole (4 bytes per
+    element), and the bytes are not drawn or moved either."""
     import tracemalloc
+    from fp4sim.cpu.transpose import chunk_rows
     x = np.random.default_rng(0).standard_normal((1024, 2048)).astype(np.float32)
-    for axis, allowed in ((-1, 0), (0, x.nbytes)):
+    chunk = chunk_rows(1024) * 1024 * 4
+    assert chunk <= x.nbytes // 4
+    for axis, allowed in ((-1, 0), (0, chunk)):
         for kw in ({}, {"rounding": "sr", "seed": 3}):
             fs.quantize(x, scheme, axis=axis, **kw)          # compile outside the measurement
             extra = []

@@ -10,17 +10,34 @@ from ..rng import philox_bytes, seed_key
 from . import blocks as _b
 from . import elements as _e
 from .hadamard import rht_axis_kernel, rht_kernel
+from .transpose import MovedRows, chunk_rows, moved_rows, row_chunks
 
 f32 = np.float32
 
 
-def _sr_args(rb):
-    """The kernels' random-byte arguments (rb, ph, k0, k1, stream, mask, stride) from a byte array (R, K) or a
+def _sr_args(rb, r0, r1, buf):
+    """The kernels' random-byte arguments (rb, ph, k0, k1, stream, mask, stride, row offset) for rows r0 .. r1 - 1
+    from a byte array (R, K; (1, 1) when unused), the same as :class:`MovedRows` (gathered into ``buf``) or a
     PhiloxRows (the bytes then come from Philox inside the kernel)."""
     if isinstance(rb, PhiloxRows):
         return (np.zeros((1, 1), np.uint8), rb.layout, np.uint64(rb.k0), np.uint64(rb.k1), np.uint64(rb.stream),
-                np.uint8(rb.mask), rb.stride)
-    return rb, 0, np.uint64(0), np.uint64(0), np.uint64(0), np.uint8(0xFF), 1
+                np.uint8(rb.mask), rb.stride, np.int64(r0))
+    if isinstance(rb, MovedRows):
+        rb = rb.rows(r0, r1, buf)
+    elif rb.shape[0] > 1:
+        rb = rb[r0:r1]
+    return rb, 0, np.uint64(0), np.uint64(0), np.uint64(0), np.uint8(0xFF), 1, np.int64(0)
+
+
+def _chunks(x2, rb):
+    """(r0, r1, rows r0 .. r1 - 1 of x2, their SR arguments): the whole of x2 at once, or chunks of it where x2 or
+    the random bytes are a :class:`MovedRows` (no tensor-sized copy of an input blocked along another axis)."""
+    R, K = x2.shape
+    moved = isinstance(x2, MovedRows) or isinstance(rb, MovedRows)
+    rows = chunk_rows(K) if moved else R
+    rbuf = np.empty((min(rows, R), K), np.uint8) if isinstance(rb, MovedRows) else None
+    for r0, r1, xc in row_chunks(x2, rows):
+        yield r0, r1, xc, _sr_args(rb, r0, r1, rbuf)
 
 
 class CpuKernels:
@@ -55,9 +72,11 @@ class CpuKernels:
                          fmt.name == "e2m1" and not generic)
         return out
 
+    moved_rows = staticmethod(moved_rows)
+
     @staticmethod
     def absmax(x2):
-        a, n = _b.absmax_nan(x2)
+        a, n = _b.absmax_nan(x2.flat if isinstance(x2, MovedRows) else x2)
         return f32(a), bool(n)
 
     @staticmethod
@@ -67,9 +86,12 @@ class CpuKernels:
 
     @staticmethod
     def row_absmax(x2):
-        a = np.abs(x2)
-        a[np.isnan(a)] = 0
-        return a.max(axis=1).astype(np.float32)
+        R, K = x2.shape
+        part = np.empty(R, np.uint32)
+        nans = np.empty(R, np.uint32)
+        for r0, r1, xc in row_chunks(x2, chunk_rows(K) if isinstance(x2, MovedRows) else R):
+            _b.row_absmax_nan(xc, part[r0:r1], nans[r0:r1])
+        return part.view(np.float32)
 
     @staticmethod
     def nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake):
@@ -78,9 +100,13 @@ class CpuKernels:
         codes = np.empty((R, nbk * 8), np.uint8)
         scales = np.empty((-(-R // tile), nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
-        _b.nvfp4_kernel(x2, *_sr_args(rb), mode, nsr, flavor, tile, np.ascontiguousarray(c0, np.float32),
-                        np.ascontiguousarray(c1, np.float32), np.ascontiguousarray(dq, np.float32).reshape(-1, 2),
-                        E4M3.values, codes, scales, fv, fake)
+        c0, c1 = np.ascontiguousarray(c0, np.float32), np.ascontiguousarray(c1, np.float32)
+        dq = np.ascontiguousarray(dq, np.float32).reshape(-1, 2)
+        for r0, r1, xc, sra in _chunks(x2, rb):   # r0 is a multiple of 16 (a tile, a 16-row Philox group)
+            g0, g1 = r0 // tile, -(-r1 // tile)
+            per = slice(g0, g1) if c0.shape[0] > 1 else slice(None)      # row-scaled: one set of constants per row
+            _b.nvfp4_kernel(xc, *sra, mode, nsr, flavor, tile, c0[per], c1[per], dq[per], E4M3.values,
+                            codes[r0:r1], scales[g0:g1], fv[r0:r1] if fake else fv, fake)
         return codes, scales, fv
 
     @staticmethod
@@ -91,8 +117,10 @@ class CpuKernels:
         codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8)
         scales = np.empty((R, nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
-        _b.mx_kernel(x2, *_sr_args(rb), mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
-                     *kernel_params(fmt), is_fp4, fmt.values, codes, scales, fv, fake)
+        for r0, r1, xc, sra in _chunks(x2, rb):
+            _b.mx_kernel(xc, *sra, mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
+                         *kernel_params(fmt), is_fp4, fmt.values, codes[r0:r1], scales[r0:r1],
+                         fv[r0:r1] if fake else fv, fake)
         return codes, scales, fv
 
     @staticmethod

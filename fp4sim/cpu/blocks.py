@@ -21,16 +21,14 @@ E4M3_PARAMS = (3, -6, 7, 0x7E, 0x7F, 0x7F, 0x80)  # mbits, emin, bias, maxmag, n
 
 
 @nb.njit(parallel=True, cache=True)
-def absmax_nan(x2):
-    """(max |x| with NaN ignored, whether any NaN was seen) over a 2-D array.
+def row_absmax_nan(x2, part, nans):
+    """``part[r]`` = the bits of max |x2[r]| with NaN ignored, ``nans[r]`` = 1 where row r holds a NaN.
 
     Works on the bit patterns (|x| orders like its bits; NaN patterns are masked out), so the reduction is an
     integer max that vectorises.
     """
     R, K = x2.shape
     xb = x2.view(np.uint32)
-    part = np.zeros(R, np.uint32)
-    nans = np.zeros(R, np.uint32)
     for r in nb.prange(R):
         m = np.uint32(0)
         nn = np.uint32(0)
@@ -41,10 +39,17 @@ def absmax_nan(x2):
             nn = max(nn, np.uint32(isnan))
         part[r] = m
         nans[r] = nn
-    mm = part.max() if R else np.uint32(0)
-    out = np.empty(1, np.uint32)
-    out[0] = mm
-    return out.view(np.float32)[0], nans.max() > 0 if R else False
+
+
+def absmax_nan(x2):
+    """(max |x| with NaN ignored, whether any NaN was seen) over a 2-D array."""
+    R = x2.shape[0]
+    part = np.zeros(R, np.uint32)
+    nans = np.zeros(R, np.uint32)
+    row_absmax_nan(x2, part, nans)
+    if not R:
+        return np.float32(0.0), False
+    return part.max().view(np.float32), bool(nans.max())
 
 
 @nb.njit(inline="always", cache=True)
@@ -150,12 +155,13 @@ def row_padded(x2, r, K, Kp, buf):
 
 
 @nb.njit(inline="always", cache=True)
-def sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, c0):
+def sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, proff, r, K, Kp, rrow, rcols, c0):
     """Row r's random bytes for the kernels: ``ph`` 0: row r of ``rb`` (in place, or its zero-padded copy in
-    ``rrow``); 1: Philox of flat indices r*K + k into ``rrow``; 2: row r - c0 of ``rcols`` (the 16-row Philox
+    ``rrow``); 1: Philox of flat indices (proff + r)*K + k into ``rrow`` (``proff``: the rows of the tensor
+    before this call's first, when it quantizes a chunk of them); 2: row r - c0 of ``rcols`` (the 16-row Philox
     buffer of the row's group, filled by the caller)."""
     if ph == 1:
-        philox_bytes_row(rrow, np.int64(r) * K, K, pk0, pk1, pstream, pmask)
+        philox_bytes_row(rrow, (np.int64(r) + proff) * K, K, pk0, pk1, pstream, pmask)
         return rrow
     if ph == 2:
         return rcols[r - c0]
@@ -175,17 +181,17 @@ def sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, r0, K, rcols):
 
 
 @nb.njit(parallel=True, cache=True)
-def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavor, tile, c0v, c1v, dqv, e4m3_vals,
-                 codes, scales, fake, do_fake):
+def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, flavor, tile, c0v, c1v, dqv,
+                 e4m3_vals, codes, scales, fake, do_fake):
     """NVFP4 quantize. ``tile`` is 1 (1x16 blocks) or 16 (16x16 tiles, one scale per tile).
 
     codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); fake: (R, K) dequantized values when do_fake,
     where ``dqv`` holds the flavour's dequantize constants. ``c0v``, ``c1v``, ``dqv`` hold one set of per-tensor
     constants, or one per row (row-scaled NVFP4, tile 1). Stochastic rounding's bytes (:func:`sr_row_bytes`):
     ``ph`` 0 from ``rb`` (R, K), 1 and 2 Philox generated per row or per 16 rows (key pk0/pk1, stream, masked by
-    pmask). Each task handles 16 rows with ``ph`` 2, else one group of ``tile`` rows, in phases that vectorise:
-    block amax (integer max over bit patterns), per-block scale (scalar), element codes over the whole padded
-    row, nibble packing.
+    pmask; rows numbered from ``proff``). Each task handles 16 rows with ``ph`` 2, else one group of ``tile``
+    rows, in phases that vectorise: block amax (integer max over bit patterns), per-block scale (scalar), element
+    codes over the whole padded row, nibble packing.
     """
     R, K = x2.shape
     nbk = (K + 15) // 16
@@ -206,7 +212,7 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavo
         sdq = np.empty(nbk, np.float32)
         c0r = sg * per * tile
         if mode == 4:
-            sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, c0r, K, rcols)
+            sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, c0r + proff, K, rcols)
         for g in range(sg * per, min(sg * per + per, ngroups)):
             r0 = g * tile
             r1 = min(r0 + tile, R)
@@ -236,7 +242,7 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, flavo
                 xr = row_padded(x2, r, K, Kp, xrow)
                 rr = rrow                                  # the row's random bytes (given ones read in place
                 if mode == 4:                              # where possible: through a row copy SR was 2-5x slower)
-                    rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, c0r)
+                    rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, proff, r, K, Kp, rrow, rcols, c0r)
                 if mode == 0 and flavor <= 2 and not nanfac:  # phase 3: element codes (common paths first)
                     for j in range(nbk):
                         f = fac[j]
@@ -307,9 +313,9 @@ def mx_scale_byte(amax, mode, emax, mbits, rcp, buf, bits):
 
 
 @nb.njit(parallel=True, cache=True)
-def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, scale_mode, emax, rcp, pow2_enc, pow2_dec,
-              mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals,
-              codes, scales, fake, do_fake):
+def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, scale_mode, emax, rcp, pow2_enc,
+              pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals, codes, scales, fake,
+              do_fake):
     """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8. Stochastic
     rounding's bytes as in :func:`nvfp4_kernel` (``ph``; a task handles 16 rows with ``ph`` 2, else one)."""
     R, K = x2.shape
@@ -326,13 +332,13 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr, scale_mo
         crow = np.empty(Kp, np.uint8)
         fast = is_fp4 and mode == 0
         if mode == 4:
-            sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, sg * per, K, rcols)
+            sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, sg * per + proff, K, rcols)
         for r in range(sg * per, min(sg * per + per, R)):
             xr = row_padded(x2, r, K, Kp, xrow)
             xb = xr.view(np.uint32)
             rr = rrow
             if mode == 4:
-                rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, r, K, Kp, rrow, rcols, sg * per)
+                rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, proff, r, K, Kp, rrow, rcols, sg * per)
             for j in range(nb_):
                 k0 = j * 32
                 m = np.uint32(0)                          # block amax over the bit patterns, NaN excluded
