@@ -128,7 +128,8 @@ def test_quantize_along_another_axis_reads_the_input_in_chunks_of_rows(monkeypat
     gathered in chunks."""
     from fp4sim.cpu import backend, transpose
     from fp4sim.rng import philox_bytes
-    monkeypatch.setattr(backend, "chunk_rows", lambda K, itemsize=4: 16)
+    for mod in (backend, transpose):
+        monkeypatch.setattr(mod, "chunk_rows", lambda K, itemsize=4: 16)
     x0 = heavy(shape, 21)
     x0[(0,) * len(shape)] = np.nan
     K = shape[axis]

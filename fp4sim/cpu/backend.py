@@ -86,10 +86,10 @@ class CpuKernels:
 
     @staticmethod
     def row_absmax(x2):
-        R, K = x2.shape
+        R = x2.shape[0]
         part = np.empty(R, np.uint32)
         nans = np.empty(R, np.uint32)
-        for r0, r1, xc in row_chunks(x2, chunk_rows(K) if isinstance(x2, MovedRows) else R):
+        for r0, r1, xc in row_chunks(x2):
             _b.row_absmax_nan(xc, part[r0:r1], nans[r0:r1])
         return part.view(np.float32)
 

@@ -72,14 +72,12 @@ class MovedRows:
 
 
 def moved_rows(a: np.ndarray, axis: int):
-    """``a``'s rows along ``axis`` as the quantize kernels read them: a C-contiguous (R, K) array where that is
-    a view (axis last, or a transposed view) or the array is small, else a :class:`MovedRows`."""
-    m = np.moveaxis(a, axis, -1)
-    if m.flags.c_contiguous:
-        return m.reshape(-1, a.shape[axis])
-    if not a.flags.c_contiguous or a.dtype not in (np.float32, np.uint8) or a.nbytes <= 2 * CHUNK_BYTES:
-        return axis_last(a, axis).reshape(-1, a.shape[axis])
-    return MovedRows(a, axis)
+    """``a``'s rows along ``axis`` as the quantize kernels read them: a :class:`MovedRows` where moving the axis
+    would copy a large C-contiguous float32 / uint8 array, else :func:`axis_last` as (R, K) (a view or a copy)."""
+    if (a.flags.c_contiguous and a.dtype in (np.float32, np.uint8) and a.nbytes > 2 * CHUNK_BYTES
+            and not np.moveaxis(a, axis, -1).flags.c_contiguous):
+        return MovedRows(a, axis)
+    return axis_last(a, axis).reshape(-1, a.shape[axis])
 
 
 def chunk_rows(K: int, itemsize: int = 4) -> int:
@@ -90,10 +88,13 @@ def chunk_rows(K: int, itemsize: int = 4) -> int:
     return -(-rows // 16) * 16
 
 
-def row_chunks(x2, rows: int):
+def row_chunks(x2, rows: int | None = None):
     """(r0, r1, rows r0 .. r1 - 1 as a C-contiguous array) covering ``x2`` (an (R, K) array or a
-    :class:`MovedRows`, whose chunks are gathered into one reused buffer) ``rows`` rows at a time."""
+    :class:`MovedRows`, whose chunks are gathered into one reused buffer) ``rows`` rows at a time (default: a
+    MovedRows in chunks of :func:`chunk_rows`, an array whole)."""
     R = x2.shape[0]
+    if rows is None:
+        rows = chunk_rows(x2.K, x2.dtype.itemsize) if isinstance(x2, MovedRows) else R
     buf = np.empty((min(rows, R), x2.K), x2.dtype) if isinstance(x2, MovedRows) else None
     for r0 in range(0, R, rows):
         r1 = min(r0 + rows, R)
