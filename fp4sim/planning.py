@@ -14,11 +14,14 @@ A backend ("kernels" object) provides::
                                          (x2 and rb of absmax, row_absmax, nvfp4, mx)
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
+    absmax_blocks(x2, bk, code_bytes)    optional (CPU): absmax's pair and a code array (code_bytes per bk-element
+                                         block) holding each block's amax for nvfp4 / mx's ``codes=`` (or None):
+                                         one pass over the input fewer
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
     nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4) -> codes, scales, map-to-4 per block
-    nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake) -> codes, scales, fake_values
+    nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake[, codes]) -> codes, scales, fake_values
         (c0, c1: float32 vectors, dq: (n, 2); n = 1, or one per row for row-scaled NVFP4)
-    mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake)               -> codes, scales, fake_values
+    mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake[, codes])               -> codes, scales, fake_values
     fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake)              -> codes, scales, fake_values
         (scale None: blockwise, tile x 128 blocks, float32 scales; else per-tensor with that scale)
     dequantize(q, dq: DequantPlan)       float32 (rows, K) values
@@ -351,7 +354,14 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
         if fake:
             return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
-    amax_t, has_nan = kern.absmax(x2)
+    pre = None       # where the backend can: the block amaxes come from the tensor-amax pass, inside the codes
+    if hasattr(kern, "absmax_blocks") and isinstance(sch, (NVFP4, MX)) and not getattr(sch, "four_over_six", None):
+        fp4 = isinstance(sch, NVFP4) or sch.elem is E2M1
+        bk = sch.block[-1]
+        amax_t, has_nan, pre = kern.absmax_blocks(x2, bk, bk // 2 if fp4 else bk)
+    else:
+        amax_t, has_nan = kern.absmax(x2)
+    pre = () if pre is None else (pre,)
     has_inf = bool(np.isinf(amax_t))
     extras, gamax = {}, None
     if isinstance(sch, NVFP4):
@@ -376,7 +386,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
             return p.back(xp, run_dequantize(kern, q).reshape(p.R, p.K)) if fake else q
         c0, c1, dq = nvfp4_constants_rows(sch.flavor, amax_g, sch.per_tensor_scale)
         codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
-                                       c0, c1, dq, fake)
+                                       c0, c1, dq, fake, *pre)
         gamax = (np.asarray(amax_g, np.float32).reshape(-1) if sch.row_scaled else
                  None if not sch.per_tensor_scale else f32(amax_g))
         if return_intermediates:
@@ -384,7 +394,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     elif isinstance(sch, MX):
         warn_specials(sch, amax_t, has_nan, has_inf)
         codes, scales, fv = kern.mx(x2, rb, use_rb, p.mode, p.sr.nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
-                                    sch.elem, fake)
+                                    sch.elem, fake, *pre)
     elif isinstance(sch, FP8Tensor):
         scale = fp8_tensor_scale(sch.elem, amax_t if p.global_amax is None else p.global_amax)
         codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.nsr, sch.elem, 1, scale, fake)

@@ -224,6 +224,79 @@ def test_mx_sr_matches_reference():
         np.testing.assert_array_equal(got, codes)
 
 
+def _specials(R, K, seed):
+    """heavy() rows with NaNs (several payloads, both signs), infinities, -0 and subnormals inside blocks, one NaN
+    in the last partial block and one block of NaNs only."""
+    x = heavy((R, K), seed)
+    u = x.view(np.uint32)
+    u[0, 3] = 0x7FC00000
+    u[1, K - 1] = 0xFF800001           # a signalling-payload NaN with the sign set, in the last (partial) block
+    u[2, 16:32] = 0x7FA00000           # a block of NaNs only
+    x[3, 5] = -0.0
+    x[3, 7] = np.float32(1e-41)
+    return x
+
+
+@pytest.mark.parametrize("bk,code_bytes", [(16, 8), (32, 16), (32, 32)])
+@pytest.mark.parametrize("K", [64, 37, 101])
+def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(bk, code_bytes, K):
+    """The tensor-amax pass of NVFP4 / MX quantize (CpuKernels.absmax_blocks) also leaves each block's max |x|
+    (NaN ignored) in the first 4 bytes of its codes, for the quantize kernel to read before writing the codes over
+    it: checked against NumPy's nanmax over the zero-padded blocks, with the tensor amax and the NaN flag."""
+    from fp4sim.cpu.backend import CPU
+    x = _specials(6, K, 11)
+    amax, has_nan, codes = CPU.absmax_blocks(x, bk, code_bytes)
+    nbk = -(-K // bk)
+    assert codes.shape == (6, nbk * code_bytes) and codes.dtype == np.uint8
+    xp = np.zeros((6, nbk * bk), np.float32)
+    xp[:, :K] = np.where(np.isnan(x), np.float32(0.0), np.abs(x))
+    want = xp.reshape(6, nbk, bk).max(axis=2)
+    got = codes.view(np.uint32)[:, :: code_bytes // 4]
+    np.testing.assert_array_equal(got, want.view(np.uint32))
+    assert amax.view(np.uint32) == want.max().view(np.uint32)
+    assert has_nan
+    y = np.ones((2, K), np.float32)
+    assert not CPU.absmax_blocks(y, bk, code_bytes)[1]
+    y[1, K - 1] = np.nan                                    # the only NaN, in the last (for K = 37, 101: partial) block
+    assert CPU.absmax_blocks(y, bk, code_bytes)[:2] == (1.0, True)
+    assert CPU.absmax_blocks(np.asfortranarray(x), bk, code_bytes)[2] is None   # not row-contiguous: no codes
+
+
+@pytest.mark.parametrize("scheme,kw", [("nvfp4", {}), ("nvfp4", {"flavor": "torchao"}), ("nvfp4_2d", {}),
+                                       ("nvfp4", {"row_scaled": True}), ("nvfp4", {"rounding": "sr", "seed": 4}),
+                                       ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}), ("mxfp8_e4m3", {}),
+                                       ("mxfp4", {"rounding": "sr", "seed": 4})])
+def test_block_amax_from_the_tensor_amax_pass_equals_the_kernels_own(monkeypatch, scheme, kw):
+    """Quantize with the block amaxes handed over from the tensor-amax pass (the default for a row-contiguous
+    input) and with the kernels reducing every block themselves (that pass turned off) give the same code and
+    scale bytes, and both equal the reference, on blocks holding NaN, Inf, -0 and subnormals and a last partial
+    block."""
+    from fp4sim.cpu.backend import CpuKernels
+    x = _specials(40, 101, 12)
+    x[5, 20] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fused = fs.quantize(x, scheme, **kw)
+        fake = fs.fake_quantize(x, scheme, **kw)
+        monkeypatch.delattr(CpuKernels, "absmax_blocks")
+        own = fs.quantize(x, scheme, **kw)
+        fake_own = fs.fake_quantize(x, scheme, **kw)
+    np.testing.assert_array_equal(fused.codes, own.codes)
+    np.testing.assert_array_equal(np.asarray(fused.scales), np.asarray(own.scales))
+    np.testing.assert_array_equal(fake.view(np.uint32), fake_own.view(np.uint32))
+    if kw.get("rounding") == "sr":
+        return
+    if scheme.startswith("nvfp4"):
+        codes, scales = ref.nvfp4_ref(x, kw.get("flavor", "te"), 16 if scheme == "nvfp4_2d" else 1,
+                                      **({"row_scaled": True} if kw.get("row_scaled") else {}))
+    else:
+        elem = fs.E2M1 if scheme == "mxfp4" else fs.E4M3
+        codes, scales = ref.mx_ref(x, elem, kw.get("scale_mode", "rceil"))
+    np.testing.assert_array_equal(fused.linear_scales(), scales)
+    got = _codes(fused) if scheme != "mxfp8_e4m3" else fused.codes.reshape(codes.shape)
+    np.testing.assert_array_equal(got, codes)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_schemes_match_reference(case):
     x = CASES[case]

@@ -68,7 +68,7 @@ def test_every_finite_code_roundtrips_in_every_mode(fmt, saturate):
 
 
 def test_e2m1_sr_kernel_path_equals_the_generic_encoder():
-    """NVFP4's SR inner loop (cpu.elements.e2m1_sr, mask arithmetic) against the generic integer encoder (checked
+    """NVFP4's SR inner loop (cpu.elements.e2m1_sr, arithmetic on the bits) against the generic integer encoder (checked
     exhaustively above and against the reference): every grid point and midpoint +-300 ulps with every random
     byte, random values with random bytes, specials; nsr 8, 3 and 1."""
     import numba as nb
@@ -76,15 +76,17 @@ def test_e2m1_sr_kernel_path_equals_the_generic_encoder():
 
     @nb.njit
     def loop(x, r, nsr, out):
-        thr, inv = sr_consts(nsr)
+        sc, n32 = sr_consts(nsr)
         for i in range(x.shape[0]):
-            out[i] = e2m1_sr(x[i], np.float32(r[i]), thr, inv)
+            out[i] = e2m1_sr(x[i], np.int32(r[i]), sc, n32)
 
     g = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 12], np.float32)
     u = g.view(np.int32)[:, None] + np.arange(-300, 301, dtype=np.int32)[None, :]
     edge = np.unique(u[u >= 0]).view(np.float32)
     rng = np.random.default_rng(3)
-    specials = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, np.inf, -np.inf, np.nan, 3e38, -3e38], np.float32)
+    specials = np.concatenate([np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, np.inf, -np.inf, np.nan, 3e38, -3e38],
+                                        np.float32),
+                               np.array([0x7F800001, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF], np.uint32).view(np.float32)])
     for nsr in (8, 3, 1):
         rs = np.arange(1 << nsr, dtype=np.uint8)
         x = np.concatenate([np.repeat(np.concatenate([edge, -edge, specials]), rs.size),
@@ -437,3 +439,53 @@ def test_e2m1_fast_path_equals_generic_integer_path(sweep, mode):
         fast = fs.encode(sweep, fs.E2M1, rounding=mode, **kw)
         gen = fs.encode(sweep, fs.E2M1, rounding=mode, _generic=True, **kw)
         assert np.array_equal(fast, gen), _diff(fast, gen, sweep)
+
+
+def test_e2m1_kernel_encoders_and_value_on_every_float32_pattern():
+    """The E2M1 encoders the block kernels use (cpu.elements.e2m1_rne: integer compares on the bits; e2m1_sr:
+    stochastic rounding on the bits) against the generic integer encoder (checked against the reference above) on
+    all 2^32 float32 bit patterns (SR with an 8-bit random integer hashed from the pattern; fewer bits are checked
+    at every grid point and midpoint above), and the decoder the fake-quantize and dequantize loops use
+    (e2m1_value: the value built from the code's bits) against the format's value table for every code."""
+    import numba as nb
+    from fp4sim.cpu.elements import e2m1_rne, e2m1_sr, e2m1_value, encode_one, i32_bits_f32, sr_consts
+    from fp4sim.planning import kernel_params
+
+    mbits, emin, bias, maxmag, nosat, nanc, signbit = kernel_params(fs.E2M1)
+
+    @nb.njit(parallel=True)
+    def mismatches(lo_parts):
+        bad = np.zeros((lo_parts, 2), np.int64)
+        first = np.full((lo_parts, 2), -1, np.int64)
+        for p in nb.prange(lo_parts):
+            for low in range(1 << 16):
+                u = np.uint32((p << 16) | low)
+                v = i32_bits_f32(np.int32(np.int64(u) - (np.int64(1) << 32) if u >= np.uint32(1 << 31) else u))
+                h = (np.uint64(u) * np.uint64(2654435761)) >> np.uint64(13)
+                for m in range(2):
+                    if m == 0:
+                        got = e2m1_rne(v)
+                        want = encode_one(u, 0, 0, 8, mbits, emin, bias, maxmag, True, nosat, nanc, signbit)
+                    else:
+                        r = np.int32(h & np.uint64(255))
+                        sc, n32 = sr_consts(8)
+                        got = e2m1_sr(v, r, sc, n32)
+                        want = encode_one(u, 4, r, 8, mbits, emin, bias, maxmag, True, nosat, nanc, signbit)
+                    if got != want:
+                        bad[p, m] += 1
+                        if first[p, m] < 0:
+                            first[p, m] = u
+        return bad, first
+
+    bad, first = mismatches(1 << 16)
+    for m, name in enumerate(("rne", "sr")):
+        assert bad[:, m].sum() == 0, (name, [hex(v) for v in first[first[:, m] >= 0, m][:5]])
+
+    @nb.njit
+    def values(out):
+        for c in range(16):
+            out[c] = e2m1_value(np.uint8(c))
+
+    got = np.empty(16, np.float32)
+    values(got)
+    assert np.array_equal(got.view(np.uint32), fs.E2M1.values.astype(np.float32).view(np.uint32))

@@ -80,6 +80,23 @@ class CpuKernels:
         return f32(a), bool(n)
 
     @staticmethod
+    def absmax_blocks(x2, bk, code_bytes):
+        """:meth:`absmax` in the same pass as every ``bk``-element block's amax, which wait inside the code array
+        that :meth:`nvfp4` / :meth:`mx` then fill (``code_bytes`` bytes per block): (amax, has_nan, codes), or
+        codes None where the input is read a chunk of rows at a time (then the kernels reduce the blocks)."""
+        if not isinstance(x2, np.ndarray) or not x2.flags.c_contiguous:
+            return (*CpuKernels.absmax(x2), None)
+        R, K = x2.shape
+        codes = np.empty((R, -(-K // bk) * code_bytes), np.uint8)
+        part = np.zeros(R, np.uint32)
+        nans = np.zeros(R, np.uint32)
+        if R and K:
+            _b.absmax_blocks_kernel(x2, bk, part, nans, codes.view(np.uint32))
+        if not R:
+            return f32(0.0), False, codes
+        return part.max().view(np.float32), bool(nans.max()), codes
+
+    @staticmethod
     def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
         from .four_over_six import nvfp4_4over6
         return nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4)
@@ -94,10 +111,11 @@ class CpuKernels:
         return part.view(np.float32)
 
     @staticmethod
-    def nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake):
+    def nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake, codes=None):
         R, K = x2.shape
         nbk = -(-K // 16)
-        codes = np.empty((R, nbk * 8), np.uint8)
+        pre = codes is not None                   # the block amaxes wait in codes (absmax_blocks)
+        codes = np.empty((R, nbk * 8), np.uint8) if codes is None else codes
         scales = np.empty((-(-R // tile), nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
         c0, c1 = np.ascontiguousarray(c0, np.float32), np.ascontiguousarray(c1, np.float32)
@@ -106,21 +124,22 @@ class CpuKernels:
             g0, g1 = r0 // tile, -(-r1 // tile)
             per = slice(g0, g1) if c0.shape[0] > 1 else slice(None)      # row-scaled: one set of constants per row
             _b.nvfp4_kernel(xc, *sra, mode, nsr, flavor, tile, c0[per], c1[per], dq[per], E4M3.values,
-                            codes[r0:r1], scales[g0:g1], fv[r0:r1] if fake else fv, fake)
+                            codes[r0:r1], scales[g0:g1], fv[r0:r1] if fake else fv, fake, pre)
         return codes, scales, fv
 
     @staticmethod
-    def mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):
+    def mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake, codes=None):
         R, K = x2.shape
         nbk = -(-K // 32)
         is_fp4 = fmt is E2M1
-        codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8)
+        pre = codes is not None                   # the block amaxes wait in codes (absmax_blocks)
+        codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8) if codes is None else codes
         scales = np.empty((R, nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
         for r0, r1, xc, sra in _chunks(x2, rb):
             _b.mx_kernel(xc, *sra, mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
                          *kernel_params(fmt), is_fp4, fmt.values, codes[r0:r1], scales[r0:r1],
-                         fv[r0:r1] if fake else fv, fake)
+                         fv[r0:r1] if fake else fv, fake, pre)
         return codes, scales, fv
 
     @staticmethod

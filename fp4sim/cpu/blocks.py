@@ -11,7 +11,7 @@ import numba as nb
 import numpy as np
 
 from ..rng import philox_bytes_cols, philox_bytes_row
-from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, encode_one, sr_consts
+from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, e2m1_value, encode_one, sr_consts
 
 from ..ids import FLAVOR_IDS, MODELOPT, PAPER, TE, TORCHAO  # noqa: F401  (ids are defined once, in fp4sim.ids)
 
@@ -50,6 +50,58 @@ def absmax_nan(x2):
     if not R:
         return np.float32(0.0), False
     return part.max().view(np.float32), bool(nans.max())
+
+
+@nb.njit(inline="always", cache=True)
+def masked_amax_bits(xb, k0, k1):
+    """max |x| bits over xb[k0:k1] (float32 bits as uint32), NaN patterns ignored."""
+    m = np.uint32(0)
+    for k in range(k0, k1):
+        a = xb[k] & np.uint32(0x7FFFFFFF)
+        m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
+    return m
+
+
+@nb.njit(parallel=True, cache=True)
+def absmax_blocks_kernel(x2, bk, part, nans, store):
+    """The tensor-amax pass that also keeps each block's amax: ``part[r]``/``nans[r]`` as
+    :func:`row_absmax_nan`, and the bits of max |x| (NaN ignored) of the ``bk``-element block j of row r (bk 16 or
+    32; the zero padding of a last partial block adds nothing) in ``store[r, j * (store.shape[1] // nblocks)]``.
+
+    ``store`` is the uint32 view of the quantize kernel's code array: a block's codes take at least 4 bytes, so
+    its amax waits in the first of them until that kernel reads it and writes the codes over it (no buffer of
+    its own). A block's raw max over the bit patterns vectorises; a block whose raw max is a NaN pattern (rare)
+    is reduced again with NaN masked out.
+    """
+    R, K = x2.shape
+    nfull = K // bk
+    nbk = (K + bk - 1) // bk
+    st = store.shape[1] // nbk if nbk else 1
+    for r in nb.prange(R):
+        xb = x2[r].view(np.uint32)
+        rm = np.uint32(0)
+        nn = np.uint32(0)
+        for j in range(nfull):
+            m = np.uint32(0)
+            if bk == 16:                                  # constant trip counts: vectorised, no remainder loop
+                for t in range(16):
+                    m = max(m, xb[j * 16 + t] & np.uint32(0x7FFFFFFF))
+            else:
+                for t in range(32):
+                    m = max(m, xb[j * 32 + t] & np.uint32(0x7FFFFFFF))
+            if m > np.uint32(0x7F800000):
+                nn = np.uint32(1)
+                m = masked_amax_bits(xb, j * bk, j * bk + bk)
+            store[r, j * st] = m
+            rm = max(rm, m)
+        if nbk > nfull:
+            m = masked_amax_bits(xb, nfull * bk, K)
+            for k in range(nfull * bk, K):
+                nn |= np.uint32((xb[k] & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
+            store[r, nfull * st] = m
+            rm = max(rm, m)
+        part[r] = rm
+        nans[r] = nn
 
 
 @nb.njit(inline="always", cache=True)
@@ -182,7 +234,7 @@ def sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, r0, K, rcols):
 
 @nb.njit(parallel=True, cache=True)
 def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, flavor, tile, c0v, c1v, dqv,
-                 e4m3_vals, codes, scales, fake, do_fake):
+                 e4m3_vals, codes, scales, fake, do_fake, pre):
     """NVFP4 quantize. ``tile`` is 1 (1x16 blocks) or 16 (16x16 tiles, one scale per tile).
 
     codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16); fake: (R, K) dequantized values when do_fake,
@@ -190,15 +242,17 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
     constants, or one per row (row-scaled NVFP4, tile 1). Stochastic rounding's bytes (:func:`sr_row_bytes`):
     ``ph`` 0 from ``rb`` (R, K), 1 and 2 Philox generated per row or per 16 rows (key pk0/pk1, stream, masked by
     pmask; rows numbered from ``proff``). Each task handles 16 rows with ``ph`` 2, else one group of ``tile``
-    rows, in phases that vectorise: block amax (integer max over bit patterns), per-block scale (scalar), element
-    codes over the whole padded row, nibble packing.
+    rows, in phases that vectorise: block amax (integer max over bit patterns; with ``pre`` read from ``codes``,
+    where :func:`absmax_blocks_kernel` left it), per-block scale (scalar), element codes over the whole padded
+    row, nibble packing.
     """
     R, K = x2.shape
     nbk = (K + 15) // 16
     Kp = nbk * 16
     ngroups = (R + tile - 1) // tile
     per = 16 // tile if ph == 2 else 1             # groups per task
-    thr, inv = sr_consts(nsr)
+    sc, nsr32 = sr_consts(nsr)
+    cu = codes.view(np.uint32)                            # with pre: block j's amax bits at cu[r, 2 * j]
     for sg in nb.prange((ngroups + per - 1) // per):
         xrow = np.zeros(Kp, np.float32)
         rrow = np.zeros(Kp, np.uint8)
@@ -221,6 +275,10 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
             dq = dqv[ci]
             amaxb[:] = 0
             for r in range(r0, r1):                       # phase 1: block amax over the group's rows
+                if pre:
+                    for j in range(nbk):
+                        amaxb[j] = max(amaxb[j], cu[r, 2 * j])
+                    continue
                 xr = row_padded(x2, r, K, Kp, xrow)
                 xb = xr.view(np.uint32)
                 for j in range(nbk):
@@ -254,7 +312,7 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
                         f = fac[j]
                         for t16 in range(16):
                             k = j * 16 + t16
-                            crow[k] = e2m1_sr(xr[k] * f, np.float32(rr[k]), thr, inv)
+                            crow[k] = e2m1_sr(xr[k] * f, np.int32(rr[k]), sc, nsr32)
                 else:
                     for j in range(nbk):
                         f = fac[j]
@@ -264,10 +322,14 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
                 for t in range(Kp // 2):                   # phase 4: pack, element 2t in the low nibble
                     codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
                 if do_fake:
-                    for j in range(nbk):
+                    fr = fake[r]
+                    for j in range(K // 16):
                         f = sdq[j]
-                        for k in range(j * 16, min(j * 16 + 16, K)):
-                            fake[r, k] = E2M1_VALUES[crow[k]] * f
+                        for t16 in range(16):
+                            k = j * 16 + t16
+                            fr[k] = e2m1_value(crow[k]) * f
+                    for k in range(K // 16 * 16, K):
+                        fr[k] = e2m1_value(crow[k]) * sdq[k // 16]
 
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
@@ -315,14 +377,17 @@ def mx_scale_byte(amax, mode, emax, mbits, rcp, buf, bits):
 @nb.njit(parallel=True, cache=True)
 def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, scale_mode, emax, rcp, pow2_enc,
               pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals, codes, scales, fake,
-              do_fake):
+              do_fake, pre):
     """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8. Stochastic
-    rounding's bytes as in :func:`nvfp4_kernel` (``ph``; a task handles 16 rows with ``ph`` 2, else one)."""
+    rounding's bytes as in :func:`nvfp4_kernel` (``ph``; a task handles 16 rows with ``ph`` 2, else one). With
+    ``pre`` the block amaxes are read from ``codes``, where :func:`absmax_blocks_kernel` left them."""
     R, K = x2.shape
     nb_ = (K + 31) // 32
     Kp = nb_ * 32
     per = 16 if ph == 2 else 1
-    thr, inv = sr_consts(nsr)
+    sc, nsr32 = sr_consts(nsr)
+    cu = codes.view(np.uint32)                            # with pre: block j's amax bits at cu[r, j * cst]
+    cst = cu.shape[1] // nb_ if nb_ else 1
     for sg in nb.prange((R + per - 1) // per):
         buf = np.empty(1, np.float32)
         bits = buf.view(np.uint32)
@@ -330,6 +395,7 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
         rrow = np.zeros(Kp, np.uint8)
         rcols = np.zeros((16, Kp) if ph == 2 else (1, 1), np.uint8)   # used with ph 2 only
         crow = np.empty(Kp, np.uint8)
+        amaxr = np.empty(nb_, np.uint32)
         fast = is_fp4 and mode == 0
         if mode == 4:
             sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, sg * per + proff, K, rcols)
@@ -339,14 +405,19 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
             rr = rrow
             if mode == 4:
                 rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, proff, r, K, Kp, rrow, rcols, sg * per)
+            if pre:                                       # every block amax of the row, before codes overwrite them
+                for j in range(nb_):
+                    amaxr[j] = cu[r, j * cst]
+            else:
+                for j in range(nb_):
+                    m = np.uint32(0)                      # block amax over the bit patterns, NaN excluded
+                    for t32 in range(32):
+                        a = xb[j * 32 + t32] & np.uint32(0x7FFFFFFF)
+                        m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
+                    amaxr[j] = m
             for j in range(nb_):
                 k0 = j * 32
-                m = np.uint32(0)                          # block amax over the bit patterns, NaN excluded
-                for t32 in range(32):
-                    k = k0 + t32
-                    a = xb[k] & np.uint32(0x7FFFFFFF)
-                    m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
-                bits[0] = m
+                bits[0] = amaxr[j]
                 e = mx_scale_byte(buf[0], scale_mode, emax, mbits, rcp, buf, bits)
                 scales[r, j] = e
                 mul = pow2_enc[e]
@@ -357,7 +428,7 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
                 elif is_fp4 and mode == 4:                # SR E2M1, likewise
                     for t32 in range(32):
                         k = k0 + t32
-                        crow[k] = e2m1_sr(xr[k] * mul, np.float32(rr[k]), thr, inv)
+                        crow[k] = e2m1_sr(xr[k] * mul, np.int32(rr[k]), sc, nsr32)
                 else:
                     for t32 in range(32):
                         k = k0 + t32
@@ -369,8 +440,13 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
                                                  bias, maxmag, True, nosat, nanc, signbit)
                 if do_fake:
                     dmul = pow2_dec[e]
-                    for k in range(k0, min(k0 + 32, K)):
-                        fake[r, k] = elem_vals[crow[k]] * dmul
+                    fr = fake[r]
+                    if is_fp4 and k0 + 32 <= K:
+                        for t32 in range(32):
+                            fr[k0 + t32] = e2m1_value(crow[k0 + t32]) * dmul
+                    else:
+                        for k in range(k0, min(k0 + 32, K)):
+                            fr[k] = elem_vals[crow[k]] * dmul
             if is_fp4:
                 for t in range(Kp // 2):                  # element 2t in the low nibble
                     codes[r, t] = crow[2 * t] | (crow[2 * t + 1] << np.uint8(4))
@@ -431,7 +507,7 @@ def fp4_dequant_kernel(codes, blockfac, bk, out):
         for t in range(K // 2):
             b = codes[r, t]
             f = blockfac[r, t >> sh]
-            out[r, 2 * t] = E2M1_VALUES[b & np.uint8(15)] * f
-            out[r, 2 * t + 1] = E2M1_VALUES[b >> np.uint8(4)] * f
+            out[r, 2 * t] = e2m1_value(b & np.uint8(15)) * f
+            out[r, 2 * t + 1] = e2m1_value(b >> np.uint8(4)) * f
         if K & 1:
-            out[r, K - 1] = E2M1_VALUES[codes[r, K >> 1] & np.uint8(15)] * blockfac[r, (K - 1) // bk]
+            out[r, K - 1] = e2m1_value(codes[r, K >> 1] & np.uint8(15)) * blockfac[r, (K - 1) // bk]

@@ -11,6 +11,8 @@ import math
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 from ..rng import byte_of, philox_block_for
 
@@ -98,41 +100,77 @@ E2M1_MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 E2M1_STEPS = np.array([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 0.0], dtype=np.float32)
 
 
+def _bitcast(src, dst):
+    """A Numba intrinsic reinterpreting a ``src`` scalar's bits as ``dst`` (a register bitcast: no memory, and
+    loops using it vectorise)."""
+    @intrinsic
+    def cast(typingctx, v):
+        if v != src:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(dst))
+        return dst(src), codegen
+    return cast
+
+
+f32_bits_i32 = _bitcast(types.float32, types.int32)    # float32 -> its bit pattern as int32
+i32_bits_f32 = _bitcast(types.int32, types.float32)    # int32 bit pattern -> that float32
+
+
+@nb.njit(inline="always", cache=True)
+def e2m1_value(c):
+    """The float32 value of E2M1 code ``c`` (0..15) built from its bits, not looked up (a table gather per
+    element does not vectorise): magnitude m = c & 7 is 0, 0.5 (bits 252 << 22), else (m + 252) << 22, since
+    E2M1's exponent and mantissa bits are the code's (1.0 = code 2, 6.0 = code 7); code bit 3 is the sign."""
+    i = np.int32                    # (Numba widens int32 arithmetic to int64: each result is cast back)
+    c = i(c)
+    m = i(c & i(7))
+    b = i(i(i(m + i(252) - i(m == i(1))) << i(22)) & i(-i(m != i(0))))
+    return i32_bits_f32(i(b | i(i(c & i(8)) << i(28))))
+
+
+# E2M1's RNE midpoints as float32 bit patterns: 0.25 0x3E800000, 0.75 0x3F400000, 1.25 0x3FA00000,
+# 1.75 0x3FE00000, 2.5 0x40200000, 3.5 0x40600000, 5 0x40A00000.
 @nb.njit(inline="always", cache=True)
 def e2m1_rne(v):
     """E2M1 RNE code of float32 ``v``: the count of midpoints below |v| (ties to even: ``>`` at midpoints
-    whose lower neighbour has an even code, ``>=`` elsewhere), summed in float32 so it vectorises wide."""
-    f = np.float32
-    ax = abs(v)
-    c = (f(ax > f(0.25)) + f(ax >= f(0.75)) + f(ax > f(1.25)) + f(ax >= f(1.75)) + f(ax > f(2.5))
-         + f(ax >= f(3.5)) + f(ax > f(5.0)))
-    c = c + (f(8.0) if math.copysign(f(1.0), v) < f(0.0) else f(0.0))
-    return np.int32(7) if ax != ax else np.int32(c)
+    whose lower neighbour has an even code, ``>=`` elsewhere), compared on the bit pattern (a non-negative
+    float32 orders like its bits as int32, NaN above them all, so a NaN counts 7 and only loses its sign), so
+    that it vectorises as integer compares and subtracts."""
+    i = np.int32                    # (Numba widens int32 arithmetic to int64: each result is cast back)
+    u = f32_bits_i32(v)
+    a = i(u & i(0x7FFFFFFF))
+    c = i(i(a > i(0x3E800000)) + i(a >= i(0x3F400000)) + i(a > i(0x3FA00000)) + i(a >= i(0x3FE00000))
+          + i(a > i(0x40200000)) + i(a >= i(0x40600000)) + i(a > i(0x40A00000)))
+    return i(c | i(i(u >> i(28)) & i(8) & i(-i(a <= i(0x7F800000)))))
 
 
 @nb.njit(inline="always", cache=True)
 def sr_consts(nsr):
-    """(2**nsr, 2**-nsr) as float32: the constants :func:`e2m1_sr` takes, computed once per loop."""
-    return np.float32(1 << nsr), np.float32(1.0 / (1 << nsr))
+    """(2**(nsr + 1) as float32, nsr as int32): the constants :func:`e2m1_sr` takes, computed once per loop."""
+    return np.float32(2 << nsr), np.int32(nsr)
 
 
 @nb.njit(inline="always", cache=True)
-def e2m1_sr(v, rf, thr, inv):
-    """E2M1 code of float32 ``v`` rounded stochastically with random integer ``rf`` (as float32) of ``nsr`` bits,
-    ``thr, inv = sr_consts(nsr)``: the same rule as :func:`e2m1_code` with mode 4, in float32 mask arithmetic
-    only so the loop vectorises: the lower neighbour and its step (``E2M1_MAGS`` / ``E2M1_STEPS`` of the count
-    ``lo`` of grid points at or below |v|) are sums of masks, not table lookups (a gather per element made SR 4x
-    slower than RNE). Rounds up iff |v| - lower >= (2**nsr - r) * step * 2**-nsr, a product that is exact."""
-    f = np.float32
-    ax = abs(v)
-    lo = (f(ax >= f(0.5)) + f(ax >= f(1.0)) + f(ax >= f(1.5)) + f(ax >= f(2.0)) + f(ax >= f(3.0))
-          + f(ax >= f(4.0)) + f(ax >= f(6.0)))
-    ge4, ge6, ge7 = f(lo >= f(4.0)), f(lo >= f(6.0)), f(lo >= f(7.0))
-    lov = ge4 * (lo - f(2.0)) + (f(1.0) - ge4) * (lo * f(0.5)) + ge7      # 0 .5 1 1.5 | 2 3 4 | 6
-    st = f(0.5) + ge4 * f(0.5) + ge6 - ge7 * f(2.0)                        # .5 .5 .5 .5 1 1 2 0
-    up = (ax > lov) & (lo < f(7.0)) & ((ax - lov) >= (thr - rf) * (st * inv))
-    c = lo + f(up) + (f(8.0) if math.copysign(f(1.0), v) < f(0.0) else f(0.0))
-    return np.int32(7) if ax != ax else np.int32(c)
+def e2m1_sr(v, r, sc, nsr):
+    """E2M1 code of float32 ``v`` rounded stochastically with the ``nsr``-bit random integer ``r`` (int32),
+    ``sc, nsr = sr_consts(nsr)``: the same rule as :func:`encode_one` with mode 4 (up iff the ``nsr`` bits of the
+    remainder below the target quantum plus r carry), on the bits so that the loop vectorises:
+
+    - |v| >= 1 (E2M1's normal binades, one mantissa bit: the quantum is float32 bit 22): add r at the nsr bits
+      below bit 22 and truncate; the carry moves the exponent as it should, 252 is 1.0's code subtracted from
+      its bits >> 22, and anything past 6 saturates to code 7;
+    - |v| < 1 (quantum 0.5): |v| * 2**(nsr + 1) is exact, its integer part is the quanta and the remainder's top
+      nsr bits; adding r carries into the quanta (code 2 is 1.0);
+    - NaN -> 7, else the sign in bit 3 (-0 -> 8)."""
+    i = np.int32                    # (Numba widens int32 arithmetic to int64: each result is cast back)
+    u = f32_bits_i32(v)
+    a = i(u & i(0x7FFFFFFF))
+    nrm = min(i(i(i(a + i(r << i(22 - nsr))) >> i(22)) - i(252)), i(7))
+    sub = i(i(i(abs(v) * sc) + r) >> nsr)
+    c = sub if a < i(0x3F800000) else nrm
+    return i(7) if a > i(0x7F800000) else i(c | i(i(u >> i(28)) & i(8)))
 
 
 @nb.njit(inline="always", cache=True)
