@@ -99,16 +99,18 @@ def rht_columns(t, n, st, signs, signs_h, scale, to_bf16, w):
         si = signs[i]
         for c in range(n):
             z[o + c] = np.float64(tf[o + c]) * si
+    z2 = z.reshape(d, st)
     h = 1
     while h < d:                                  # the butterfly, each step a vector loop over the columns
         for i0 in range(0, d, 2 * h):
             for i in range(i0, i0 + h):
-                o, o2 = i * st, (i + h) * st
+                za = z2[i]                        # two row views: with flat offsets into one array the loop
+                zb = z2[i + h]                    # was not vectorised (1.7x slower in all)
                 for c in range(n):
-                    p = z[o + c]
-                    q = z[o2 + c]
-                    z[o + c] = p + q
-                    z[o2 + c] = p - q
+                    p = za[c]
+                    q = zb[c]
+                    za[c] = p + q
+                    zb[c] = p - q
         h *= 2
     for k in range(d * st):
         z[k] = (0.0 + z[k]) * scale               # 0.0 + : an exact zero is +0, as the index-order sum's
