@@ -14,9 +14,9 @@ A backend ("kernels" object) provides::
                                          (x2 and rb of absmax, row_absmax, nvfp4, mx)
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
-    absmax_blocks(x2, bk, code_bytes)    optional (CPU): absmax's pair and a code array (code_bytes per bk-element
-                                         block) holding each block's amax for nvfp4 / mx's ``codes=`` (or None):
-                                         one pass over the input fewer
+    absmax_blocks(x2, bk, code_bytes)    optional (CPU): absmax's pair, a code array (code_bytes per bk-element
+                                         block) holding each block's amax for nvfp4 / mx's ``codes=`` and
+                                         row_absmax's vector (both None where it cannot): one pass fewer
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
     nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4) -> codes, scales, map-to-4 per block
     nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake[, codes]) -> codes, scales, fake_values
@@ -354,11 +354,11 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
         if fake:
             return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
-    pre = None       # where the backend can: the block amaxes come from the tensor-amax pass, inside the codes
+    pre = row_amax = None   # where the backend can: the block (and row) amaxes come from the tensor-amax pass
     if hasattr(kern, "absmax_blocks") and isinstance(sch, (NVFP4, MX)) and not getattr(sch, "four_over_six", None):
         fp4 = isinstance(sch, NVFP4) or sch.elem is E2M1
         bk = sch.block[-1]
-        amax_t, has_nan, pre = kern.absmax_blocks(x2, bk, bk // 2 if fp4 else bk)
+        amax_t, has_nan, pre, row_amax = kern.absmax_blocks(x2, bk, bk // 2 if fp4 else bk)
     else:
         amax_t, has_nan = kern.absmax(x2)
     pre = () if pre is None else (pre,)
@@ -366,7 +366,10 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     extras, gamax = {}, None
     if isinstance(sch, NVFP4):
         if sch.row_scaled:
-            amax_g = kern.row_absmax(x2) if p.global_amax is None else p.global_amax
+            if p.global_amax is not None:
+                amax_g = p.global_amax
+            else:
+                amax_g = kern.row_absmax(x2) if row_amax is None else row_amax
             warn_specials(sch, f32(np.max(amax_g)), has_nan, has_inf)
         elif not sch.per_tensor_scale:
             amax_g = f32(1.0)

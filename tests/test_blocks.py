@@ -245,7 +245,7 @@ def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(bk, code_byte
     it: checked against NumPy's nanmax over the zero-padded blocks, with the tensor amax and the NaN flag."""
     from fp4sim.cpu.backend import CPU
     x = _specials(6, K, 11)
-    amax, has_nan, codes = CPU.absmax_blocks(x, bk, code_bytes)
+    amax, has_nan, codes, rows = CPU.absmax_blocks(x, bk, code_bytes)
     nbk = -(-K // bk)
     assert codes.shape == (6, nbk * code_bytes) and codes.dtype == np.uint8
     xp = np.zeros((6, nbk * bk), np.float32)
@@ -254,12 +254,13 @@ def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(bk, code_byte
     got = codes.view(np.uint32)[:, :: code_bytes // 4]
     np.testing.assert_array_equal(got, want.view(np.uint32))
     assert amax.view(np.uint32) == want.max().view(np.uint32)
+    np.testing.assert_array_equal(rows.view(np.uint32), want.max(axis=1).view(np.uint32))   # row-scaled's amaxes
     assert has_nan
     y = np.ones((2, K), np.float32)
     assert not CPU.absmax_blocks(y, bk, code_bytes)[1]
     y[1, K - 1] = np.nan                                    # the only NaN, in the last (for K = 37, 101: partial) block
     assert CPU.absmax_blocks(y, bk, code_bytes)[:2] == (1.0, True)
-    assert CPU.absmax_blocks(np.asfortranarray(x), bk, code_bytes)[2] is None   # not row-contiguous: no codes
+    assert CPU.absmax_blocks(np.asfortranarray(x), bk, code_bytes)[2:] == (None, None)   # not row-contiguous
 
 
 @pytest.mark.parametrize("scheme,kw", [("nvfp4", {}), ("nvfp4", {"flavor": "torchao"}), ("nvfp4_2d", {}),

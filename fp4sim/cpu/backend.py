@@ -82,19 +82,19 @@ class CpuKernels:
     @staticmethod
     def absmax_blocks(x2, bk, code_bytes):
         """:meth:`absmax` in the same pass as every ``bk``-element block's amax, which wait inside the code array
-        that :meth:`nvfp4` / :meth:`mx` then fill (``code_bytes`` bytes per block): (amax, has_nan, codes), or
-        codes None where the input is read a chunk of rows at a time (then the kernels reduce the blocks)."""
+        that :meth:`nvfp4` / :meth:`mx` then fill (``code_bytes`` bytes per block), and every row's amax (as
+        :meth:`row_absmax`): (amax, has_nan, codes, row amaxes), or codes and row amaxes None where the input is
+        read a chunk of rows at a time (then the kernels reduce the blocks)."""
         if not isinstance(x2, np.ndarray) or not x2.flags.c_contiguous:
-            return (*CpuKernels.absmax(x2), None)
+            return (*CpuKernels.absmax(x2), None, None)
         R, K = x2.shape
         codes = np.empty((R, -(-K // bk) * code_bytes), np.uint8)
         part = np.zeros(R, np.uint32)
         nans = np.zeros(R, np.uint32)
         if R and K:
             _b.absmax_blocks_kernel(x2, bk, part, nans, codes.view(np.uint32))
-        if not R:
-            return f32(0.0), False, codes
-        return part.max().view(np.float32), bool(nans.max()), codes
+        amax = part.max().view(np.float32) if R else f32(0.0)
+        return amax, bool(R and nans.max()), codes, part.view(np.float32)
 
     @staticmethod
     def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
