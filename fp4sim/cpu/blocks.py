@@ -341,9 +341,6 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
                         fr[k] = e2m1_value(crow[k]) * sdq[k // 16]
 
 
-E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
-
-
 @nb.njit(inline="always", cache=True)
 def nvfp4_dequant_factor(sval, flavor, dq, c1):
     """Per-block float32 factor that multiplies an E2M1 value on dequantize (SPEC §2.1 for te/paper)."""
