@@ -42,6 +42,7 @@ __all__ = ["gemm"]
 
 f32 = np.float32
 NVFP4_ALPHA_DIV = f32(6.0 * 6.0 * 448.0 * 448.0)
+_E2M1_F32 = np.ascontiguousarray(E2M1.values, dtype=np.float32)
 
 
 def _check(q, name):
@@ -113,6 +114,15 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
         a = a if qa.axis == 1 else a.T
         b = b if qb.axis == 1 else b.T
         return xp.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b).T).astype(np.float32)
+    if xp is np and ka in ("nvfp4", "mxfp4"):
+        y = _e2m1_exact_cpu(qa, qb, 16 if ka == "nvfp4" else 32)
+        return _nvfp4_alpha(qa, qb, xp) * y if ka == "nvfp4" else y
+    return _blockwise(qa, qb, ka, xp)
+
+
+def _blockwise(qa, qb, ka, xp):
+    """The exact rule as one matmul per K block on the whole operands (CuPy, the FP8 schemes, BF16; on the CPU the
+    tests compare the NVFP4 / MXFP4 kernels with it)."""
     va, vb = _values(qa, xp), _values(qb, xp)
     M, N = va.shape[0], vb.shape[0]
     if ka == "bf16":
@@ -127,25 +137,36 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
     Kp = -(-qa.K // bk) * bk
     va, vb = _pad(va, Kp, xp), _pad(vb, Kp, xp)
     per_tensor = ka in ("fp8_e4m3", "fp8_e5m2")
+    sa = sb = None
     if not per_tensor:
         sa, sb = _block_scales(qa, xp), _block_scales(qb, xp)
     y = xp.zeros((M, N), np.float32)
-    for j in range(Kp // bk):
-        a, b = va[:, j * bk:(j + 1) * bk], vb[:, j * bk:(j + 1) * bk]
-        if exact_dot:
-            dot = xp.matmul(a, b.T)                           # exact: dyadic partial sums below 2^10
-        else:
-            dot = xp.matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
-        if per_tensor:
-            y += dot
-        else:
-            y += (sa[:, j, None] * sb[None, :, j]) * dot     # fl(fl(s_a * s_b) * dot), then fl(y + .)
+    with np.errstate(over="ignore", invalid="ignore"):    # inf / NaN from scale products: the rule's result
+        for j in range(Kp // bk):
+            a, b = va[:, j * bk:(j + 1) * bk], vb[:, j * bk:(j + 1) * bk]
+            if exact_dot:
+                dot = xp.matmul(a, b.T)                       # exact: dyadic partial sums below 2^11
+            else:
+                dot = xp.matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
+            if per_tensor:
+                y += dot
+            else:
+                y += (sa[:, j, None] * sb[None, :, j]) * dot  # fl(fl(s_a * s_b) * dot), then fl(y + .)
     if per_tensor:
         sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
         y = y * sab
     elif ka == "nvfp4":
         y = _nvfp4_alpha(qa, qb, xp) * y
     return y
+
+
+def _e2m1_exact_cpu(qa, qb, bk):
+    """The NVFP4 / MXFP4 rule above (before alpha) by the Numba kernels of ``fp4sim.cpu.gemm``: the same float32
+    operations in the same order as :func:`_blockwise`, without a BLAS call and an (M, N)
+    temporary per K block."""
+    from .cpu.gemm import e2m1_gemm_exact
+    ca, cb = qa.codes.reshape(qa.lead[0], -1), qb.codes.reshape(qb.lead[0], -1)
+    return e2m1_gemm_exact(ca, _block_scales(qa, np), cb, _block_scales(qb, np), bk, _E2M1_F32)
 
 
 def _second_level(q, xp, side):

@@ -56,7 +56,9 @@ def _operands():
     zeros[5] = 0
     outl = heavy((40, 128), 3)
     outl[3, 7] = 3e4
-    return {"spread": (spread, b), "zero_blocks": (spread, zeros), "outliers": (outl, heavy((24, 128), 4))}
+    odd = (heavy((37, 320), 7) * np.exp(2 * rng.standard_normal((1, 320)))).astype(np.float32)
+    return {"spread": (spread, b), "zero_blocks": (spread, zeros), "outliers": (outl, heavy((24, 128), 4)),
+            "odd_shapes": (odd, heavy((264, 320), 8))}    # rows not a multiple of 4, columns past 256
 
 
 OPS = _operands()

@@ -1,0 +1,122 @@
+"""The CPU kernels of the exact NVFP4 / MXFP4 GEMM (fp4sim/cpu/gemm.py) against the per-block matmul loop of
+fp4sim.gemm, bit for bit, at the shapes and scale values where a tiled kernel can go wrong: rows not a multiple
+of the 4-row tile, columns past one 256-column chunk, K not a multiple of the block, block-scale products that
+underflow, round in the subnormal range or overflow, and NaN scales. (TransformerEngine's reference qgemm, the
+independent oracle, is in test_training.py.)"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from blockcases import heavy
+from fp4sim.cpu import _gen_gemm_tiles
+
+gemm_mod = importlib.import_module("fp4sim.gemm")      # the module (fp4sim.gemm is also the function)
+
+
+def _same(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+    diff = np.count_nonzero(a.view(np.uint32) != b.view(np.uint32))
+    assert diff == 0, f"{diff} of {a.size} output bits differ"
+
+
+def _kind(q):
+    return "nvfp4" if isinstance(q.scheme, fs.schemes.NVFP4) else "mxfp4"
+
+
+def _check(qa, qb):
+    y = fs.gemm(qa, qb)
+    _same(y, gemm_mod._blockwise(qa, qb, _kind(qa), np))
+    return y
+
+
+def test_committed_tiles_are_the_generators_output():
+    assert Path(_gen_gemm_tiles.__file__).with_name("gemm_tiles.py").read_text() == _gen_gemm_tiles.source()
+
+
+SHAPES = [(1, 1, 16), (3, 5, 37), (4, 256, 64), (37, 301, 200), (70, 600, 160), (261, 9, 1000)]
+SCHEMES = {
+    "nvfp4": dict(scheme="nvfp4"),
+    "nvfp4_2d": dict(scheme="nvfp4_2d"),
+    "nvfp4_row_scaled": dict(scheme="nvfp4", row_scaled=True),
+    "nvfp4_torchao": dict(scheme="nvfp4", flavor="torchao"),
+    "nvfp4_4over6": dict(scheme="nvfp4", four_over_six="mse", four_over_six_e4m3_max=256),
+    "mxfp4": dict(scheme="mxfp4"),
+    "mxfp4_floor": dict(scheme="mxfp4", scale_mode="floor"),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_cpu_kernel_equals_the_blockwise_loop(name, M, N, K):
+    kw = dict(SCHEMES[name])
+    scheme = kw.pop("scheme")
+    cols = np.exp(3 * np.random.default_rng(K).standard_normal((2, K))).astype(np.float32)  # block scales over
+    qa = fs.quantize(heavy((M, K), M + K) * cols[0], scheme, **kw)                           # many binades: the
+    qb = fs.quantize(heavy((N, K), N + 2 * K) * cols[1], scheme, **kw)                       # float32 sum rounds
+    y = _check(qa, qb)
+    ref = fs.dequantize(qa).astype(np.float64) @ fs.dequantize(qb).astype(np.float64).T
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()      # and it is the product, not just equal code
+
+
+def test_cpu_kernel_on_operands_quantized_along_axis_zero():
+    A, B = heavy((96, 37), 3), heavy((96, 300), 4)                   # Wgrad: the dot runs over the 96 rows
+    for scheme in ("nvfp4", "mxfp4"):
+        _check(fs.quantize(A, scheme, axis=0), fs.quantize(B, scheme, axis=0))
+
+
+def test_mx_scale_products_that_underflow_round_subnormally_or_overflow():
+    """UE8M0 scales 2^-127 .. 2^127: fl(s_a * s_b) underflows to 0 or to a subnormal, fl(. * dot) then loses
+    bits, and 2^125 * 2^125 overflows to inf (inf * 0 = NaN where a block's dot is 0)."""
+    rng = np.random.default_rng(5)
+    A = rng.standard_normal((9, 96)).astype(np.float32)
+    A[0] *= np.float32(1e-38)           # scale 2^-127 (the smallest)
+    A[1] *= np.float32(3e-36)
+    A[2] *= np.float32(1e38)            # scale 2^125
+    A[3, :32] = 0                       # a zero block: dot 0 against an inf scale product
+    A[3] *= np.float32(1e38)
+    B = rng.standard_normal((300, 96)).astype(np.float32)
+    B[:100] *= np.float32(1e-7)
+    B[100:200] *= np.float32(2e37)
+    B[250, 32:64] = 0
+    qa, qb = fs.quantize(A, "mxfp4"), fs.quantize(B, "mxfp4")
+    sa = qa.linear_scales()
+    assert sa.min() == 0 and sa.max() >= 252                       # the extreme exponents are really there
+    y = _check(qa, qb)
+    assert np.isinf(y).any() and np.isnan(y).any() and (y == 0).any()
+    tiny = np.abs(y[np.isfinite(y) & (y != 0)]).min()
+    assert tiny < np.finfo(np.float32).tiny                        # a subnormal result
+
+
+def test_nan_scale_bytes_propagate_like_the_blockwise_loop():
+    A, B = heavy((6, 64), 1), heavy((270, 64), 2)
+    for scheme, nan in (("nvfp4", 0x7F), ("mxfp4", 0xFF)):
+        qa, qb = fs.quantize(A, scheme), fs.quantize(B, scheme)
+        sa, sb = qa.scales.copy(), qb.scales.copy()
+        sa.reshape(6, -1)[1, 0] = nan
+        sb.reshape(270, -1)[261, -1] = nan
+        y = _check(replace(qa, scales=sa), replace(qb, scales=sb))
+        nans = np.isnan(y)
+        assert nans[1].all() and nans[:, 261].all() and nans.sum() == 270 + 6 - 1
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_blocks_are_added_in_k_order(scheme):
+    """A first block 2^8 (NVFP4: its E4M3 scales span 2^17) or 2^20 (MX) times the others: adding the K blocks in
+    another order rounds differently (checked here on the same operands), so only the tensor core's order
+    matches."""
+    rng = np.random.default_rng(9)
+    A = rng.standard_normal((8, 512)).astype(np.float32)
+    A[:, :32] *= np.float32(2.0 ** (8 if scheme == "nvfp4" else 20))
+    B = rng.standard_normal((300, 512)).astype(np.float32)
+    qa, qb = fs.quantize(A, scheme), fs.quantize(B, scheme)
+    y = _check(qa, qb)
+    bk = 16 if scheme == "nvfp4" else 32
+    flip = lambda q: replace(q, codes=q.codes.reshape(q.lead[0], -1, bk // 2)[:, ::-1].reshape(q.codes.shape).copy(),  # noqa: E731
+                             scales=q.scales.reshape(q.lead[0], -1)[:, ::-1].reshape(q.scales.shape).copy())
+    assert not np.array_equal(fs.gemm(flip(qa), flip(qb)).view(np.uint32), y.view(np.uint32))
