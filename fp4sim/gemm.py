@@ -111,9 +111,9 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
         from .quantize import dequantize
         a = dequantize(qa)
         b = dequantize(qb)
-        a = a if qa.axis == 1 else a.T
+        a = a if qa.axis == 1 else a.T                # BLAS takes a transposed operand as it lies: no copy
         b = b if qb.axis == 1 else b.T
-        return xp.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b).T).astype(np.float32)
+        return xp.matmul(a, b.T).astype(np.float32, copy=False)
     if xp is np and ka in ("nvfp4", "mxfp4"):
         y = _e2m1_exact_cpu(qa, qb, 16 if ka == "nvfp4" else 32)
         return _nvfp4_alpha(qa, qb, xp) * y if ka == "nvfp4" else y
