@@ -57,7 +57,7 @@ def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call
     Returns a QuantizedTensor, or the float32 array itself for an unquantized operand."""
     if op.rht:
         a = _pad_axis(a, axis, op.rht)
-        a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype)
+        a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype, memory="axis_last")   # quantized along axis
     if not op.quantized:
         return a
     kw = {}

@@ -55,17 +55,21 @@ def rht_matrix(d: int = 16, signs="te") -> np.ndarray:
     return rht_signs(d, signs)[:, None] * hadamard_matrix(d) / np.sqrt(d)
 
 
-def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16") -> np.ndarray:
+def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16", memory: str = "C") -> np.ndarray:
     """Random Hadamard transform of every contiguous d-long chunk along ``axis``.
 
     The d signed terms are summed in float64 in index order, multiplied by float64(1/sqrt(d)) and rounded
     once: to bfloat16 with ``out="bf16"`` (returned as float32 values that are exactly bfloat16, as
     TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
     The length of ``axis`` must be a multiple of d.
+
+    ``memory="axis_last"`` (CPU, ``axis`` not the last): the same values in ``x``'s shape, as a strided view of
+    memory laid out with ``axis`` last, which :func:`fp4sim.quantize` along ``axis`` reads without moving the
+    axis (Wgrad operands); the default returns a C-contiguous array.
     """
     from . import planning
     if is_cupy(x):
         from .gpu import ops
-        return planning.run_rht(ops.kernels(ops.backend()), x, d, signs, axis, out)
+        return planning.run_rht(ops.kernels(ops.backend()), x, d, signs, axis, out, memory)
     from .cpu.backend import CPU
-    return planning.run_rht(CPU, x, d, signs, axis, out)
+    return planning.run_rht(CPU, x, d, signs, axis, out, memory)

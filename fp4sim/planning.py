@@ -471,14 +471,18 @@ def rht_args(xs, d, signs, axis, out):
     return axis, K, np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d)), out == "bf16"
 
 
-def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16"):
+def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16", memory="C"):
     """:func:`fp4sim.rht` on the backend ``kern``."""
     xp = kern.xp
+    memory = _inputs.check_choice(memory, "memory", ("c", "axis_last"))
     xs = kern.as_float32(x, order="K")
     axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
     if axis != xs.ndim - 1 and hasattr(kern, "rht_axis") and xs.flags.c_contiguous:
         outer = math.prod(xs.shape[:axis])               # CPU: along a strided axis without transposing
-        y = kern.rht_axis(xs.reshape(outer, K, -1), d, sh, math.sqrt(1.0 / d), to_bf16)
+        last = memory == "axis_last"
+        y = kern.rht_axis(xs.reshape(outer, K, -1), d, sh, math.sqrt(1.0 / d), to_bf16, last)
+        if last:                                          # (outer, inner, K) in memory, seen in x's shape
+            return np.moveaxis(y.reshape(xs.shape[:axis] + xs.shape[axis + 1:] + (K,)), -1, axis)
         return y.reshape(xs.shape)
     xm = axis_last(xp, xs, axis)
     x2 = xm.reshape(-1, K)

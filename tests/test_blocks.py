@@ -529,6 +529,27 @@ def test_rht_fast_paths_equal_the_index_order_sum(d):
             x3 = np.ascontiguousarray(x[:n].reshape(2, n // 2, d).transpose(0, 2, 1))      # (2, d, n/2)
             got3 = fs.rht(x3, d, signs, axis=1, out=out).view(np.uint32)
             assert np.array_equal(got3, want[:n].reshape(2, n // 2, d).transpose(0, 2, 1)), (signs, out)
+            # ... and written with the transformed axis last in memory (the same values in x3's shape)
+            got3m = fs.rht(x3, d, signs, axis=1, out=out, memory="axis_last")
+            assert np.moveaxis(got3m, 1, -1).flags.c_contiguous
+            assert np.array_equal(got3m.view(np.uint32), want[:n].reshape(2, n // 2, d).transpose(0, 2, 1))
+
+
+def test_rht_axis_last_memory_quantizes_to_the_same_bits():
+    """What the Wgrad operands do: the RHT along axis 0 written with that axis last, then quantized along it
+    (no moved copy) gives the codes and scales of the C-ordered result, SR bits included (the Philox index
+    is the element's index in the tensor's shape, not in memory)."""
+    x = heavy((96, 80), 3).T.copy()                                   # (80, 96): K = 80 along axis 0
+    y = fs.rht(x, 16, 7, axis=0)
+    ym = fs.rht(x, 16, 7, axis=0, memory="axis_last")
+    assert ym.flags.f_contiguous and np.array_equal(y.view(np.uint32), ym.view(np.uint32))
+    for scheme in ("nvfp4", "nvfp4_2d", "mxfp4"):
+        for kw in ({}, {"rounding": "sr", "seed": 11, "stream": 2}):
+            a, b = fs.quantize(y, scheme, axis=0, **kw), fs.quantize(ym, scheme, axis=0, **kw)
+            assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scales, b.scales), (scheme, kw)
+    assert fs.rht(x, 16, 7, axis=1, memory="axis_last").flags.c_contiguous     # the axis is already last
+    with pytest.raises(ValueError, match="memory"):
+        fs.rht(x, 16, 7, axis=0, memory="F")
 
 
 def test_pack_unpack_and_swizzle_roundtrip():

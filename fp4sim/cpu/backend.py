@@ -193,11 +193,13 @@ class CpuKernels:
         return y.view(np.float32)
 
     @staticmethod
-    def rht_axis(a3, d, sh, scale, to_bf16):
-        """The RHT along axis 1 of a C-contiguous (outer, K, inner) float32 array, in that layout."""
-        y = np.empty(a3.shape, np.uint32)
+    def rht_axis(a3, d, sh, scale, to_bf16, axis_last=False):
+        """The RHT along axis 1 of a C-contiguous (outer, K, inner) float32 array, in that layout, or as
+        (outer, inner, K) with ``axis_last``."""
+        O, K, I = a3.shape
+        y = np.empty((O, I, K) if axis_last else (O, K, I), np.uint32)
         if a3.size:
-            rht_axis_kernel(a3.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, y)
+            rht_axis_kernel(a3.view(np.uint32), np.ascontiguousarray(sh[:, 0]), sh, scale, to_bf16, axis_last, y)
         return y.view(np.float32)
 
 

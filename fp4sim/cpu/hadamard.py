@@ -173,10 +173,12 @@ CB = 128        # columns per task of the strided kernel (its buffers stay in L1
 
 
 @nb.njit(parallel=True, cache=True)
-def rht_axis_kernel(ab, signs, signs_h, scale, to_bf16, out):
+def rht_axis_kernel(ab, signs, signs_h, scale, to_bf16, axis_last, out):
     """:func:`rht_kernel` along axis 1 of the C-contiguous (outer, K, inner) float32 bits ``ab``, written in the
-    same layout: chunk g of column c is ab[o, g*d : g*d + d, c]. A chunk's rows are contiguous in memory, so
-    CB columns at a time go to :func:`rht_columns` as they lie, without transposing."""
+    same layout, or with the transformed axis last (``axis_last``: ``out`` is (outer, inner, K)). Chunk g of
+    column c is ab[o, g*d : g*d + d, c]: a chunk's rows are contiguous in memory, so CB columns at a time go to
+    :func:`rht_columns` as they lie, without transposing. With the axis last, each column's d outputs are
+    contiguous (what a quantize along that axis reads without a copy)."""
     O, K, I = ab.shape
     d = signs_h.shape[0]
     ng = K // d
@@ -193,6 +195,11 @@ def rht_axis_kernel(ab, signs, signs_h, scale, to_bf16, out):
             for c in range(n):
                 t[i * CB + c] = ab[o, g * d + i, c0 + c]
         rht_columns(t, n, CB, signs, signs_h, scale, to_bf16, w)
-        for j in range(d):
+        if not axis_last:
+            for j in range(d):
+                for c in range(n):
+                    out[o, g * d + j, c0 + c] = w[j * CB + c]
+        else:
             for c in range(n):
-                out[o, g * d + j, c0 + c] = w[j * CB + c]
+                for j in range(d):
+                    out[o, c0 + c, g * d + j] = w[j * CB + c]
