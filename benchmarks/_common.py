@@ -23,3 +23,16 @@ def best(fn, repeat):
         fn()
         ts.append(time.perf_counter() - t)
     return min(ts)
+
+
+
+def best_alternating(fns, repeat, rounds=3):
+    """Best wall time of each of ``fns``: ``rounds`` rounds that each time every function in turn, best of
+    ``repeat`` calls (:func:`best`). A load spike on a shared machine then falls on one round, not on one side.
+    (Alternating single calls is worse: OpenBLAS's threads spin on after a matmul and slow the Numba or torch
+    call that follows, and a torch step after a quantized one starts with cold caches.)"""
+    out = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            out[i] = min(out[i], best(fn, repeat))
+    return out
