@@ -46,6 +46,7 @@ SCHEMES = {
     "nvfp4_row_scaled": dict(scheme="nvfp4", row_scaled=True),
     "nvfp4_torchao": dict(scheme="nvfp4", flavor="torchao"),
     "nvfp4_4over6": dict(scheme="nvfp4", four_over_six="mse", four_over_six_e4m3_max=256),
+    "nvfp4_2d_swizzled": dict(scheme="nvfp4_2d", scale_layout="swizzled"),
     "mxfp4": dict(scheme="mxfp4"),
     "mxfp4_floor": dict(scheme="mxfp4", scale_mode="floor"),
 }
