@@ -63,9 +63,10 @@ def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16", memory: s
     TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
     The length of ``axis`` must be a multiple of d.
 
-    ``memory="axis_last"`` (CPU, ``axis`` not the last): the same values in ``x``'s shape, as a strided view of
-    memory laid out with ``axis`` last, which :func:`fp4sim.quantize` along ``axis`` reads without moving the
-    axis (Wgrad operands); the default returns a C-contiguous array.
+    ``memory="axis_last"``: the same values in ``x``'s shape, as a strided view of memory laid out with ``axis``
+    last, which :func:`fp4sim.quantize` along ``axis`` reads without moving the axis (the Wgrad operands). The
+    default keeps the layout of a C-contiguous ``x`` on the CPU; other inputs (and CuPy arrays) take the
+    axis-last layout either way.
     """
     from . import planning
     if is_cupy(x):
