@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _inputs, ids
+from ._xp import xp_of
 from .formats import E2M1, Format, get_format
 from .qtensor import QuantizedTensor
 from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
@@ -176,6 +177,8 @@ def nvfp4_constants_rows(flavor: str, amax, per_tensor_scale: bool = True, e4m3_
     ``e4m3_max=256`` (4over6's option): the dequantize constant is fl(1/(6·256)) instead of fl(1/2688)."""
     a = np.asarray(amax, np.float32).reshape(-1)
     inv = INV2688 if e4m3_max == 448 else f32(1.0) / f32(f32(6.0) * f32(e4m3_max))
+    if a.size == 1 and flavor in ("te", "paper"):
+        return _te_constants_one(a, flavor, inv, e4m3_max)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if flavor in ("te", "paper"):
             num = C2688 if e4m3_max == 448 else f32(f32(6.0) * f32(e4m3_max))
@@ -191,6 +194,25 @@ def nvfp4_constants_rows(flavor: str, amax, per_tensor_scale: bool = True, e4m3_
         else:
             c0, c1 = (f32(6.0) * pts).astype(np.float32), pts  # modelopt: wsf2 = pts
         return c0, c1, np.stack([pts, np.zeros(a.shape, np.float32)], axis=1).astype(np.float32)
+
+
+def _te_constants_one(a, flavor, inv, e4m3_max):
+    """:func:`nvfp4_constants_rows` for one te / paper amax with Python float arithmetic (a quantize call's
+    planning cost, not its result): a float32 quotient or product computed in float64 and rounded once to
+    float32 is the float32 operation's result (53 >= 2 * 24 + 2 bits; the products are exact in float64)."""
+    v = float(a[0])
+    num = 2688.0 if e4m3_max == 448 else float(f32(f32(6.0) * f32(e4m3_max)))
+    if v != v:
+        s = f32(v)                                     # the NaN itself, quieted, as num / a propagates it
+    elif v == 0.0 or v == float("inf"):                # num / inf = 0: both give the encode scale 1
+        s = f32(1.0)
+    else:
+        q = num / v                                    # no float64 overflow: v >= 2^-149
+        s = FLT_MAX if q > float(FLT_MAX) else f32(q)  # and never 0: q >= num / FLT_MAX
+    s_dec = f32(1.0 / float(s))
+    c0 = f32(float(s) * float(R6)) if flavor == "te" else s
+    return (np.array([c0], np.float32), np.array([s_dec], np.float32),
+            np.array([[a[0], inv]], np.float32))
 
 
 def nvfp4_constants(flavor: str, amax_g, per_tensor_scale: bool = True):
@@ -313,14 +335,12 @@ def _row_amaxes(global_amax, R):
 def finish(sch, codes, scales, gamax, lead, axis, shape, scale_layout, extras=None) -> QuantizedTensor:
     """Wrap kernel outputs (2-D codes and scales) into a QuantizedTensor in the documented shapes/layout
     (NumPy or CuPy arrays alike)."""
-    from ._xp import xp_of
-    from .layout import swizzle_scales
-    xp = xp_of(codes)
     R = codes.shape[0]
     codes = codes.reshape(tuple(lead) + (codes.shape[-1],))
     if isinstance(sch, (NVFP4, MX)):
         if scale_layout == "swizzled":
-            s2 = scales if sch.block[0] == 1 else xp.repeat(scales, sch.block[0], axis=0)[:R]
+            from .layout import swizzle_scales
+            s2 = scales if sch.block[0] == 1 else xp_of(scales).repeat(scales, sch.block[0], axis=0)[:R]
             scales = swizzle_scales(s2)
         elif sch.block[0] == 1:
             scales = scales.reshape(tuple(lead) + (scales.shape[-1],))

@@ -766,3 +766,25 @@ def test_tiled_axis_move_copies_exactly(shape, axis):
     if len(shape) == 2:                            # a transposed view moved back is contiguous: no copy
         v = heavy(shape[::-1], 3).T
         assert np.shares_memory(axis_last(v, 0), v)
+
+
+def test_one_amax_te_constants_equal_the_vector_rule():
+    """nvfp4_constants_rows takes a scalar path for one te / paper amax (Python float arithmetic rounded once
+    to float32); the vector path (float32 NumPy operations) is the rule. Every binade, random mantissas, the
+    encode-scale clamp at FLT_MAX, zeros, inf and NaN payloads: the same bits."""
+    from fp4sim.planning import nvfp4_constants_rows
+    rng = np.random.default_rng(4)
+    bits = (np.arange(256, dtype=np.uint32)[:, None] << 23) | rng.integers(0, 1 << 23, (256, 40), dtype=np.uint32)
+    specials = np.array([0, 1, 2, 0x00800000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF,
+                         0x80000000, 0x3F800000, 0x4528_0000, 0x0001_2345], np.uint32)
+    amax = np.concatenate([bits.reshape(-1), specials]).view(np.float32)
+    for flavor in ("te", "paper"):
+        for e4m3_max in (448, 256):
+            with np.errstate(all="ignore"):
+                vec = nvfp4_constants_rows(flavor, np.stack([amax, amax], 1).reshape(-1), True, e4m3_max)
+            for i in range(0, amax.size, 7):
+                one = nvfp4_constants_rows(flavor, amax[i], True, e4m3_max)
+                for got, want in zip(one, vec):
+                    w = want[2 * i: 2 * i + 1]
+                    assert got.shape == w.shape and np.array_equal(got.view(np.uint32), w.view(np.uint32)), \
+                        (flavor, e4m3_max, hex(amax[i:i + 1].view(np.uint32)[0]), got, w)
