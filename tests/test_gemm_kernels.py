@@ -1,20 +1,23 @@
-"""The CPU kernels of the exact NVFP4 / MXFP4 GEMM (fp4sim/cpu/gemm.py) against the per-block matmul loop of
-fp4sim.gemm, bit for bit, at the shapes and scale values where a tiled kernel can go wrong: rows not a multiple
-of the 4-row tile, columns past one 256-column chunk, K not a multiple of the block, block-scale products that
-underflow, round in the subnormal range or overflow, and NaN scales. (TransformerEngine's reference qgemm, the
-independent oracle, is in test_training.py.)"""
+"""The CPU kernels of the exact NVFP4 / MXFP4 GEMM (fp4sim/cpu/gemm.py), bit for bit, against an oracle written
+here from the rule with ml_dtypes' decoders (float4_e2m1fn, float8_e4m3fn, float8_e8m0fnu) and NumPy's float32
+operations, and fs.gemm against its own per-block matmul loop, at the shapes and scale values where a tiled
+kernel can go wrong: rows not a multiple of the 4-row tile, columns past one 256-column chunk, K not a multiple
+of the block, block-scale products that underflow, round in the subnormal range or overflow, and NaN scales.
+(TransformerEngine's reference qgemm, with the NVFP4 alpha, is in test_training.py.)"""
 from __future__ import annotations
 
 import importlib
 from dataclasses import replace
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import fp4sim as fs
 from blockcases import heavy
 from fp4sim.cpu import _gen_gemm_tiles
+from fp4sim.cpu.gemm import e2m1_gemm_exact
 
 gemm_mod = importlib.import_module("fp4sim.gemm")      # the module (fp4sim.gemm is also the function)
 
@@ -29,7 +32,40 @@ def _kind(q):
     return "nvfp4" if isinstance(q.scheme, fs.schemes.NVFP4) else "mxfp4"
 
 
+E2M1_ML = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+
+def _ml_values(q):
+    """Element values (rows, Kp) from the packed codes (low nibble first), decoded by ml_dtypes."""
+    c = q.codes.reshape(q.lead[0], -1)
+    nib = np.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[0], -1)
+    return nib.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+
+def _ml_scales(q):
+    """Decoded block scales (rows, blocks) from the scale bytes, decoded by ml_dtypes."""
+    if _kind(q) == "nvfp4":
+        return q.scales_per_row().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return q.linear_scales().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+
+
+def _oracle(va, sa, vb, sb, bk):
+    """The rule before alpha: per K block, the exact dot (float64, rounded to float32: exact for E2M1 values),
+    times fl(s_a * s_b), added to the float32 sum in block order (NumPy float32 operations, no FMA)."""
+    y = np.zeros((va.shape[0], vb.shape[0]), np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j in range(va.shape[1] // bk):
+            blk = slice(j * bk, (j + 1) * bk)
+            dot = (va[:, blk].astype(np.float64) @ vb[:, blk].astype(np.float64).T).astype(np.float32)
+            y = y + (sa[:, j, None] * sb[None, :, j]) * dot
+    return y
+
+
 def _check(qa, qb):
+    bk = 16 if _kind(qa) == "nvfp4" else 32
+    sa, sb = _ml_scales(qa), _ml_scales(qb)
+    pre = e2m1_gemm_exact(qa.codes.reshape(qa.lead[0], -1), sa, qb.codes.reshape(qb.lead[0], -1), sb, bk, E2M1_ML)
+    _same(pre, _oracle(_ml_values(qa), sa, _ml_values(qb), sb, bk))
     y = fs.gemm(qa, qb)
     _same(y, gemm_mod._blockwise(qa, qb, _kind(qa), np))
     return y
