@@ -291,12 +291,7 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
                 xr = row_padded(x2, r, K, Kp, xrow)
                 xb = xr.view(np.uint32)
                 for j in range(nbk):
-                    m = amaxb[j]
-                    for t16 in range(16):                 # a constant trip count: vectorised without a remainder loop
-                        k = j * 16 + t16
-                        a = xb[k] & np.uint32(0x7FFFFFFF)
-                        m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
-                    amaxb[j] = m
+                    amaxb[j] = max(amaxb[j], masked_amax_bits(xb, j * 16, j * 16 + 16))
             nvfp4_scales(amaxb.view(np.float32), flavor, c0, c1, e4m3_vals, sf, cb, sbytes, fac)  # phase 2
             nanfac = False
             for j in range(nbk):
@@ -416,11 +411,7 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
                     amaxr[j] = cu[r, j * cst]
             else:
                 for j in range(nb_):
-                    m = np.uint32(0)                      # block amax over the bit patterns, NaN excluded
-                    for t32 in range(32):
-                        a = xb[j * 32 + t32] & np.uint32(0x7FFFFFFF)
-                        m = max(m, np.uint32(0) if a > np.uint32(0x7F800000) else a)
-                    amaxr[j] = m
+                    amaxr[j] = masked_amax_bits(xb, j * 32, j * 32 + 32)
             for j in range(nb_):
                 k0 = j * 32
                 bits[0] = amaxr[j]
