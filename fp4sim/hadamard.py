@@ -1,8 +1,6 @@
 """Random Hadamard transform (SPEC §3.1): ``y = x_chunk @ (diag(s) H_d / sqrt(d))`` for every d-long chunk."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ._xp import is_cupy
