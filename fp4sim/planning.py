@@ -494,7 +494,9 @@ def rht_args(xs, d, signs, axis, out):
 def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16", memory="C"):
     """:func:`fp4sim.rht` on the backend ``kern``."""
     xp = kern.xp
-    memory = _inputs.check_choice(memory, "memory", ("c", "axis_last"))
+    if memory not in ("C", "axis_last"):
+        raise ValueError(f"memory={memory!r}: use 'C' (a C-contiguous input's own layout) or 'axis_last' (the "
+                         "transformed axis last in memory, what quantize along it reads without a copy)")
     xs = kern.as_float32(x, order="K")
     axis, K, sh, to_bf16 = rht_args(xs, d, signs, axis, out)
     if axis != xs.ndim - 1 and hasattr(kern, "rht_axis") and xs.flags.c_contiguous:
