@@ -14,14 +14,15 @@ A backend ("kernels" object) provides::
                                          (x2 and rb of absmax, row_absmax, nvfp4, mx)
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
-    absmax_blocks(x2, bk, code_bytes)    optional (CPU): absmax's pair, a code array (code_bytes per bk-element
-                                         block) holding each block's amax for nvfp4 / mx's ``codes=`` and
-                                         row_absmax's vector (both None where it cannot): one pass fewer
+    absmax_blocks(x2)                    optional (CPU): absmax's pair, an NVFP4 code array holding each
+                                         16-element block's amax for nvfp4's ``codes=`` and row_absmax's
+                                         vector (both None where it cannot): one pass fewer
     row_absmax(x2)                       max |x| of each row, NaN ignored, as a host float32 vector
     nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4) -> codes, scales, map-to-4 per block
     nvfp4(x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake[, codes]) -> codes, scales, fake_values
         (c0, c1: float32 vectors, dq: (n, 2); n = 1, or one per row for row-scaled NVFP4)
-    mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake[, codes])               -> codes, scales, fake_values
+    mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake)        -> codes, scales, fake_values, amax
+        (amax: absmax's pair where the backend reduced it in the same pass, else None: absmax then runs)
     fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake)              -> codes, scales, fake_values
         (scale None: blockwise, tile x 128 blocks, float32 scales; else per-tensor with that scale)
     dequantize(q, dq: DequantPlan)       float32 (rows, K) values
@@ -374,11 +375,15 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
         if fake:
             return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
+    if isinstance(sch, MX):                 # no tensor amax needed: the backend may reduce it as it quantizes
+        codes, scales, fv, amax = kern.mx(x2, rb, use_rb, p.mode, p.sr.nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
+                                          sch.elem, fake)
+        amax_t, has_nan = kern.absmax(x2) if amax is None else amax
+        warn_specials(sch, amax_t, has_nan, bool(np.isinf(amax_t)))
+        return p.back(xp, fv) if fake else finish(sch, codes, scales, None, p.lead, p.axis, p.shape, p.scale_layout)
     pre = row_amax = None   # where the backend can: the block (and row) amaxes come from the tensor-amax pass
-    if hasattr(kern, "absmax_blocks") and isinstance(sch, (NVFP4, MX)) and not getattr(sch, "four_over_six", None):
-        fp4 = isinstance(sch, NVFP4) or sch.elem is E2M1
-        bk = sch.block[-1]
-        amax_t, has_nan, pre, row_amax = kern.absmax_blocks(x2, bk, bk // 2 if fp4 else bk)
+    if hasattr(kern, "absmax_blocks") and isinstance(sch, NVFP4) and not sch.four_over_six:
+        amax_t, has_nan, pre, row_amax = kern.absmax_blocks(x2)
     else:
         amax_t, has_nan = kern.absmax(x2)
     pre = () if pre is None else (pre,)
@@ -414,10 +419,6 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
                  None if not sch.per_tensor_scale else f32(amax_g))
         if return_intermediates:
             extras = {"s_enc_constants": (c0, c1), "dequant_constants": dq, "tensor_amax": f32(amax_t)}
-    elif isinstance(sch, MX):
-        warn_specials(sch, amax_t, has_nan, has_inf)
-        codes, scales, fv = kern.mx(x2, rb, use_rb, p.mode, p.sr.nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
-                                    sch.elem, fake, *pre)
     elif isinstance(sch, FP8Tensor):
         scale = fp8_tensor_scale(sch.elem, amax_t if p.global_amax is None else p.global_amax)
         codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.nsr, sch.elem, 1, scale, fake)

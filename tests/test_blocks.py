@@ -237,15 +237,16 @@ def _specials(R, K, seed):
     return x
 
 
-@pytest.mark.parametrize("bk,code_bytes", [(16, 8), (32, 16), (32, 32)])
 @pytest.mark.parametrize("K", [64, 37, 101])
-def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(bk, code_bytes, K):
-    """The tensor-amax pass of NVFP4 / MX quantize (CpuKernels.absmax_blocks) also leaves each block's max |x|
-    (NaN ignored) in the first 4 bytes of its codes, for the quantize kernel to read before writing the codes over
-    it: checked against NumPy's nanmax over the zero-padded blocks, with the tensor amax and the NaN flag."""
+def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(K):
+    """The tensor-amax pass of NVFP4 quantize (CpuKernels.absmax_blocks) also leaves each 16-element block's max
+    |x| (NaN ignored) in the first 4 bytes of its 8 code bytes, for the quantize kernel to read before writing the
+    codes over it: checked against NumPy's max over the zero-padded, NaN-zeroed blocks, with the tensor amax, the
+    row amaxes and the NaN flag."""
     from fp4sim.cpu.backend import CPU
+    bk, code_bytes = 16, 8
     x = _specials(6, K, 11)
-    amax, has_nan, codes, rows = CPU.absmax_blocks(x, bk, code_bytes)
+    amax, has_nan, codes, rows = CPU.absmax_blocks(x)
     nbk = -(-K // bk)
     assert codes.shape == (6, nbk * code_bytes) and codes.dtype == np.uint8
     xp = np.zeros((6, nbk * bk), np.float32)
@@ -257,16 +258,14 @@ def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(bk, code_byte
     np.testing.assert_array_equal(rows.view(np.uint32), want.max(axis=1).view(np.uint32))   # row-scaled's amaxes
     assert has_nan
     y = np.ones((2, K), np.float32)
-    assert not CPU.absmax_blocks(y, bk, code_bytes)[1]
+    assert not CPU.absmax_blocks(y)[1]
     y[1, K - 1] = np.nan                                    # the only NaN, in the last (for K = 37, 101: partial) block
-    assert CPU.absmax_blocks(y, bk, code_bytes)[:2] == (1.0, True)
-    assert CPU.absmax_blocks(np.asfortranarray(x), bk, code_bytes)[2:] == (None, None)   # not row-contiguous
+    assert CPU.absmax_blocks(y)[:2] == (1.0, True)
+    assert CPU.absmax_blocks(np.asfortranarray(x))[2:] == (None, None)   # not row-contiguous
 
 
 @pytest.mark.parametrize("scheme,kw", [("nvfp4", {}), ("nvfp4", {"flavor": "torchao"}), ("nvfp4_2d", {}),
-                                       ("nvfp4", {"row_scaled": True}), ("nvfp4", {"rounding": "sr", "seed": 4}),
-                                       ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}), ("mxfp8_e4m3", {}),
-                                       ("mxfp4", {"rounding": "sr", "seed": 4})])
+                                       ("nvfp4", {"row_scaled": True}), ("nvfp4", {"rounding": "sr", "seed": 4})])
 def test_block_amax_from_the_tensor_amax_pass_equals_the_kernels_own(monkeypatch, scheme, kw):
     """Quantize with the block amaxes handed over from the tensor-amax pass (the default for a row-contiguous
     input) and with the kernels reducing every block themselves (that pass turned off) give the same code and
@@ -287,15 +286,48 @@ def test_block_amax_from_the_tensor_amax_pass_equals_the_kernels_own(monkeypatch
     np.testing.assert_array_equal(fake.view(np.uint32), fake_own.view(np.uint32))
     if kw.get("rounding") == "sr":
         return
-    if scheme.startswith("nvfp4"):
-        codes, scales = ref.nvfp4_ref(x, kw.get("flavor", "te"), 16 if scheme == "nvfp4_2d" else 1,
-                                      **({"row_scaled": True} if kw.get("row_scaled") else {}))
-    else:
-        elem = fs.E2M1 if scheme == "mxfp4" else fs.E4M3
-        codes, scales = ref.mx_ref(x, elem, kw.get("scale_mode", "rceil"))
+    codes, scales = ref.nvfp4_ref(x, kw.get("flavor", "te"), 16 if scheme == "nvfp4_2d" else 1,
+                                  **({"row_scaled": True} if kw.get("row_scaled") else {}))
     np.testing.assert_array_equal(fused.linear_scales(), scales)
-    got = _codes(fused) if scheme != "mxfp8_e4m3" else fused.codes.reshape(codes.shape)
-    np.testing.assert_array_equal(got, codes)
+    np.testing.assert_array_equal(_codes(fused), codes)
+
+
+@pytest.mark.parametrize("K", [64, 37, 101])
+@pytest.mark.parametrize("fmt,mode", [("e2m1", "rceil"), ("e2m1", "floor"), ("e4m3", "rceil")])
+def test_mx_reads_its_input_once_and_reports_the_tensor_amax(fmt, mode, K):
+    """MX quantize reduces each 32-element block (as two 16-element halves) and each row's max |x| and NaN flag
+    in the one read of its input (CpuKernels.mx): the tensor amax and NaN flag it returns equal NumPy's max over
+    the NaN-zeroed |x|, and the codes and scales equal the reference, on rows with NaN payloads (one only in the
+    last partial block, one block of NaNs only), Inf, -0 and subnormals; read a chunk of rows at a time (the
+    same tensor quantized along axis 0) it gives the same bytes."""
+    from fp4sim import ids
+    from fp4sim.cpu.backend import CPU
+    elem = fs.E2M1 if fmt == "e2m1" else fs.E4M3
+    x = _specials(40, K, 12)
+    x[5, K // 2] = -np.inf
+    nz = np.where(np.isnan(x), np.float32(0.0), np.abs(x))
+    z = np.zeros((1, 1), np.uint8)
+    codes, scales, _, (amax, has_nan) = CPU.mx(x, z, False, 0, 8, ids.SCALE_MODE_IDS[mode], elem, False)
+    assert amax.view(np.uint32) == nz.max().view(np.uint32) and has_nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)       # the reference's Inf * 0 in the Inf row's block
+        want_codes, want_scales = ref.mx_ref(x, elem, mode)
+    np.testing.assert_array_equal(scales, want_scales)
+    got = unpack_fp4(codes)[:, :K] if elem is fs.E2M1 else codes[:, :K]
+    np.testing.assert_array_equal(got, want_codes.reshape(40, -1)[:, :K])
+    y = heavy((3, K), 2)                                  # no NaN; a NaN only in the last element of the last row
+    am, nan = CPU.mx(y, z, False, 0, 8, 0, elem, False)[3]
+    assert am == np.abs(y).max() and not nan
+    y[2, K - 1] = np.nan
+    am2, nan2 = CPU.mx(y, z, False, 0, 8, 0, elem, False)[3]
+    assert am2 == np.abs(y[:2]).max().clip(np.abs(y[2, :K - 1]).max()) and nan2
+    name = "mxfp4" if elem is fs.E2M1 else "mxfp8_e4m3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        q = fs.quantize(x, name, scale_mode=mode)
+        q0 = fs.quantize(np.ascontiguousarray(x.T), name, scale_mode=mode, axis=0)
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(q0.codes).reshape(np.asarray(q.codes).shape))
+    np.testing.assert_array_equal(q.linear_scales(), q0.linear_scales().reshape(q.linear_scales().shape))
 
 
 @pytest.mark.parametrize("case", list(CASES))

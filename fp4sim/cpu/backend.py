@@ -80,19 +80,19 @@ class CpuKernels:
         return f32(a), bool(n)
 
     @staticmethod
-    def absmax_blocks(x2, bk, code_bytes):
-        """:meth:`absmax` in the same pass as every ``bk``-element block's amax, which wait inside the code array
-        that :meth:`nvfp4` / :meth:`mx` then fill (``code_bytes`` bytes per block), and every row's amax (as
-        :meth:`row_absmax`): (amax, has_nan, codes, row amaxes), or codes and row amaxes None where the input is
-        read a chunk of rows at a time (then the kernels reduce the blocks)."""
+    def absmax_blocks(x2):
+        """:meth:`absmax` in the same pass as every 16-element block's amax, which wait inside the NVFP4 code array
+        that :meth:`nvfp4` then fills, and every row's amax (as :meth:`row_absmax`): (amax, has_nan, codes, row
+        amaxes), or codes and row amaxes None where the input is read a chunk of rows at a time (then the kernel
+        reduces the blocks)."""
         if not isinstance(x2, np.ndarray) or not x2.flags.c_contiguous:
             return (*CpuKernels.absmax(x2), None, None)
         R, K = x2.shape
-        codes = np.empty((R, -(-K // bk) * code_bytes), np.uint8)
+        codes = np.empty((R, -(-K // 16) * 8), np.uint8)
         part = np.zeros(R, np.uint32)
         nans = np.zeros(R, np.uint32)
         if R and K:
-            _b.absmax_blocks_kernel(x2, bk, part, nans, codes.view(np.uint32))
+            _b.absmax_blocks_kernel(x2, part, nans, codes.view(np.uint32))
         amax = part.max().view(np.float32) if R else f32(0.0)
         return amax, bool(R and nans.max()), codes, part.view(np.float32)
 
@@ -128,19 +128,21 @@ class CpuKernels:
         return codes, scales, fv
 
     @staticmethod
-    def mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake, codes=None):
+    def mx(x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):
         R, K = x2.shape
         nbk = -(-K // 32)
         is_fp4 = fmt is E2M1
-        pre = codes is not None                   # the block amaxes wait in codes (absmax_blocks)
-        codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8) if codes is None else codes
+        codes = np.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8)
         scales = np.empty((R, nbk), np.uint8)
         fv = np.empty((R, K) if fake else (1, 1), np.float32)
+        part = np.zeros(R, np.uint32)                # each row's amax and NaN flag, from the same read
+        nans = np.zeros(R, np.uint32)
         for r0, r1, xc, sra in _chunks(x2, rb):
             _b.mx_kernel(xc, *sra, mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
                          *kernel_params(fmt), is_fp4, fmt.values, codes[r0:r1], scales[r0:r1],
-                         fv[r0:r1] if fake else fv, fake, pre)
-        return codes, scales, fv
+                         fv[r0:r1] if fake else fv, fake, part[r0:r1], nans[r0:r1])
+        amax = (part.max().view(np.float32) if R else f32(0.0), bool(R and nans.max()))
+        return codes, scales, fv, amax
 
     @staticmethod
     def fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake):

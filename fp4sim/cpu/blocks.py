@@ -62,51 +62,63 @@ def masked_amax_bits(xb, k0, k1):
     return m
 
 
-@nb.njit(parallel=True, cache=True)
-def absmax_blocks_kernel(x2, bk, part, nans, store):
-    """The tensor-amax pass that also keeps each block's amax: ``part[r]``/``nans[r]`` as
-    :func:`row_absmax_nan`, and the bits of max |x| (NaN ignored) of the ``bk``-element block j of row r (bk 16 or
-    32; the zero padding of a last partial block adds nothing) in ``store[r, j * (store.shape[1] // nblocks)]``.
+@nb.njit(inline="always", cache=True)
+def raw_max16(xb, j):
+    """max of the |x| bit patterns of the 16 elements xb[16 j : 16 j + 16] (a NaN pattern, when one is there,
+    is the max: callers mask it out where that happens). A constant trip count: the loop vectorises."""
+    m = np.uint32(0)
+    for t in range(16):
+        m = max(m, xb[j * 16 + t] & np.uint32(0x7FFFFFFF))
+    return m
 
-    ``store`` is the uint32 view of the quantize kernel's code array: a block's codes take at least 4 bytes, so
-    its amax waits in the first of them until that kernel reads it and writes the codes over it (no buffer of
-    its own). Each row's raw block maxima over the bit patterns go to a contiguous buffer first (a loop that
-    vectorises; storing them strided inside it made the pass 1.5x slower); a block whose raw max is a NaN pattern
-    (rare) is then reduced again with NaN masked out.
+
+@nb.njit(inline="always", cache=True)
+def mask_nan_blocks(bm, xb, bk, K):
+    """Given the raw maxima ``bm`` of a row's ``bk``-element blocks (:func:`raw_max16`), reduce the blocks whose
+    max is a NaN pattern again with NaN masked out; returns (the row's max |x| bits, NaN ignored; 1 if the row
+    holds a NaN, else 0)."""
+    rm = np.uint32(0)
+    for j in range(bm.shape[0]):
+        rm = max(rm, bm[j])
+    nn = np.uint32(0)
+    if rm > np.uint32(0x7F800000):
+        nn = np.uint32(1)
+        rm = np.uint32(0)
+        for j in range(bm.shape[0]):
+            if bm[j] > np.uint32(0x7F800000):
+                bm[j] = masked_amax_bits(xb, j * bk, min(j * bk + bk, K))
+            rm = max(rm, bm[j])
+    return rm, nn
+
+
+@nb.njit(parallel=True, cache=True)
+def absmax_blocks_kernel(x2, part, nans, store):
+    """The tensor-amax pass of NVFP4 that also keeps each 16-element block's amax: ``part[r]``/``nans[r]`` as
+    :func:`row_absmax_nan`, and the bits of max |x| (NaN ignored) of block j of row r (the zero padding of a last
+    partial block adds nothing) in ``store[r, j * (store.shape[1] // nblocks)]``.
+
+    ``store`` is the uint32 view of the quantize kernel's code array: a block's codes take 8 bytes, so its amax
+    waits in the first 4 of them until that kernel reads it and writes the codes over it (no buffer of its own).
+    Each row's raw block maxima over the bit patterns go to a contiguous buffer first (a loop that vectorises;
+    storing them strided inside it made the pass 1.5x slower); a block whose raw max is a NaN pattern (rare) is
+    then reduced again with NaN masked out.
     """
     R, K = x2.shape
-    nfull = K // bk
-    nbk = (K + bk - 1) // bk
+    nfull = K // 16
+    nbk = (K + 15) // 16
     st = store.shape[1] // nbk if nbk else 1
     for rg in nb.prange((R + 15) // 16):
         bm = np.empty(nbk, np.uint32)
         for r in range(rg * 16, min(rg * 16 + 16, R)):
             xb = x2[r].view(np.uint32)
             for j in range(nfull):
-                m = np.uint32(0)
-                if bk == 16:                              # constant trip counts: vectorised, no remainder loop
-                    for t in range(16):
-                        m = max(m, xb[j * 16 + t] & np.uint32(0x7FFFFFFF))
-                else:
-                    for t in range(32):
-                        m = max(m, xb[j * 32 + t] & np.uint32(0x7FFFFFFF))
-                bm[j] = m
+                bm[j] = raw_max16(xb, j)
             if nbk > nfull:
                 m = np.uint32(0)
-                for k in range(nfull * bk, K):
+                for k in range(nfull * 16, K):
                     m = max(m, xb[k] & np.uint32(0x7FFFFFFF))
                 bm[nfull] = m
-            rm = np.uint32(0)
-            for j in range(nbk):
-                rm = max(rm, bm[j])
-            nn = np.uint32(0)
-            if rm > np.uint32(0x7F800000):                # a NaN in the row: mask it out of its blocks
-                nn = np.uint32(1)
-                rm = np.uint32(0)
-                for j in range(nbk):
-                    if bm[j] > np.uint32(0x7F800000):
-                        bm[j] = masked_amax_bits(xb, j * bk, min(j * bk + bk, K))
-                    rm = max(rm, bm[j])
+            rm, nn = mask_nan_blocks(bm, xb, 16, K)
             for j in range(nbk):
                 store[r, j * st] = bm[j]
             part[r] = rm
@@ -378,17 +390,18 @@ def mx_scale_byte(amax, mode, emax, mbits, rcp, buf, bits):
 @nb.njit(parallel=True, cache=True)
 def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, scale_mode, emax, rcp, pow2_enc,
               pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals, codes, scales, fake,
-              do_fake, pre):
+              do_fake, part, nans):
     """MX quantize with 32-element blocks. codes: (R, Kp/2) packed for FP4, (R, Kp) for FP8. Stochastic
-    rounding's bytes as in :func:`nvfp4_kernel` (``ph``; a task handles 16 rows with ``ph`` 2, else one). With
-    ``pre`` the block amaxes are read from ``codes``, where :func:`absmax_blocks_kernel` left them."""
+    rounding's bytes as in :func:`nvfp4_kernel` (``ph``; a task handles 16 rows with ``ph`` 2, else one).
+
+    MX needs no tensor-wide amax, so the input is read once: each row's block amaxes come from its 16-element
+    raw maxima (:func:`raw_max16`, NaN blocks reduced again), and ``part[r]`` / ``nans[r]`` get the row's max |x|
+    bits (NaN ignored) and NaN flag, as :func:`row_absmax_nan` would, for the caller's warnings."""
     R, K = x2.shape
     nb_ = (K + 31) // 32
     Kp = nb_ * 32
     per = 16 if ph == 2 else 1
     sc, nsr32 = sr_consts(nsr)
-    cu = codes.view(np.uint32)                            # with pre: block j's amax bits at cu[r, j * cst]
-    cst = cu.shape[1] // nb_ if nb_ else 1
     for sg in nb.prange((R + per - 1) // per):
         buf = np.empty(1, np.float32)
         bits = buf.view(np.uint32)
@@ -397,6 +410,9 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
         rcols = np.zeros((16, Kp) if ph == 2 else (1, 1), np.uint8)   # used with ph 2 only
         crow = np.empty(Kp, np.uint8)
         amaxr = np.empty(nb_, np.uint32)
+        bm16 = np.empty(2 * nb_, np.uint32)
+        sbyte = np.empty(nb_, np.int64)
+        mul = np.empty(nb_, np.float32)
         fast = is_fp4 and mode == 0
         if mode == 4:
             sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, sg * per + proff, K, rcols)
@@ -406,38 +422,45 @@ def mx_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, s
             rr = rrow
             if mode == 4:
                 rr = sr_row_bytes(rb, ph, pk0, pk1, pstream, pmask, proff, r, K, Kp, rrow, rcols, sg * per)
-            if pre:                                       # every block amax of the row, before codes overwrite them
-                for j in range(nb_):
-                    amaxr[j] = cu[r, j * cst]
-            else:
-                for j in range(nb_):
-                    amaxr[j] = masked_amax_bits(xb, j * 32, j * 32 + 32)
+            for j16 in range(2 * nb_):                    # block amaxes over the zero-padded row, two halves each
+                bm16[j16] = raw_max16(xb, j16)            # (a 32-long constant trip count vectorised worse: 2x)
             for j in range(nb_):
-                k0 = j * 32
+                amaxr[j] = max(bm16[2 * j], bm16[2 * j + 1])
+            part[r], nans[r] = mask_nan_blocks(amaxr, xb, 32, Kp)
+            for j in range(nb_):                          # the blocks' scale bytes and factors
                 bits[0] = amaxr[j]
                 e = mx_scale_byte(buf[0], scale_mode, emax, mbits, rcp, buf, bits)
                 scales[r, j] = e
-                mul = pow2_enc[e]
-                if fast:                                  # RNE E2M1: comparison masks over a 32-wide block
+                sbyte[j] = e
+                mul[j] = pow2_enc[e]
+            if fast:                                      # RNE E2M1: integer compares over the whole row
+                for j in range(nb_):
+                    f = mul[j]
                     for t32 in range(32):
-                        k = k0 + t32
-                        crow[k] = e2m1_rne(xr[k] * mul)
-                elif is_fp4 and mode == 4:                # SR E2M1, likewise
+                        k = j * 32 + t32
+                        crow[k] = e2m1_rne(xr[k] * f)
+            elif is_fp4 and mode == 4:                    # SR E2M1, likewise
+                for j in range(nb_):
+                    f = mul[j]
                     for t32 in range(32):
-                        k = k0 + t32
-                        crow[k] = e2m1_sr(xr[k] * mul, np.int32(rr[k]), sc, nsr32)
-                else:
+                        k = j * 32 + t32
+                        crow[k] = e2m1_sr(xr[k] * f, np.int32(rr[k]), sc, nsr32)
+            else:
+                for j in range(nb_):
+                    f = mul[j]
                     for t32 in range(32):
-                        k = k0 + t32
-                        y = xr[k] * mul
+                        k = j * 32 + t32
+                        y = xr[k] * f
                         if is_fp4:
                             crow[k] = e2m1_code(y, mode, np.int32(rr[k]), nsr, E2M1_MAGS, E2M1_STEPS)
                         else:
                             crow[k] = encode_one(f32_bits(y, buf, bits), mode, np.int32(rr[k]), nsr, mbits, emin,
                                                  bias, maxmag, True, nosat, nanc, signbit)
-                if do_fake:
-                    dmul = pow2_dec[e]
-                    fr = fake[r]
+            if do_fake:
+                fr = fake[r]
+                for j in range(nb_):
+                    k0 = j * 32
+                    dmul = pow2_dec[sbyte[j]]
                     if is_fp4 and k0 + 32 <= K:
                         for t32 in range(32):
                             fr[k0 + t32] = e2m1_value(crow[k0 + t32]) * dmul

@@ -128,7 +128,7 @@ class GpuKernels:
                        i32(scale_mode), i32(fmt.emax), i32(fmt.mbits), f64(f32(1.0) / f32(fmt.max)),
                        self.table(POW2_ENC), self.table(POW2_DEC), *[i32(v) for v in kernel_params(fmt)],
                        i32(is_fp4), self.table(fmt.values), codes, scales, fv, i32(fake))
-        return codes, scales, fv.view(np.float32)
+        return codes, scales, fv.view(np.float32), None
 
     def fp8(self, x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake):
         xp = self.xp
