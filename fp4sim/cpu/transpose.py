@@ -74,6 +74,8 @@ class MovedRows:
 def moved_rows(a: np.ndarray, axis: int):
     """``a``'s rows along ``axis`` as the quantize kernels read them: a :class:`MovedRows` where moving the axis
     would copy a large C-contiguous float32 / uint8 array, else :func:`axis_last` as (R, K) (a view or a copy)."""
+    if axis in (-1, a.ndim - 1) and a.flags.c_contiguous:     # the common case, without moveaxis's checks
+        return a.reshape(-1, a.shape[-1])
     if (a.flags.c_contiguous and a.dtype in (np.float32, np.uint8) and a.nbytes > 2 * CHUNK_BYTES
             and not np.moveaxis(a, axis, -1).flags.c_contiguous):
         return MovedRows(a, axis)
