@@ -1,7 +1,8 @@
 """NVFP4 / MXFP4 quantize, fake-quantize, dequantize and RHT throughput on a 4096x4096 float32 tensor, as ratios
-to baselines
-measured in the same run: (a) a Numba streaming kernel that reads float32 and writes uint8 (the memory-bound
-floor), (b) torchao's ``nvfp4_quantize`` eager and under ``torch.compile`` (when torch/torchao are installed).
+to baselines measured in the same run: (a) a Numba streaming kernel that reads float32 and writes uint8 (the
+memory-bound floor), timed in alternating rounds with each operation (so a load spike moves both sides), (b)
+torchao's ``nvfp4_quantize`` eager and under ``torch.compile`` (when torch/torchao are installed). The SR / RNE
+ratios likewise time the two calls in alternating rounds.
 
     python benchmarks/bench_quantize.py [--n 4096] [--repeat 5] [--no-torch] [--json out.json]
 """
@@ -14,7 +15,7 @@ import numba as nb
 import numpy as np
 
 import fp4sim as fs
-from _common import best, stream_f32_to_u8
+from _common import best, best_alternating, stream_f32_to_u8
 
 
 def main():
@@ -48,7 +49,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - report, do not fail a benchmark
             print(f"torch baselines unavailable: {type(e).__name__}: {e}")
     print(f"tensor {a.n}x{a.n} float32, numba threads {res['numba_threads']}")
-    print(f"baseline (a) numba stream f32->u8: {t_stream * 1e3:8.2f} ms")
+    print(f"baseline (a) numba stream f32->u8: {t_stream * 1e3:8.2f} ms (before the operations; each row gives its own)")
     for k, v in torch_t.items():
         print(f"baseline (b) {k:20}: {v * 1e3:8.2f} ms")
     print(f"{'op':34} {'ms':>8} {'vs stream':>10} {'vs ao eager':>12} {'vs ao compiled':>15}")
@@ -69,20 +70,26 @@ def main():
            ("rht d=16 (bf16 out)", lambda: fs.rht(x, 16)),
            ("rht d=16 (fp32 out)", lambda: fs.rht(x, 16, out="fp32")),
            ("rht d=16 along axis 0", lambda: fs.rht(x, 16, axis=0))]
+    def stream():
+        stream_f32_to_u8(x.reshape(-1), out)
+
     for name, fn in ops:
-        t = best(fn, a.repeat)
-        row = {"op": name, "ms": t * 1e3, "vs_stream": t_stream / t}
+        ts, t = best_alternating([stream, fn], a.repeat)
+        row = {"op": name, "ms": t * 1e3, "stream_ms": ts * 1e3, "vs_stream": ts / t}
         for k, v in torch_t.items():
             row["vs_" + k.replace(" ", "_")] = v / t
         res["rows"].append(row)
         e = f"{row.get('vs_torchao_eager', float('nan')):12.2f}"
         c = f"{row.get('vs_torchao_compiled', float('nan')):15.2f}"
-        print(f"{name:34} {t * 1e3:8.2f} {t_stream / t:10.2f} {e} {c}")
-    ms = {r["op"]: r["ms"] for r in res["rows"]}
+        print(f"{name:34} {t * 1e3:8.2f} {ts / t:10.2f} {e} {c}   (stream {ts * 1e3:.2f} ms)")
+    fns = dict(ops)
+    res["sr_vs_rne"] = {}
     for sr, rne in (("quantize nvfp4 sr (seed)", "quantize nvfp4"), ("quantize nvfp4 sr (rbits)", "quantize nvfp4"),
                     ("quantize nvfp4 sr (seed) axis 0", "quantize nvfp4 along axis 0"),
                     ("quantize mxfp4 sr (seed)", "quantize mxfp4")):
-        print(f"{sr} / {rne}: {ms[sr] / ms[rne]:.2f}x")
+        t_rne, t_sr = best_alternating([fns[rne], fns[sr]], a.repeat)
+        res["sr_vs_rne"][sr] = t_sr / t_rne
+        print(f"{sr} / {rne}: {t_sr / t_rne:.2f}x (alternating: {t_sr * 1e3:.2f} / {t_rne * 1e3:.2f} ms)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
