@@ -93,8 +93,7 @@ class CpuKernels:
         nans = np.zeros(R, np.uint32)
         if R and K:
             _b.absmax_blocks_kernel(x2, part, nans, codes.view(np.uint32))
-        amax = part.max().view(np.float32) if R else f32(0.0)
-        return amax, bool(R and nans.max()), codes, part.view(np.float32)
+        return (*_b.tensor_amax(part, nans), codes, part.view(np.float32))
 
     @staticmethod
     def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
@@ -141,8 +140,7 @@ class CpuKernels:
             _b.mx_kernel(xc, *sra, mode, nsr, scale_mode, fmt.emax, f32(1.0) / f32(fmt.max), POW2_ENC, POW2_DEC,
                          *kernel_params(fmt), is_fp4, fmt.values, codes[r0:r1], scales[r0:r1],
                          fv[r0:r1] if fake else fv, fake, part[r0:r1], nans[r0:r1])
-        amax = (part.max().view(np.float32) if R else f32(0.0), bool(R and nans.max()))
-        return codes, scales, fv, amax
+        return codes, scales, fv, _b.tensor_amax(part, nans)
 
     @staticmethod
     def fp8(x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake):

@@ -47,7 +47,13 @@ def absmax_nan(x2):
     part = np.zeros(R, np.uint32)
     nans = np.zeros(R, np.uint32)
     row_absmax_nan(x2, part, nans)
-    if not R:
+    return tensor_amax(part, nans)
+
+
+def tensor_amax(part, nans):
+    """The tensor's (max |x| with NaN ignored, whether a NaN was seen) from the per-row bits and NaN flags that
+    :func:`row_absmax_nan`, :func:`absmax_blocks_kernel` and :func:`mx_kernel` leave."""
+    if not part.shape[0]:
         return np.float32(0.0), False
     return part.max().view(np.float32), bool(nans.max())
 
@@ -95,10 +101,11 @@ def mask_nan_blocks(bm, xb, bk, K):
 def absmax_blocks_kernel(x2, part, nans, store):
     """The tensor-amax pass of NVFP4 that also keeps each 16-element block's amax: ``part[r]``/``nans[r]`` as
     :func:`row_absmax_nan`, and the bits of max |x| (NaN ignored) of block j of row r (the zero padding of a last
-    partial block adds nothing) in ``store[r, j * (store.shape[1] // nblocks)]``.
+    partial block adds nothing) in ``store``.
 
-    ``store`` is the uint32 view of the quantize kernel's code array: a block's codes take 8 bytes, so its amax
-    waits in the first 4 of them until that kernel reads it and writes the codes over it (no buffer of its own).
+    ``store`` is the uint32 view of the quantize kernel's code array: a block's codes take 8 bytes, so block j's
+    amax waits in ``store[r, 2 * j]`` until that kernel reads it and writes the codes over it (no buffer of its
+    own).
     Each row's raw block maxima over the bit patterns go to a contiguous buffer first (a loop that vectorises;
     storing them strided inside it made the pass 1.5x slower); a block whose raw max is a NaN pattern (rare) is
     then reduced again with NaN masked out.
@@ -106,7 +113,6 @@ def absmax_blocks_kernel(x2, part, nans, store):
     R, K = x2.shape
     nfull = K // 16
     nbk = (K + 15) // 16
-    st = store.shape[1] // nbk if nbk else 1
     for rg in nb.prange((R + 15) // 16):
         bm = np.empty(nbk, np.uint32)
         for r in range(rg * 16, min(rg * 16 + 16, R)):
@@ -120,7 +126,7 @@ def absmax_blocks_kernel(x2, part, nans, store):
                 bm[nfull] = m
             rm, nn = mask_nan_blocks(bm, xb, 16, K)
             for j in range(nbk):
-                store[r, j * st] = bm[j]
+                store[r, 2 * j] = bm[j]
             part[r] = rm
             nans[r] = nn
 
