@@ -259,8 +259,14 @@ def test_tensor_amax_pass_keeps_every_block_amax_in_the_code_array(K):
     assert has_nan
     y = np.ones((2, K), np.float32)
     assert not CPU.absmax_blocks(y)[1]
+    y[0, 3] = np.inf                                        # Inf is no NaN
+    assert CPU.absmax_blocks(y)[:2] == (np.inf, False)
+    y[0, 3] = 1.0
     y[1, K - 1] = np.nan                                    # the only NaN, in the last (for K = 37, 101: partial) block
     assert CPU.absmax_blocks(y)[:2] == (1.0, True)
+    y[0, :16] = [np.nan] + [0.5] * 14 + [3.0]               # a NaN block whose largest element is its last
+    _, _, c2, r2 = CPU.absmax_blocks(y)
+    assert c2.view(np.uint32)[0, 0] == np.float32(3.0).view(np.uint32) and r2[0] == 3.0
     assert CPU.absmax_blocks(np.asfortranarray(x))[2:] == (None, None)   # not row-contiguous
 
 
@@ -321,6 +327,12 @@ def test_mx_reads_its_input_once_and_reports_the_tensor_amax(fmt, mode, K):
     y[2, K - 1] = np.nan
     am2, nan2 = CPU.mx(y, z, False, 0, 8, 0, elem, False)[3]
     assert am2 == np.abs(y[:2]).max().clip(np.abs(y[2, :K - 1]).max()) and nan2
+    u = np.full((2, K), 0.5, np.float32)
+    u[0, 7] = np.inf                                      # Inf is no NaN
+    assert CPU.mx(u, z, False, 0, 8, 0, elem, False)[3] == (np.inf, False)
+    u[0, 7], u[1, 0], u[1, 31] = 0.5, np.nan, 3.0         # a NaN block whose largest element is its last
+    _, su, _, (au, nu) = CPU.mx(u, z, False, 0, 8, 0, elem, False)
+    assert au == 3.0 and nu and su[1, 0] == ref.mx_ref(u, elem, "rceil")[1][1, 0]
     name = "mxfp4" if elem is fs.E2M1 else "mxfp8_e4m3"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
