@@ -159,3 +159,23 @@ def test_wgrad_study_tiles_give_the_same_numbers_in_bounded_memory():
     for k, v in whole.items():
         assert tiled[k] == pytest.approx(v, rel=1e-9), k
     assert peak <= 3.5 * X.nbytes, peak / X.nbytes
+
+
+def test_scale_counts_keep_zero_and_subnormal_scale_bytes_apart():
+    """nvfp4 with the tensor amax 2688 (S_enc = 1, so a block's scale is E4M3(amax_b / 6)): 5 all-zero blocks and
+    3 blocks of amax 1e-4 (amax / 6 below half of E4M3's smallest subnormal 2^-9) give scale byte 0; 6 blocks of amax
+    0.05 give subnormal bytes (0.05 / 6 < 2^-6); the rest are normal. Counted here by construction."""
+    rng = np.random.default_rng(1)
+    x = (rng.uniform(0.2, 1.0, (16, 64)) * np.where(rng.random((16, 64)) < 0.5, -1, 1)).astype(np.float32)
+    blocks = x.reshape(64, 16)                          # the 64 blocks, rows of x in order (4 per row)
+    blocks[:, 0] = 1.0
+    blocks[0, 0] = 2688.0
+    blocks[1:6] = 0.0
+    blocks[6:9] *= np.float32(1e-4)
+    blocks[9:15] *= np.float32(0.05)
+    spec = SCHEMES_BY_LABEL["nvfp4"]
+    m, _, shist = scheme_metrics(x, spec, "activation")
+    s = fs.quantize(x, "nvfp4").scales.ravel()
+    assert list(np.flatnonzero(s == 0)) == list(range(1, 9))
+    assert list(np.flatnonzero((s > 0) & (s < 8))) == list(range(9, 15))
+    assert m["n_scale_zero"] == 8 and m["n_scale_subnormal"] == 6

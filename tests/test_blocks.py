@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -832,3 +833,167 @@ def test_one_amax_te_constants_equal_the_vector_rule():
                     w = want[2 * i: 2 * i + 1]
                     assert got.shape == w.shape and np.array_equal(got.view(np.uint32), w.view(np.uint32)), \
                         (flavor, e4m3_max, hex(amax[i:i + 1].view(np.uint32)[0]), got, w)
+
+
+# ------------------------------------------------------------------------------ crafted boundaries of the kernels
+def _sr_threshold_lattice(block, sign):
+    """Blocks of ``block`` elements: element 0 is +-6 (so the block scale is exactly 1), the rest are E2M1's normal
+    range |x| in [1, 6) on the 8-bit SR lattice, lo + h * k / 256, each with a random byte r at the threshold
+    (floor(delta * 256) + r == 256: must round up) or one below it (255: must stay at lo). Returns x, the bytes,
+    and the expected E2M1 codes worked out here from the rule."""
+    mags = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    vals, rb, want = [], [], []
+    for i in range(2, 7):                                  # lo = 1, 1.5, 2, 3, 4 (normal binades of E2M1)
+        lo, h = mags[i], mags[i + 1] - mags[i]
+        for k in range(1, 256):
+            for up in (True, False):
+                vals.append(lo + h * k / 256)              # exact in float32: h * k / 256 has at most 9 bits
+                rb.append(256 - k if up else 255 - k)
+                want.append(i + 1 if up else i)
+    per = block - 1
+    nblk = -(-len(vals) // per)
+    pad = nblk * per - len(vals)
+    vals += [0.0] * pad
+    rb += [0] * pad
+    want += [0] * pad
+    x = np.empty((nblk, block), np.float32)
+    x[:, 0] = 6.0
+    x[:, 1:] = np.array(vals, np.float32).reshape(nblk, per)
+    r = np.zeros((nblk, block), np.uint8)
+    r[:, 1:] = np.array(rb, np.uint8).reshape(nblk, per)
+    codes = np.full((nblk, block), 7, np.uint8)
+    codes[:, 1:] = np.array(want, np.uint8).reshape(nblk, per)
+    if sign < 0:
+        x, codes = -x, codes | np.uint8(8)
+    return x, r, codes
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_sr_rounds_up_exactly_at_the_threshold_in_the_normal_range(scheme, sign):
+    """SR's rule is inclusive: up iff floor(delta * 2^n) + r >= 2^n. On lattice inputs in E2M1's normal range
+    (|x| >= 1 after scaling, where the kernels add r to the float's bits below the quantum and truncate) with r at
+    the threshold the element must round up, and with r one below it stay: codes worked out by hand, and the
+    reference agrees. An exclusive threshold (> 2^n) keeps every threshold element at lo."""
+    block = 16 if scheme == "nvfp4" else 32
+    x, r, want = _sr_threshold_lattice(block, sign)
+    kw = {"global_amax": 2688.0} if scheme == "nvfp4" else {}    # S_enc = 1: the block scale 1 is the factor
+    q = fs.quantize(x, scheme, rounding="sr", rbits=r, **kw)
+    assert np.all(q.linear_scales() == (0x38 if scheme == "nvfp4" else 127))   # E4M3 1.0 / UE8M0 2^0
+    got = _codes(q)
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, (f"{len(bad)} of {want.size} codes differ, first at {tuple(bad[0])}: x="
+                           f"{x[tuple(bad[0])]!r} r={r[tuple(bad[0])]} -> {got[tuple(bad[0])]} (want "
+                           f"{want[tuple(bad[0])]})")
+    if scheme == "nvfp4":
+        codes, _ = ref.nvfp4_ref(x, "te", 1, global_amax=2688.0, rounding="sr", rb=r)
+    else:
+        codes, _ = ref.mx_ref(x, fs.E2M1, "rceil", rounding="sr", rb=r)
+    np.testing.assert_array_equal(codes, want)
+    fq = fs.fake_quantize(x, scheme, rounding="sr", rbits=r, **kw)
+    np.testing.assert_array_equal(fq, fs.E2M1.values[want])
+
+
+def _te_paper_boundary_amaxes(g):
+    """Block amaxes b < g at which TE's order, E4M3(b * fl(S_enc * fl(1/6))), and the paper's order,
+    E4M3(fl(b / 6) * S_enc), give different bytes for the tensor amax g (S_enc = fl(2688 / g)): float32
+    neighbours of each E4M3 midpoint divided by the te constant, kept where ml_dtypes' E4M3 cast of the two
+    float32 products differs."""
+    f = np.float32
+    s_enc = f(2688.0) / f(g)
+    te_c = f(s_enc * (f(1) / f(6)))
+    vals = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    found = []
+    for m in (vals[1:] + vals[:-1]) / 2:
+        b0 = np.array([m / float(te_c)], np.float32).view(np.int32)[0]
+        cand = (b0 + np.arange(-8, 9)).astype(np.int32).view(np.float32)
+        te, pa = _te_byte(cand, g), _paper_byte(cand, g)
+        found += [c for c, t, p in zip(cand, te, pa) if t != p and c < g]
+    return np.array(found, np.float32)
+
+
+def _te_byte(b, g):
+    f = np.float32
+    c = f(f(f(2688.0) / f(g)) * (f(1) / f(6)))
+    return (np.asarray(b, f) * c).astype(f).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _paper_byte(b, g):
+    f = np.float32
+    return ((np.asarray(b, f) / f(6)).astype(f) * f(f(2688.0) / f(g))).astype(f).astype(
+        ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _te_paper_tensor(g, R=64, K=64, seed=0):
+    """(R, K) with tensor amax g at [0, 0] and, in every 16x16 tile, one boundary amax b (from
+    _te_paper_boundary_amaxes) in each of its 16 rows' blocks, the rest of the tile below b: every 1x16 block and
+    every 16x16 tile but the one holding g has an amax where te and paper part ways."""
+    bs = _te_paper_boundary_amaxes(g)
+    rng = np.random.default_rng(seed)
+    x = np.empty((R, K), np.float32)
+    nt = (R // 16) * (K // 16)
+    pick = bs[np.linspace(len(bs) // 3, len(bs) - 1, nt).astype(int)]     # scales spread over the normal range
+    for t in range(nt):
+        ti, tj = divmod(t, K // 16)
+        b = pick[t]
+        tile = (b * rng.uniform(-0.95, 0.95, (16, 16))).astype(np.float32)
+        tile[np.arange(16), rng.integers(0, 16, 16)] = b * np.where(rng.random(16) < 0.5, -1, 1)
+        x[ti * 16:(ti + 1) * 16, tj * 16:(tj + 1) * 16] = tile
+    x[0, 0] = g
+    return x
+
+
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_te_and_paper_block_scales_part_ways_through_every_nvfp4_kernel_path(monkeypatch, rounding):
+    """Every 1x16 block and 16x16 tile holds an amax where TE's order, b * fl(S_enc * fl(1/6)), and the paper's,
+    fl(b / 6) * S_enc, give different E4M3 bytes (checked here with ml_dtypes' cast of the float32 products).
+    Each NVFP4 kernel path must give TE's bytes under flavor='te' and the paper's under flavor='paper':
+    1x16 and 16x16 with the block axis last, along axis 0 (the transposed input, read in chunks of moved rows,
+    the chunk made tiny), quantize and fake_quantize, RNE and SR; and the codes as the reference's."""
+    from fp4sim.cpu import backend, transpose
+    g = np.float32(95.09591)
+    x = _te_paper_tensor(g)
+    xt = np.ascontiguousarray(x.T)
+    r = np.random.default_rng(4).integers(0, 256, x.shape, dtype=np.uint8)
+    kw = {"rounding": "sr", "rbits": r} if rounding == "sr" else {}
+    kwt = {"rounding": "sr", "rbits": np.ascontiguousarray(r.T)} if rounding == "sr" else {}
+    a16 = np.abs(x).reshape(64, 4, 16).max(-1)                               # 1x16 block amaxes
+    a256 = a16.reshape(4, 16, 4).max(1)                                      # 16x16 tile amaxes
+    for tile, amax in ((1, a16), (16, a256)):
+        te, pa = _te_byte(amax, g), _paper_byte(amax, g)
+        differ = te != pa
+        assert differ.sum() >= differ.size - 1, "the crafted tensor lost its boundary amaxes"
+        for flavor, want in (("te", te), ("paper", pa)):
+            codes, scales = ref.nvfp4_ref(x, flavor, tile, rounding=rounding, rb=r if rounding == "sr" else None)
+            np.testing.assert_array_equal(scales, want)                      # the reference, against the formula
+            scheme = "nvfp4" if tile == 1 else "nvfp4_2d"
+            for name, inp, axis, k in (("axis -1", x, -1, kw), ("axis 0", xt, 0, kwt)):
+                for chunked in (False, True):
+                    if chunked:
+                        for mod in (backend, transpose):
+                            monkeypatch.setattr(mod, "chunk_rows", lambda K, itemsize=4: 16)
+                        monkeypatch.setattr(transpose, "CHUNK_BYTES", 0)
+                    q = fs.quantize(inp, scheme, flavor=flavor, axis=axis, **k)
+                    where = f"{scheme} {flavor} {rounding} {name}{' chunked' if chunked else ''}"
+                    np.testing.assert_array_equal(q.linear_scales(), want, err_msg=where)
+                    np.testing.assert_array_equal(_codes(q), codes, err_msg=where)
+                    fq = fs.fake_quantize(inp, scheme, flavor=flavor, axis=axis, **k)
+                    np.testing.assert_array_equal(fq.view(np.uint32), fs.dequantize(q).view(np.uint32),
+                                                  err_msg=where)
+                    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_sr_never_moves_an_exactly_representable_input(scheme):
+    """Under SR an input that is exactly an E2M1 value after scaling keeps its code for every random byte (only
+    inexact inputs may go up): every magnitude, both signs, all 256 bytes, block factor 1."""
+    block = 16 if scheme == "nvfp4" else 32
+    mags = fs.E2M1.values[:8].astype(np.float32)
+    row = np.resize(np.concatenate([mags, -mags]), block).astype(np.float32)
+    row[0] = 6.0
+    x = np.tile(row, (256, 1))
+    want = np.tile(fs.encode(row, fs.E2M1), (256, 1))
+    r = np.repeat(np.arange(256, dtype=np.uint8)[:, None], block, axis=1)
+    kw = {"global_amax": 2688.0} if scheme == "nvfp4" else {}
+    q = fs.quantize(x, scheme, rounding="sr", rbits=r, **kw)
+    np.testing.assert_array_equal(_codes(q), want)

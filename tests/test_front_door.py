@@ -404,3 +404,23 @@ def test_round_up_exponent_of_amax_over_six_is_the_same_computed_either_way():
         a = ((np.uint32(E) << 23) | m).view(np.float32)
         with np.errstate(over="ignore"):
             assert np.array_equal(up(a / f32(6)), up(a * (f32(1) / f32(6)))), E
+
+
+def test_the_array_loader_reads_bfloat16_pt_tensors_as_bfloat16(tmp_path):
+    """A bfloat16 .pt tensor (alone or in a state_dict) comes back as ml_dtypes.bfloat16 with the same bits, not as
+    the raw int16 words: both the validate reader (fp4sim.arrays_io.load_array) and analyze's loader."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+    from fp4sim.arrays_io import load_array
+    bits = np.array([0x3FC0, 0xBF80, 0x0001, 0x7F7F, 0xFF80, 0x8000, 0x4049], np.uint16)   # 1.5, -1, tiny, ...
+    t = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+    torch.save(t, tmp_path / "one.pt")
+    torch.save({"a": t, "b": t.float()}, tmp_path / "sd.pt")
+    for spec in (str(tmp_path / "one.pt"), f"{tmp_path / 'sd.pt'}:a"):
+        a = load_array(spec)
+        assert a.dtype == np.dtype(ml_dtypes.bfloat16), spec
+        assert np.array_equal(a.view(np.uint16), bits), spec
+    assert float(load_array(str(tmp_path / "one.pt"))[0]) == 1.5
+    from fp4sim.analyze.inputs import _load_pt
+    b = _load_pt(tmp_path / "one.pt", None)
+    assert b.dtype == np.dtype(ml_dtypes.bfloat16) and np.array_equal(b.view(np.uint16), bits)

@@ -413,3 +413,89 @@ def test_a_branch_keeps_the_runs_own_switches_and_adds_its_own():
     b = ablations._branch(0.5, switches={"disable_rht": True})(c)
     assert b.phases[0].switches == (("disable_rht", True), ("rht_size", 4))
     assert ablations._branch(0.5, preset="bf16")(c).phases[0].switches == ()
+
+
+# ------------------------------------------------------------------------------- verdict and statistics rules
+def test_verdict_rule_sits_at_two_standard_errors():
+    """Paired differences m + (-k, 0, k): sample std k, standard error k / sqrt(3), so m = t * k / sqrt(3) sits at
+    t standard errors. 1.5 se is seed noise for 'worse' / 'better' and no difference for 'same'; 2.5 se
+    reproduces 'worse' / 'better' and contradicts 'same'."""
+    from paper_repro.ablations import verdict
+    k = 0.01
+    se = k / math.sqrt(3)
+    at = lambda t, s=1: [s * t * se - k, s * t * se, s * t * se + k]  # noqa: E731
+    for t, worse, same in ((1.5, "not distinguishable", "reproduces (no difference)"),
+                           (2.5, "reproduces", "contradicts")):
+        w, info = verdict("worse", at(t), [False] * 3)
+        assert w.startswith(worse) and info["stderr"] == pytest.approx(se) and info["effect"] == pytest.approx(t * se)
+        assert verdict("better", at(t, -1), [False] * 3)[0].startswith(worse), t
+        assert verdict("worse", at(t, -1), [False] * 3)[0].startswith("contradicts" if t > 2 else "not distinguish")
+        assert verdict("same", at(t), [False] * 3)[0].startswith(same), t
+        assert verdict("same", at(t, -1), [False] * 3)[0].startswith(same), t
+
+
+def _synthetic_ablation(tmp_path, fig, seeds, diverged_runs=()):
+    """Finished runs of an ablation figure written by hand: every run's log falls linearly, each label offset by
+    its index (so every variant has a finite paired difference), and done.json marks the runs named in
+    diverged_runs ((label, seed) pairs) as diverged."""
+    runs = ablations.runs_for(fig, figures.QUICK, seeds)
+    logs, dirs = {}, {}
+    labels = list(dict.fromkeys(lab for lab, _, _ in runs))
+    for lab, _, c in runs:
+        steps = c.eval_steps()
+        off = 0.01 * labels.index(lab) + 0.001 * c.seed
+        logs[c.key()] = [dict(step=s, tokens=s * c.batch * c.model.ctx, lr=1e-3, train_loss=3.0 - 0.1 * i + off,
+                              val_loss=3.0 - 0.1 * i + off) for i, s in enumerate(steps)]
+        d = tmp_path / "runs" / c.key()
+        d.mkdir(parents=True, exist_ok=True)
+        reason = "val loss 2 nats above its best" if (lab, c.seed) in diverged_runs else None
+        (d / "done.json").write_text(json.dumps({"diverged": reason}))
+        dirs[c.key()] = d
+    return runs, logs, dirs
+
+
+def test_a_diverged_reference_run_gives_no_paired_difference(tmp_path):
+    """fig4's reference (the full recipe) diverged on seed 1 (at a finite loss): every variant compared against it
+    is marked diverged instead of being judged on a paired difference against that run; with no divergence the same
+    runs give ordinary verdicts from their differences."""
+    ref = next(v.label for v in ablations.ABLATIONS["fig4"][1] if v.expect == "reference")
+    runs, logs, dirs = _synthetic_ablation(tmp_path, "fig4", 3, diverged_runs={(ref, 1)})
+    out = tmp_path / "bad"
+    out.mkdir()
+    s = ablations.make("fig4", runs, logs, out, dirs)
+    others = [v for v in ablations.ABLATIONS["fig4"][1] if v.expect != "reference" and (v.vs or ref) == ref]
+    assert others
+    for v in others:
+        got = s["variants"][v.label]
+        assert got.get("diverged") is True and "diverged" in got["verdict"], (v.label, got)
+    runs, logs, dirs = _synthetic_ablation(tmp_path / "ok", "fig4", 3)
+    out = tmp_path / "good"
+    out.mkdir()
+    s = ablations.make("fig4", runs, logs, out, dirs)
+    for v in others:
+        got = s["variants"][v.label]
+        assert "diverged" not in got and got["verdict"] == "reproduces", (v.label, got)   # +0.01 * index, worse
+
+
+def test_mean_std_is_the_sample_standard_deviation():
+    """Hand-computed: [1, 2, 3, 4] has mean 2.5 and sample std sqrt(5/3) (population: sqrt(5/4)); columns along
+    axis 0; one value has std 0."""
+    m, s = stats.mean_std([1.0, 2.0, 3.0, 4.0])
+    assert m == 2.5 and s == pytest.approx(math.sqrt(5 / 3), rel=1e-15)
+    m, s = stats.mean_std([[1.0, 10.0], [3.0, 10.0]])
+    assert list(m) == [2.0, 10.0] and s == pytest.approx([math.sqrt(2), 0.0], rel=1e-15)
+    m, s = stats.mean_std([7.0])
+    assert m == 7.0 and s == 0.0
+
+
+def test_token_multiplier_stderr_counts_only_the_interpolated_seeds():
+    """Four seeds, one of which never reaches its target (above the largest multiplier): the standard error is
+    over the three interpolated answers 1.2, 1.3, 1.4 (sample std 0.1, / sqrt(3)), not over all four seeds."""
+    m = (1.0, 1.25, 1.36, 1.5)
+    line = lambda x: 3.0 - 0.4 * x  # noqa: E731
+    L = np.array([[line(x) + 0.4 * d for x in m] for d in (-0.1, 0.0, 0.1, 0.0)])
+    T = np.array([line(1.3)] * 3 + [line(1.9)])
+    res = stats.token_multiplier_over_seeds(m, L, T)
+    assert res["per_seed_status"] == ["interpolated"] * 3 + ["above_max"]
+    assert res["per_seed"][:3] == pytest.approx([1.2, 1.3, 1.4]) and math.isnan(res["per_seed"][3])
+    assert res["stderr"] == pytest.approx(0.1 / math.sqrt(3), rel=1e-9)

@@ -467,3 +467,137 @@ def test_quant_linear_on_cuda_gives_the_cpu_bits():
     gpu = _run(qc, x.cuda(), dy.cuda())
     for a, b in zip(cpu, gpu):
         assert torch.equal(a, b.cpu())
+
+
+# ------------------------------------------------------------------------ streams, signs and switches of a call
+def _bits_equal(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_sr_streams_of_the_six_operands_of_a_call_are_independent_and_reproducible():
+    """Every operand of one call draws its own Philox stream, 8 * call + its index in OPERANDS, under the layer's
+    key (emulate's rule): the same tensor quantized as each of the six operands (same settings and axis) gives six
+    different SR results, equal to fs.quantize with that stream; the same call again gives the same bits, and
+    another call or layer other bits."""
+    from fp4sim.training import Operand
+    sr = Operand("nvfp4", (1, 16), rounding="sr")
+    rec = Recipe(**{op: sr for op in OPERANDS}, seed=11)
+    a = heavy((32, 64), 13)
+
+    def codes(name, call=3, layer=2):
+        q = emulate.quantize_operand(a, sr, 1, rec, layer, call, name)
+        return q.codes.copy()
+
+    got = {name: codes(name) for name in OPERANDS}
+    for i, name in enumerate(OPERANDS):
+        want = fs.quantize(a, "nvfp4", rounding="sr", seed=emulate.layer_seed(11, 2), stream=8 * 3 + i)
+        assert np.array_equal(got[name], want.codes), name
+        assert np.array_equal(codes(name), got[name]), name                 # reproducible
+        assert not np.array_equal(codes(name, call=4), got[name]), name     # a new stream per call
+        assert not np.array_equal(codes(name, layer=3), got[name]), name    # a new key per layer
+    for i, u in enumerate(OPERANDS):
+        for v in OPERANDS[i + 1:]:
+            assert not np.array_equal(got[u], got[v]), (u, v)
+
+
+
+def test_per_transform_rht_signs_are_distinct_for_each_gemm_of_a_call(monkeypatch):
+    """rht_signs='per_transform' draws a new sign vector for every GEMM: with the RHT on all three GEMMs, the two
+    operands of a GEMM share one vector, the three GEMMs of one call have three different vectors, another call
+    has others, and the same call again the same ones (the vectors recorded from the transforms applied)."""
+    from fp4sim.hadamard import rht_signs
+    rec = Recipe.preset("nvfp4_paper", rht_fprop=True, rht_dgrad=True, rht_signs="per_transform", seed=3)
+    assert all(getattr(rec, op).rht == 16 and getattr(rec, op).rht_signs == "per_transform" for op in OPERANDS)
+    seen = []
+    real = emulate.rht
+
+    def spy(a, d, signs, **kw):
+        seen.append(tuple(rht_signs(d, signs)))
+        return real(a, d, signs, **kw)
+
+    monkeypatch.setattr(emulate, "rht", spy)
+    x, w, dy = heavy((32, 64), 1), heavy((48, 64), 2), heavy((32, 48), 3)
+
+    def vectors(call):
+        seen.clear()
+        emulate.fprop(x, w, rec, layer=1, call=call)
+        emulate.dgrad(dy, w, rec, layer=1, call=call)
+        emulate.wgrad(dy, x, rec, layer=1, call=call)
+        assert len(seen) == 6
+        assert seen[0] == seen[1] and seen[2] == seen[3] and seen[4] == seen[5]     # one vector per GEMM
+        return seen[0], seen[2], seen[4]
+
+    c0 = vectors(0)
+    assert len(set(c0)) == 3, "two GEMMs of one call share a sign vector"
+    assert vectors(0) == c0
+    c1 = vectors(1)
+    assert len(set(c1)) == 3 and not set(c1) & set(c0)
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_set_recipe_which_changes_exactly_its_gemms(which):
+    """set_recipe(model, 'bf16', which=...) on an nvfp4_paper layer: 'forward' changes Fprop alone, 'backward'
+    Dgrad and Wgrad alone. The layer's output and gradients against the emulated GEMMs run directly under the
+    recipe each GEMM should have (the same layer index and call, so the same SR bits)."""
+    nv, bf = Recipe.preset("nvfp4_paper", seed=4), Recipe.preset("bf16", seed=4)
+    lin = QuantLinear(64, 48, bias=False, recipe=nv)
+    lin.layer_index = 2
+    model = torch.nn.Sequential(lin)
+    set_recipe(model, bf, which=which)
+    x, dy = heavy((32, 64), 8), heavy((32, 48), 9)
+    xt = torch.from_numpy(x).requires_grad_(True)
+    y = model(xt)
+    y.backward(torch.from_numpy(dy))
+    w = lin.weight.detach().numpy()
+    fwd, bwd = (bf, nv) if which == "forward" else (nv, bf)
+    want_y, _ = emulate.fprop(x, w, fwd, 2, 0)
+    assert _bits_equal(y.detach().numpy(), want_y)
+    assert _bits_equal(xt.grad.numpy(), emulate.dgrad(dy, w, bwd, 2, 0))
+    assert _bits_equal(lin.weight.grad.numpy(), emulate.wgrad(dy, x, bwd, 2, 0))
+    other_y, _ = emulate.fprop(x, w, bwd, 2, 0)                  # the switch really changes something
+    assert not _bits_equal(want_y, other_y)
+    assert not _bits_equal(emulate.dgrad(dy, w, fwd, 2, 0), emulate.dgrad(dy, w, bwd, 2, 0))
+
+
+def test_dgrad_reuses_the_fprop_weight_copy_only_when_asked():
+    """dgrad_w_reuse_fprop=True: Dgrad multiplies by Fprop's copy of W (quantized along K, 1x16) upcast to float32;
+    False: W is quantized again along N for Dgrad, whatever copy is at hand. In emulate and through QuantLinear,
+    against the product of the fp4sim-quantized values computed here."""
+    base = Recipe.preset("nvfp4_paper", disable_2d_quantization=True, disable_stochastic_rounding=True)
+    on = replace(base, dgrad_w_reuse_fprop=True)
+    x, w, dy = heavy((32, 64), 21), heavy((48, 64), 22), heavy((32, 48), 23)
+    dyq = fs.dequantize(fs.quantize(dy, "nvfp4", axis=1))                        # dgrad_dy: dy along N
+    along_k = fs.dequantize(fs.quantize(w, "nvfp4", axis=1))                     # Fprop's copy of W
+    along_n = fs.quantize(w, "nvfp4", axis=0)                                    # Dgrad's own copy of W
+    want_on = np.matmul(dyq, along_k).astype(np.float32)
+    want_off = fs.gemm(fs.quantize(dy, "nvfp4", axis=1), along_n)
+    assert not _bits_equal(want_on, want_off)
+    for rec, want in ((on, want_on), (base, want_off)):
+        _, qw = emulate.fprop(x, w, rec)
+        assert _bits_equal(emulate.dgrad(dy, w, rec, qw_fprop=qw), want), rec.dgrad_w_reuse_fprop
+        lin = QuantLinear(64, 48, bias=False, recipe=rec)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(w))
+        xt = torch.from_numpy(x).requires_grad_(True)
+        lin(xt).backward(torch.from_numpy(dy))
+        assert _bits_equal(xt.grad.numpy(), want), rec.dgrad_w_reuse_fprop
+
+
+def test_operand_stats_count_saturation_of_negative_blocks():
+    """collect_stats' saturation is the share of codes with magnitude 6: each block here has one element at its
+    amax and the rest at a tenth of it, so exactly 1 in 16 codes is +-6 whatever the signs: all-negative,
+    all-positive and mixed inputs give 1/16 (the rest code to 0.5)."""
+    lin = QuantLinear(64, 32, bias=False, recipe="nvfp4_paper")
+    model = torch.nn.Sequential(lin)
+    rng = np.random.default_rng(0)
+    base = np.full((32, 64), 0.1, np.float32) * np.exp(rng.standard_normal((32, 1))).astype(np.float32)
+    base[:, ::16] *= 10                                          # one amax element per 16-element block
+    for sign in (-1.0, 1.0, np.where(np.arange(32) % 2, -1.0, 1.0)[:, None]):
+        x = (base * sign).astype(np.float32)
+        with collect_stats(model) as log:
+            model(torch.from_numpy(x))
+        r = [e for e in log.records() if e["operand"] == "fprop_x"][0]
+        assert r["saturation"] == 1 / 16, (sign, r["saturation"])
+        codes = fs.layout.unpack_fp4(fs.quantize(x, "nvfp4").codes)
+        assert np.all((codes & 7) == np.where(np.arange(64) % 16 == 0, 7, 1)), "the crafted codes"

@@ -187,3 +187,38 @@ def test_cli_exit_codes_json_and_messages(tmp_path):
     assert bad.returncode == 2 and "needs 16384" in bad.stderr
     missing = subprocess.run(base[:7] + ["--codes", "nope.npy", "--scales", "x"], capture_output=True, text=True)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def _exact_and_inexact(seed=0):
+    """(64, 128): each 16-element block holds +-6 (block scale 1 with global_amax 2688), then every other element an
+    exact E2M1 value and the rest inexact values in [0.25, 6); returns x and the mask of exact elements."""
+    rng = np.random.default_rng(seed)
+    mags = fs.E2M1.values[:8].astype(np.float32)
+    x = rng.uniform(0.25, 6.0, (64, 128)).astype(np.float32)
+    exact = np.zeros(x.shape, bool)
+    exact[:, 1::2] = True
+    x[exact] = mags[rng.integers(0, 8, exact.sum())]
+    x[:, ::16] = 6.0
+    exact[:, ::16] = True
+    x *= np.where(rng.random(x.shape) < 0.5, -1, 1).astype(np.float32)
+    return x, exact
+
+
+def test_statistical_sr_check_flags_an_exact_input_moved_to_its_upper_neighbour():
+    """An exactly representable scaled input has one correct SR output, itself: moving a single one to the next
+    code up is a not-neighbour fault however plausible the rest is (with the tensor scale making every block
+    factor 1, so the scaled inputs are the inputs)."""
+    x, exact = _exact_and_inexact()
+    q = fs.quantize(x, "nvfp4", rounding="sr", seed=3, global_amax=2688.0)
+    assert np.all(q.linear_scales() == 0x38)
+    r = compare(x, q.codes, q.scales, "nvfp4", rounding="sr", global_amax=2688.0, expect_tensor_amax=False)
+    assert r.verdict == "sr_consistent", r.summary()
+    c = unpack_fp4(q.codes)
+    i, j = np.argwhere(exact & (np.abs(x) == 1.5))[0]             # 1.5 (code 3) -> 2.0 (code 4), sign kept
+    assert c[i, j] & 7 == 3
+    c[i, j] += 1
+    r = compare(x, pack_fp4(c), q.scales, "nvfp4", rounding="sr", global_amax=2688.0, expect_tensor_amax=False)
+    assert r.verdict == "sr_inconsistent" and r.sr["not_neighbour"] == 1, r.summary()
+    from fp4sim.validate.sr import sr_statistics
+    s = sr_statistics(np.array([1.5, -4.0, 0.0, 2.5], np.float32), np.array([4, 0xF, 0, 5]), fs.E2M1)
+    assert s["not_neighbour"] == 2 and not s["passed"]       # 1.5 -> 2, -4 -> -6 moved; 0 stays, 2.5 -> 3 is hi
