@@ -157,3 +157,64 @@ def test_blocks_are_added_in_k_order(scheme):
     flip = lambda q: replace(q, codes=q.codes.reshape(q.lead[0], -1, bk // 2)[:, ::-1].reshape(q.codes.shape).copy(),  # noqa: E731
                              scales=q.scales.reshape(q.lead[0], -1)[:, ::-1].reshape(q.scales.shape).copy())
     assert not np.array_equal(fs.gemm(flip(qa), flip(qb)).view(np.uint32), y.view(np.uint32))
+
+
+# ------------------------------------------------------------------ FP8 block dots: exact, then rounded once
+def _f32_rne(fr):
+    """The float32 nearest to the rational ``fr`` (ties to even), by integer arithmetic; normal range only."""
+    from fractions import Fraction
+    if fr == 0:
+        return np.float32(0.0)
+    s, a = (-1 if fr < 0 else 1), abs(fr)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1                                                 # now 2^e <= a < 2^(e+1)
+    assert -126 <= e <= 127, "the oracle covers float32's normal range only"
+    m = a / Fraction(2) ** (e - 23)                            # in [2^23, 2^24)
+    n, rem = divmod(m.numerator, m.denominator)
+    half = Fraction(rem, m.denominator)
+    if half > Fraction(1, 2) or (half == Fraction(1, 2) and n % 2):
+        n += 1
+    return np.float32(s * float(Fraction(n) * Fraction(2) ** (e - 23)))
+
+
+def _fp8_operand(rows, K, seed):
+    """E4M3-representable values over many binades, so a block's dot has more than 24 significant bits."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, K)) * np.exp2(rng.integers(-8, 8, (rows, K)))).astype(np.float32)
+
+
+@pytest.mark.parametrize("scheme,bk", [("mxfp8_e4m3", 32), ("fp8_blockwise", 128)])
+def test_fp8_gemm_rounds_each_exact_block_dot_once(scheme, bk):
+    """MXFP8 (32-element blocks, UE8M0 scales) and FP8 blockwise (128, float32 scales): each block's dot of the E4M3
+    values, summed exactly (Python fractions) and rounded once to float32, times fl(s_a * s_b), added in block
+    order in float32. The operands are chosen so that float32 summation of the products (what BLAS does)
+    differs from the exact rounding in some block."""
+    from fractions import Fraction
+    a, b = _fp8_operand(5, 3 * bk, 1), _fp8_operand(4, 3 * bk, 2)
+    qa, qb = fs.quantize(a, scheme), fs.quantize(b, scheme)
+    va = qa.codes.reshape(5, -1).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    vb = qb.codes.reshape(4, -1).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    if scheme == "mxfp8_e4m3":
+        sa = qa.linear_scales().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+        sb = qb.linear_scales().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    else:
+        sa, sb = (np.asarray(q.scales, np.float32).reshape(q.lead[0], -1) for q in (qa, qb))
+    want = np.zeros((5, 4), np.float32)
+    inexact = 0
+    for i in range(5):
+        for j in range(4):
+            y = np.float32(0.0)
+            for k in range(3):
+                blk = slice(k * bk, (k + 1) * bk)
+                exact = sum((Fraction(float(u)) * Fraction(float(v)) for u, v in zip(va[i, blk], vb[j, blk])),
+                            Fraction(0))
+                dot = _f32_rne(exact)
+                f32_sum = np.float32(0.0)
+                for u, v in zip(va[i, blk].astype(np.float32), vb[j, blk].astype(np.float32)):
+                    f32_sum = np.float32(f32_sum + np.float32(u * v))
+                inexact += f32_sum != dot
+                y = np.float32(y + np.float32(np.float32(sa[i, k] * sb[j, k]) * dot))
+            want[i, j] = y
+    assert inexact > 0, "no block dot where float32 summation and the exact rounding part ways"
+    _same(fs.gemm(qa, qb), want)

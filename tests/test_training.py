@@ -86,6 +86,25 @@ def test_mxfp4_gemm_equals_te_reference_pow2_qgemm(te_ref, case):
     _same(fs.gemm(qa, qb), _te_gemm(te_ref, qa, qb, pow2=True))
 
 
+@pytest.mark.peer
+@pytest.mark.parametrize("case", list(OPS))
+@pytest.mark.parametrize("flavor", ["modelopt", "torchao"])
+def test_per_tensor_scale_flavour_gemm_alpha_equals_te_reference_qgemm(te_ref, case, flavor):
+    """ModelOpt's and torchao's operands decode with pts = amax / 2688, so their GEMM's alpha is fl(pts_a * pts_b).
+    With tensor amaxes 2688 * 2^k (pts a power of two) that equals TE's fl(fl(amax_a * amax_b) / (6*6*448*448))
+    exactly, so TE's reference qgemm on the same code and scale bytes, with those amaxes, gives the same bits."""
+    A, B = OPS[case]
+    out = []
+    for M, k in ((A, -3), (B, 2)):
+        top = np.float32(2688.0 * 2.0 ** k)
+        M = (M / np.abs(M).max() * np.float32(0.7) * top).astype(np.float32)
+        M[0, 0] = top
+        out.append(M)
+    qa, qb = (fs.quantize(M, "nvfp4", flavor=flavor) for M in out)
+    assert float(qa.global_amax) == 2688.0 / 8 and float(qb.global_amax) == 2688.0 * 4
+    _same(fs.gemm(qa, qb), _te_gemm(te_ref, qa, qb))
+
+
 @pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise",
                                     "fp8_e4m3", "bf16"])
 def test_gemm_agrees_with_float64_product_and_padding_contributes_nothing(scheme):
