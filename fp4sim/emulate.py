@@ -73,7 +73,10 @@ def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call
 
 
 def _operand_stats(a, q, name):
-    """What TE's LogNvfp4TensorStats logs: relative MSE, underflow (nonzero -> 0) and saturation fractions."""
+    """What TE's LogNvfp4TensorStats logs, and the clamp: relative MSE, underflow (nonzero -> 0), the share of FP4
+    codes at the largest magnitude +-6 (``max_code``: every block's amax element takes it by design, about 1 in 16
+    codes on Gaussian data) and the share of elements clipped by it (``clipped``: |x| above the dequantized
+    +-6 of its block, what the clamp lost)."""
     xp = xp_of(a)
     y = dequantize(q)
     a64, y64 = a.astype(np.float64), y.astype(np.float64)
@@ -81,16 +84,18 @@ def _operand_stats(a, q, name):
     err = float(((y64 - a64) ** 2).mean())
     nz = a64 != 0
     n_nz = int(nz.sum())
-    fmax = getattr(q.scheme, "elem", None)
-    sat = 0.0
-    if fmax is not None and q.scales is not None and q.scheme.name.startswith(("nvfp4", "mxfp4")):
+    max_code = clipped = 0.0
+    if q.scales is not None and q.scheme.name.startswith(("nvfp4", "mxfp4")):
         from .layout import unpack_fp4
         codes = unpack_fp4(q.codes.reshape(q.lead[0], -1))[:, : q.K]
-        codes = codes if q.axis == 1 else codes.T
-        sat = float(((codes & 7) == 7).mean())
+        top = (codes & 7) == 7
+        top = top if q.axis == 1 else top.T
+        max_code = float(top.mean())
+        with np.errstate(invalid="ignore"):
+            clipped = float((top & (xp.abs(a64) > xp.abs(y64))).mean())
     return dict(operand=name, rel_mse=err / ms if ms > 0 else float("nan"),
-                underflow=float((nz & (y64 == 0)).sum()) / n_nz if n_nz else 0.0, saturation=sat,
-                amax=float(xp.abs(a).max()) if a.size else 0.0)
+                underflow=float((nz & (y64 == 0)).sum()) / n_nz if n_nz else 0.0, max_code=max_code,
+                clipped=clipped, amax=float(xp.abs(a).max()) if a.size else 0.0)
 
 
 def _family(q):

@@ -65,7 +65,16 @@ class Operand:
             raise ValueError(f"rht_signs='te' is TransformerEngine's 16-element vector; rht={self.rht} needs "
                              "'fixed', 'per_transform' or 'none'")
         if self.block is not None:
+            if isinstance(self.block, (str, bytes)) or not hasattr(self.block, "__len__"):
+                raise ValueError(f"Operand block={self.block!r}: a (rows, columns) pair such as (1, 16), or None")
             object.__setattr__(self, "block", tuple(self.block))
+            if self.scheme is None:
+                raise ValueError(f"Operand block={self.block}: an unquantized operand (scheme=None) has no blocks")
+            from .schemes import get_scheme
+            try:
+                get_scheme(self.scheme, block=self.block)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"Operand({self.scheme!r}, block={self.block}): {e}") from None
 
     @property
     def quantized(self) -> bool:
@@ -96,6 +105,11 @@ class Recipe:
         without an RHT (the Fprop copy is not rotated).
     accumulate : ``"exact"`` (the tensor core's rule, :func:`fp4sim.gemm`) or ``"fast"`` (dequantize + BLAS).
     seed : the Philox key of stochastic rounding and of ``"fixed"`` / ``"per_transform"`` RHT signs.
+    on_nonfinite : what :class:`fp4sim.torch.QuantLinear` does when an operand it quantizes holds NaN or Inf. The
+        bits stay the hardware's either way (E2M1 encodes NaN as +6 under CUDA's satfinite rule, so a NaN does
+        not reach the output of an NVFP4 / MXFP4 GEMM). ``"warn"`` (default): a NaN in an operand quantized to
+        FP4 warns once per layer and operand; ``"raise"``: a NaN or Inf in any quantized operand raises
+        FloatingPointError naming the layer and operand; ``"ignore"``: no check.
     """
     fprop_x: Operand = Operand()
     fprop_w: Operand = Operand()
@@ -113,6 +127,7 @@ class Recipe:
     wgrad_x_reuse_fprop: bool = False
     accumulate: str = "exact"
     seed: int = 0
+    on_nonfinite: str = "warn"
     name: str = "custom"
     identity: bool = field(default=False, repr=False)
 
@@ -124,6 +139,8 @@ class Recipe:
             raise ValueError(f"rht_dtype={self.rht_dtype!r}: use 'bf16' or 'fp32'")
         if self.accumulate not in ("exact", "fast"):
             raise ValueError(f"accumulate={self.accumulate!r}: use 'exact' or 'fast'")
+        if self.on_nonfinite not in ("warn", "raise", "ignore"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use 'warn', 'raise' or 'ignore'")
         if self.high_precision not in (None, "bf16"):
             raise ValueError(f"high_precision={self.high_precision!r}: use 'bf16' or None (float32)")
         if isinstance(self.keep, str):
@@ -165,8 +182,8 @@ class Recipe:
     def high_precision_recipe(self) -> "Recipe":
         """The recipe a kept layer runs under."""
         if self.high_precision is None:
-            return Recipe.preset("none", seed=self.seed)
-        return Recipe.preset("bf16", seed=self.seed, accumulate=self.accumulate)
+            return Recipe.preset("none", seed=self.seed, on_nonfinite=self.on_nonfinite)
+        return Recipe.preset("bf16", seed=self.seed, accumulate=self.accumulate, on_nonfinite=self.on_nonfinite)
 
     def table(self) -> str:
         """The six operands as a Markdown table (the paper's Fig. 5)."""
@@ -190,6 +207,15 @@ class Recipe:
         if name not in PRESETS:
             raise ValueError(f"preset {name!r} is not known; use one of {list(PRESETS)}")
         sw = {k: overrides.pop(k) for k in list(overrides) if k in _SWITCHES}
+        for k, v in sw.items():
+            if k == "rht_size":
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise TypeError(f"rht_size={v!r}: give the Hadamard size as an integer (2..128)")
+            elif k == "rht_signs":
+                if v not in SIGNS:
+                    raise ValueError(f"rht_signs={v!r}: use one of {list(SIGNS)}")
+            elif not isinstance(v, bool):
+                raise TypeError(f"{k}={v!r}: a switch takes True or False")
         bad = [k for k in overrides if k not in {f.name for f in dataclasses.fields(cls)}]
         if bad:
             raise ValueError(f"Recipe.preset({name!r}): unknown switches or fields {bad}; switches: "

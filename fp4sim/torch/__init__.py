@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
-           "suggest_high_precision"]
-_LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision"}
+           "suggest_high_precision", "drop_extra_state"]
+_LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state"}
 
 
 def __getattr__(name):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
 
 import numpy as np
 import torch
@@ -13,7 +14,10 @@ import torch.nn.functional as F
 from .. import emulate
 from ..training import OPERANDS, Recipe
 
-__all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision"]
+__all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state"]
+
+HEAD_NAMES = ("lm_head", "output", "head")      # a model's output head, by the last component of its name
+_FP4 = ("nvfp4", "mxfp4")                       # element E2M1: NaN encodes as +6 and does not propagate
 
 
 def _to_array(t: torch.Tensor):
@@ -40,12 +44,43 @@ def _resolve(recipe) -> Recipe:
     return recipe
 
 
+_WHAT = {"x": "the input", "w": "the weight", "dy": "the output gradient"}
+
+
+def _check_finite(layer, mode: str, which: str, t: torch.Tensor, uses):
+    """Warn or raise (``mode``: the running pass's recipe's ``on_nonfinite``) when ``t`` (``which``: x, w or dy)
+    holds NaN or Inf and a recipe quantizes one of the operands made from it (``uses``: (recipe, operand name)
+    pairs); the quantization itself stays as the hardware does it."""
+    if mode == "ignore":
+        return
+    ops = [(r, n) for r, n in uses if not r.identity and getattr(r, n).quantized]
+    if not ops or bool(torch.isfinite(t).all()):
+        return
+    nan = bool(torch.isnan(t).any())
+    kind = "NaN" if nan else "Inf"
+    layer_name = getattr(layer, "_fp4sim_name", f"#{layer.layer_index}")
+    if mode == "raise":
+        raise FloatingPointError(f"layer {layer_name!r}: {_WHAT[which]} (operands {', '.join(n for _, n in ops)}) "
+                                 f"holds {kind} (on_nonfinite='raise')")
+    fp4 = [n for r, n in ops if getattr(r, n).scheme in _FP4 and (which, n) not in layer._nonfinite_warned]
+    if not nan or not fp4:
+        return                                     # an Inf warns where it is quantized; each NaN operand once
+    layer._nonfinite_warned.update((which, n) for n in fp4)
+    warnings.warn(f"layer {layer_name!r}: {_WHAT[which]} (operands {', '.join(fp4)}) holds NaN; E2M1 encodes "
+                  "NaN as +6 (CUDA's satfinite rule), so it does not reach the GEMM's output and training goes "
+                  "on. Recipe(..., on_nonfinite='raise') stops at the first NaN or Inf (this warning comes once "
+                  "per layer and operand)", RuntimeWarning, stacklevel=4)
+
+
 class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         rec = layer.recipe
         call = layer._calls
         layer._calls += 1
+        rb = layer.recipe_backward
+        _check_finite(layer, rec.on_nonfinite, "x", x, ((rec, "fprop_x"), (rb, "wgrad_x")))
+        _check_finite(layer, rec.on_nonfinite, "w", weight, ((rec, "fprop_w"), (rb, "dgrad_w")))
         lead = x.shape[:-1]
         x2 = _to_array(x.reshape(-1, x.shape[-1]))
         w = _to_array(weight)
@@ -66,6 +101,7 @@ class _Fn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         layer, call = ctx.layer, ctx.call
         rec = layer.recipe_backward
+        _check_finite(layer, rec.on_nonfinite, "dy", dy, ((rec, "dgrad_dy"), (rec, "wgrad_dy")))
         dy2t = dy.reshape(-1, dy.shape[-1])
         dy2 = _to_array(dy2t)
         dx = dw = db = None
@@ -86,9 +122,16 @@ class _Fn(torch.autograd.Function):
 
 
 class QuantLinear(torch.nn.Linear):
-    """``torch.nn.Linear`` (same parameters, state_dict and initialisation) whose Fprop, Dgrad and Wgrad GEMMs
-    run under ``recipe`` (a :class:`~fp4sim.training.Recipe` or a preset name). The bias is added in float32
-    after the GEMM; the output has the input's dtype. ``recipe="none"`` is exactly ``nn.Linear``."""
+    """``torch.nn.Linear`` (same parameters and initialisation) whose Fprop, Dgrad and Wgrad GEMMs run under
+    ``recipe`` (a :class:`~fp4sim.training.Recipe` or a preset name). The bias is added in float32 after the
+    GEMM; the output has the input's dtype. ``recipe="none"`` is exactly ``nn.Linear``.
+
+    As ``nn.Linear``: a floating-point input only (TypeError otherwise), and an empty input (no rows, or no
+    features) gives an empty output and zero gradients. The layer counts its forward calls; the count keys the
+    Philox bits of stochastic rounding and travels in the state_dict (``_extra_state``: ``{"calls": n}``), so a
+    model saved and loaded again draws the bits an uninterrupted run would. A state_dict without it (a plain
+    ``nn.Linear`` model's) loads strictly and leaves the count as it is; :func:`drop_extra_state` makes one
+    that a plain model loads strictly."""
 
     def __init__(self, in_features, out_features, bias=True, recipe="nvfp4_paper", device=None, dtype=None,
                  layer_index: int = 0):
@@ -96,10 +139,30 @@ class QuantLinear(torch.nn.Linear):
         self._setup(recipe, layer_index)
 
     def _setup(self, recipe, layer_index):
-        self.recipe = _resolve(recipe)
+        self.recipe = recipe
         self.recipe_backward = self.recipe
         self.layer_index = int(layer_index)
         self._calls, self._stats, self._wgrad_probe = 0, None, None
+        self._nonfinite_warned = set()
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe of the forward GEMM (a preset name is resolved when set); setting it leaves the backward
+        recipe as it is (``set_recipe`` changes both)."""
+        return self.__dict__["_recipe"]
+
+    @recipe.setter
+    def recipe(self, value):
+        self.__dict__["_recipe"] = _resolve(value)
+
+    @property
+    def recipe_backward(self) -> Recipe:
+        """The recipe of the Dgrad and Wgrad GEMMs."""
+        return self.__dict__["_recipe_backward"]
+
+    @recipe_backward.setter
+    def recipe_backward(self, value):
+        self.__dict__["_recipe_backward"] = _resolve(value)
 
     @classmethod
     def from_linear(cls, lin: torch.nn.Linear, recipe, layer_index: int = 0) -> "QuantLinear":
@@ -110,6 +173,24 @@ class QuantLinear(torch.nn.Linear):
         q.bias = lin.bias
         q._setup(recipe, layer_index)
         return q
+
+    def get_extra_state(self):
+        return {"calls": int(self._calls)}
+
+    def set_extra_state(self, state):
+        if not isinstance(state, dict) or not isinstance(state.get("calls"), int) or state["calls"] < 0:
+            raise ValueError(f"QuantLinear extra state {state!r}: expected {{'calls': n}} with n >= 0 (saved by "
+                             "a QuantLinear's state_dict)")
+        self._calls = state["calls"]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        n = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key in missing_keys[n:]:             # a plain nn.Linear checkpoint: no call count, keep ours
+            missing_keys.remove(key)
 
     def _stats_sink(self, gemm_name, call):
         if self._stats is None:
@@ -122,6 +203,13 @@ class QuantLinear(torch.nn.Linear):
     def forward(self, x):
         if self.recipe.identity and self.recipe_backward.identity:
             return F.linear(x, self.weight, self.bias)
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"QuantLinear takes a floating-point input, not {what}; convert it first "
+                            "(x.float(), or the weight's dtype)")
+        if x.numel() == 0 or self.weight.numel() == 0:
+            self._calls += 1                   # no rows (an MoE expert without tokens) or no features
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return _Fn.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
@@ -129,24 +217,65 @@ class QuantLinear(torch.nn.Linear):
         return super().extra_repr() + f", recipe={r}"
 
 
+def drop_extra_state(state_dict: dict) -> dict:
+    """A copy of ``state_dict`` without QuantLinear's ``_extra_state`` entries (the SR call counts), which a model
+    of plain ``nn.Linear`` layers loads with ``strict=True``."""
+    return type(state_dict)((k, v) for k, v in state_dict.items() if not k.endswith("._extra_state")
+                            and k != "_extra_state")
+
+
 def _linears(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=()) -> torch.nn.Module:
+def _n_blocks(recipe, names):
+    blocks = [recipe.block_of(n) for n in names]
+    return max([b for b in blocks if b is not None], default=-1) + 1 or None
+
+
+def _tied_to_embedding(model, lin) -> bool:
+    return any(isinstance(m, torch.nn.Embedding) and m.weight is lin.weight for m in model.modules())
+
+
+def is_output_head(model, name: str, lin) -> bool:
+    """Whether the Linear ``name`` is the model's output head: named ``lm_head``, ``output`` or ``head`` (the last
+    component of its name), or its weight is an ``nn.Embedding``'s (tied embeddings)."""
+    return name.rpartition(".")[2] in HEAD_NAMES or _tied_to_embedding(model, lin)
+
+
+def _unmatched(globs, names, what):
+    for g in globs:
+        if not any(fnmatch.fnmatchcase(n, g) for n in names):
+            near = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ValueError(f"{what} {g!r} matches no linear layer of the model (its layers: {near}); give a name "
+                             "or glob (fnmatch) of the model's own layer names")
+
+
+def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=(), quantize_head: bool = False
+            ) -> torch.nn.Module:
     """Swap every ``nn.Linear`` of ``model`` (in place) for a :class:`QuantLinear` sharing its parameters.
 
-    Layers matching the recipe's ``keep`` globs or ``keep_high_precision`` (more globs), or in its first/last
-    ``keep_first`` / ``keep_last`` blocks, run under the recipe's high-precision recipe (BF16 by default).
-    Layer indices (which key their stochastic rounding) follow the module order. Returns the model."""
+    Layers run under the recipe's high-precision recipe (BF16 by default) when they match its ``keep`` globs or
+    ``keep_high_precision`` (more globs), lie in its first / last ``keep_first`` / ``keep_last`` blocks, or are
+    the output head: a Linear named ``lm_head``, ``output`` or ``head`` (the last part of its name), or one whose
+    weight is tied to an ``nn.Embedding``, as the paper, TransformerEngine and torchao keep it. Pass
+    ``quantize_head=True`` to quantize the head as well. A glob that matches no layer raises ValueError. Layer
+    indices (which key their stochastic rounding) follow the module order. Returns the model."""
     recipe = _resolve(recipe)
     if isinstance(keep_high_precision, str):
         keep_high_precision = (keep_high_precision,)
+    if not isinstance(quantize_head, bool):
+        raise TypeError(f"quantize_head={quantize_head!r}: give True or False")
     lins = _linears(model)
-    blocks = [recipe.block_of(n) for n, _ in lins]
-    n_blocks = max([b for b in blocks if b is not None], default=-1) + 1 or None
+    if not lins:
+        raise ValueError("the model has no torch.nn.Linear layers to convert")
+    names = [n for n, _ in lins]
+    _unmatched(keep_high_precision, names, "keep_high_precision")
+    _unmatched(recipe.keep, names, f"recipe {recipe.name!r}: keep glob")
+    n_blocks = _n_blocks(recipe, names)
     for i, (name, lin) in enumerate(lins):
-        kept = recipe.keeps(name, n_blocks) or any(fnmatch.fnmatchcase(name, g) for g in keep_high_precision)
+        kept = (recipe.keeps(name, n_blocks) or any(fnmatch.fnmatchcase(name, g) for g in keep_high_precision)
+                or (not quantize_head and is_output_head(model, name, lin)))
         r = recipe.high_precision_recipe() if kept and not recipe.identity else recipe
         q = lin if isinstance(lin, QuantLinear) else QuantLinear.from_linear(lin, r, i)
         q.recipe = q.recipe_backward = r
@@ -161,26 +290,42 @@ def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=()
 def set_recipe(model: torch.nn.Module, recipe, which: str = "both", include_kept: bool = False):
     """Change the recipe of every QuantLinear mid-run: ``which`` = ``"forward"`` (Fprop), ``"backward"``
     (Dgrad and Wgrad) or ``"both"`` — the paper's late switch to BF16 is ``set_recipe(model, "bf16", which)``.
-    Layers kept in high precision keep theirs unless ``include_kept``."""
+    Layers kept in high precision by :func:`convert` keep theirs unless ``include_kept``; of the others, those the
+    new recipe keeps (its ``keep`` globs, ``keep_first`` / ``keep_last``) take its high-precision recipe. A model
+    without QuantLinear layers, or a keep glob that matches none, raises ValueError."""
     recipe = _resolve(recipe)
     if which not in ("forward", "backward", "both"):
         raise ValueError(f"which={which!r}: use 'forward', 'backward' or 'both'")
-    for _, m in model.named_modules():
-        if not isinstance(m, QuantLinear) or (getattr(m, "_fp4sim_kept", False) and not include_kept):
+    mods = [(getattr(m, "_fp4sim_name", n), m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not mods:
+        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    names = [n for n, _ in mods]
+    _unmatched(recipe.keep, names, f"recipe {recipe.name!r}: keep glob")
+    n_blocks = _n_blocks(recipe, names)
+    high = recipe.high_precision_recipe() if not recipe.identity else recipe
+    for name, m in mods:
+        if getattr(m, "_fp4sim_kept", False) and not include_kept:
             continue
+        r = high if recipe.keeps(name, n_blocks) else recipe
         if which in ("forward", "both"):
-            m.recipe = recipe
+            m.recipe = r
         if which in ("backward", "both"):
-            m.recipe_backward = recipe
+            m.recipe_backward = r
     return model
 
 
 @contextlib.contextmanager
 def collect_stats(model: torch.nn.Module):
-    """Log, per layer, GEMM and operand, the relative MSE, underflow and saturation of every quantized operand
-    while the block runs; ``with collect_stats(model) as log: ...`` then ``log.dataset()`` (xarray)."""
+    """Log, per layer, GEMM and operand, while the block runs, of every quantized operand: ``rel_mse``,
+    ``underflow`` (the share of nonzero elements that become 0), ``max_code`` (the share of FP4 codes at +-6, the
+    largest E2M1 magnitude, which every block's amax element takes by design: about 1/16 on Gaussian data) and
+    ``clipped`` (the share of elements whose magnitude exceeds their block's dequantized 6: what the clamp lost,
+    where the E4M3 block scale rounded below amax / 6). ``with collect_stats(model) as log: ...`` then
+    ``log.dataset()`` (xarray). A model without QuantLinear layers raises ValueError."""
     log = _StatsLog()
     mods = [m for _, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not mods:
+        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
     for m in mods:
         m._stats = log.entries
     try:
@@ -188,6 +333,9 @@ def collect_stats(model: torch.nn.Module):
     finally:
         for m in mods:
             m._stats = None
+
+
+_STAT_KEYS = ("rel_mse", "underflow", "max_code", "clipped")
 
 
 class _StatsLog:
@@ -207,7 +355,7 @@ class _StatsLog:
         recs = self.records()
         layers = list(dict.fromkeys(r["layer"] for r in recs))
         ops = [o for o in OPERANDS if any(r["operand"] == o for r in recs)]
-        data = {k: np.full((len(layers), len(ops)), np.nan) for k in ("rel_mse", "underflow", "saturation")}
+        data = {k: np.full((len(layers), len(ops)), np.nan) for k in _STAT_KEYS}
         count = np.zeros((len(layers), len(ops)))
         for r in recs:
             i, j = layers.index(r["layer"]), ops.index(r["operand"])
@@ -232,6 +380,7 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     if not mods:
         raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
     err = {n: [0.0, 0.0] for n, _ in mods}
+    probed = []
     grads = {id(p): (p.grad.clone() if p.grad is not None else None) for p in model.parameters()}
 
     def probe(name):
@@ -240,6 +389,7 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
             ref = xp.matmul(dy2.T.astype(np.float64), x2.astype(np.float64))
             err[name][0] += float(((d - ref) ** 2).sum())
             err[name][1] += float((ref ** 2).sum())
+            probed.append(name)
         return f
 
     for n, m in mods:
@@ -247,6 +397,9 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     try:
         for _ in range(steps):
             batch_fn()
+        if not probed:
+            raise ValueError("batch_fn ran no backward pass through the QuantLinear layers (no weight gradient "
+                             "was computed): it must run the forward pass and loss.backward()")
     finally:
         for n, m in mods:
             m._wgrad_probe = None

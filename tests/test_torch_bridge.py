@@ -1,0 +1,311 @@
+"""The PyTorch bridge on the inputs real models give it: NaN and Inf operands, empty batches, non-float inputs,
+exact resume from a state_dict (the SR call counts), the output head kept in high precision by default, and the
+calls that used to do nothing without a word."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from blockcases import heavy
+from fp4sim import emulate
+from fp4sim.training import Operand, Recipe
+from peers import torch_or_skip
+
+torch = torch_or_skip()
+from fp4sim.torch import (QuantLinear, collect_stats, convert, drop_extra_state, set_recipe,  # noqa: E402
+                          suggest_high_precision)
+
+
+class Net(torch.nn.Module):
+    """Embedding, two blocks of two linears, and a head (tied to the embedding when ``tied``)."""
+
+    def __init__(self, vocab=32, d=32, tied=False, head="head"):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(2):
+            blk = torch.nn.Module()
+            blk.up, blk.down = torch.nn.Linear(d, 2 * d, bias=False), torch.nn.Linear(2 * d, d, bias=False)
+            self.layers.append(blk)
+        setattr(self, head, torch.nn.Linear(d, vocab, bias=False))
+        self.head_name = head
+        if tied:
+            getattr(self, head).weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for blk in self.layers:
+            h = h + blk.down(torch.relu(blk.up(h)))
+        return getattr(self, self.head_name)(h)
+
+
+def _data(n=4, T=16, vocab=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, T + 1), generator=g)
+
+
+def _loss(model, batch):
+    logits = model(batch[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def _layer(recipe="nvfp4_paper", inf=64, outf=32, bias=True):
+    torch.manual_seed(0)
+    return QuantLinear(inf, outf, bias=bias, recipe=recipe)
+
+
+# ------------------------------------------------------------------------------------------------ NaN and Inf
+@pytest.mark.parametrize("where", ["x", "w", "dy"])
+@pytest.mark.parametrize("preset", ["nvfp4_paper", "mxfp4_paper"])
+def test_a_nan_operand_warns_once_naming_the_layer_and_operand(where, preset):
+    """One NaN in the input or the weight, or an all-NaN upstream gradient: the FP4 GEMMs encode it as +6 (the
+    hardware's bits, unchanged), so it does not show in the output; the layer warns, naming itself and the
+    operands, once per layer and operand however many calls follow."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    convert(model, preset)
+    lin = model[0]
+    x, dy = torch.from_numpy(heavy((16, 64), 1)), torch.full((16, 32), float("nan"))
+    if where == "x":
+        x[3, 5] = float("nan")
+    elif where == "w":
+        with torch.no_grad():
+            lin.weight[2, 7] = float("nan")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            y = model(x.clone().requires_grad_(True))
+            y.backward(dy if where == "dy" else torch.ones_like(y))
+            lin.weight.grad = None
+    msgs = [str(w.message) for w in got if "holds NaN" in str(w.message)]
+    names = {"x": ("the input", "fprop_x"), "w": ("the weight", "fprop_w"), "dy": ("the output gradient",
+                                                                                   "dgrad_dy")}[where]
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("layer '0': ") and names[0] in msgs[0] and names[1] in msgs[0], msgs[0]
+    if where != "dy":
+        assert torch.isfinite(y).all()              # the NaN is gone from the output: what the warning is for
+
+
+def test_an_all_nan_gradient_gives_finite_gradients_and_raise_stops_it():
+    """Under nvfp4_paper an all-NaN upstream gradient becomes dW = dx = 0 (E2M1 NaN -> +6 in blocks whose scale
+    comes from a NaN-free amax of 0): what a diverging run would train on. on_nonfinite='raise' stops there, at
+    the layer, for NaN and Inf alike; 'ignore' keeps quiet."""
+    lin = _layer(Recipe.preset("nvfp4_paper"))
+    x = torch.from_numpy(heavy((16, 64), 2)).requires_grad_(True)
+    with pytest.warns(RuntimeWarning, match="output gradient"):
+        lin(x).backward(torch.full((16, 32), float("nan")))
+    assert torch.isfinite(lin.weight.grad).all() and torch.isfinite(x.grad).all()
+    for bad in (float("nan"), float("inf")):
+        lin = _layer(Recipe.preset("nvfp4_paper", on_nonfinite="raise"))
+        xb = torch.from_numpy(heavy((16, 64), 2))
+        xb[0, 0] = bad
+        with pytest.raises(FloatingPointError, match=r"layer '#0': the input \(operands fprop_x, wgrad_x\) holds "
+                                                     + ("NaN" if bad != bad else "Inf")):
+            lin(xb)
+        y = lin(torch.from_numpy(heavy((16, 64), 2)))
+        with pytest.raises(FloatingPointError, match="the output gradient"):
+            y.backward(torch.full((16, 32), bad))
+    lin = _layer(Recipe.preset("nvfp4_paper", on_nonfinite="ignore"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xb = torch.from_numpy(heavy((16, 64), 2))
+        xb[1, 1] = float("nan")
+        lin(xb)
+    with pytest.raises(ValueError, match="on_nonfinite='sometimes'"):
+        Recipe.preset("nvfp4_paper", on_nonfinite="sometimes")
+
+
+def test_a_nan_in_a_bf16_layer_propagates_without_a_warning():
+    """BF16 keeps NaN (0x7FFF), so a kept layer's output shows it and no warning is needed."""
+    lin = _layer("bf16")
+    x = torch.from_numpy(heavy((16, 64), 3))
+    x[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = lin(x)
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1:]).all()
+
+
+# ------------------------------------------------------------------------------------------------ nn.Linear's contract
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+def test_an_empty_batch_behaves_as_nn_linear(shape):
+    """No rows (an MoE expert that received no tokens): the output is empty with nn.Linear's shape, dW and db are
+    zeros, and the call still counts."""
+    q = _layer()
+    ref = torch.nn.Linear(64, 32)
+    ref.load_state_dict(drop_extra_state(q.state_dict()))
+    outs = []
+    for m in (q, ref):
+        x = torch.zeros(shape, requires_grad=True)
+        y = m(x)
+        y.sum().backward()
+        outs.append((y, x.grad, m.weight.grad, m.bias.grad))
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert not outs[0][2].any() and q._calls == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_a_non_float_input_raises_type_error(dtype):
+    with pytest.raises(TypeError, match=f"floating-point input, not {dtype}"):
+        _layer()(torch.ones(4, 64, dtype=dtype))
+
+
+def test_the_recipe_attribute_takes_a_preset_name_or_a_recipe_and_refuses_anything_else():
+    lin = _layer()
+    lin.recipe = "bf16"
+    assert isinstance(lin.recipe, Recipe) and lin.recipe.name == "bf16"
+    lin.recipe_backward = Recipe.preset("mxfp4_paper")
+    assert lin.recipe_backward.name == "mxfp4_paper"
+    lin(torch.randn(4, 64)).sum().backward()
+    with pytest.raises(TypeError, match="recipe must be a fp4sim.training.Recipe or a preset name, not int"):
+        lin.recipe = 3
+    with pytest.raises(ValueError, match="preset 'bf61' is not known"):
+        lin.recipe_backward = "bf61"
+    c = copy.deepcopy(lin)
+    assert c.recipe.name == "bf16" and c.recipe_backward.name == "mxfp4_paper"
+    p = pickle.loads(pickle.dumps(lin))
+    assert p.recipe == lin.recipe and p._calls == lin._calls == 1
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+def _train_steps(model, opt, n, start=0):
+    grads = []
+    for s in range(start, start + n):
+        opt.zero_grad()
+        _loss(model, _data(seed=s)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def _fresh(recipe):
+    torch.manual_seed(0)
+    model = convert(Net(), recipe)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def test_save_load_step_gives_the_bits_of_an_uninterrupted_run(tmp_path):
+    """Two SR steps, model and optimizer state_dicts saved (torch.save, read back with weights_only=True) and
+    loaded into a fresh model: the third step's gradients equal the uninterrupted run's bit for bit (the call
+    counts, which key the SR bits, travel in the state_dict). Without them (a plain state_dict) they differ."""
+    rec = Recipe.preset("nvfp4_paper", seed=9, accumulate="fast")
+    model, opt = _fresh(rec)
+    _train_steps(model, opt, 2)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    want = _train_steps(model, opt, 1, start=2)[0]
+    st = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert st["model"]["layers.0.up._extra_state"] == {"calls": 2}
+    model2, opt2 = _fresh(rec)
+    model2.load_state_dict(st["model"])
+    opt2.load_state_dict(st["opt"])
+    assert all(m._calls == 2 for m in model2.modules() if isinstance(m, QuantLinear))
+    got = _train_steps(model2, opt2, 1, start=2)[0]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    model3, opt3 = _fresh(rec)                    # the same weights without the counts: other SR bits
+    model3.load_state_dict(drop_extra_state(st["model"]))
+    opt3.load_state_dict(st["opt"])
+    assert not all(torch.equal(a, b) for a, b in zip(want, _train_steps(model3, opt3, 1, start=2)[0]))
+
+
+def test_plain_and_converted_state_dicts_load_into_each_other():
+    """A plain model's state_dict loads strictly into a converted one (the counts stay as they are); a converted
+    one's loads strictly into a plain model once drop_extra_state has taken the counts out, with the same
+    weights."""
+    torch.manual_seed(1)
+    plain = Net()
+    conv = convert(copy.deepcopy(plain), "nvfp4_paper")
+    conv.layers[0].up._calls = 5
+    conv.load_state_dict(plain.state_dict())                    # strict
+    assert conv.layers[0].up._calls == 5
+    with pytest.raises(RuntimeError, match="_extra_state"):
+        Net().load_state_dict(conv.state_dict())
+    other = Net()
+    other.load_state_dict(drop_extra_state(conv.state_dict()))
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), plain.state_dict().values()))
+    with pytest.raises(ValueError, match="extra state"):
+        conv.layers[0].up.set_extra_state({"calls": -1})
+    buf = io.BytesIO()
+    torch.save(conv.state_dict(), buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True)["layers.0.up._extra_state"] == {"calls": 5}
+
+
+# ------------------------------------------------------------------------------------------------ the head
+@pytest.mark.parametrize("head,tied", [("head", False), ("lm_head", False), ("output", False), ("proj", True)])
+def test_convert_keeps_the_output_head_in_high_precision_unless_asked(head, tied):
+    """The head (named lm_head / output / head, or tied to the embedding) runs under the high-precision recipe by
+    default; quantize_head=True quantizes it; the block linears are quantized either way."""
+    model = convert(Net(head=head, tied=tied), "nvfp4_paper")
+    lin = getattr(model, head)
+    assert isinstance(lin, QuantLinear) and lin._fp4sim_kept and lin.recipe.name == "bf16"
+    assert all(m.recipe.name == "nvfp4_paper" for b in model.layers for m in (b.up, b.down))
+    _loss(model, _data()).backward()
+    model = convert(Net(head=head, tied=tied), "nvfp4_paper", quantize_head=True)
+    assert getattr(model, head).recipe.name == "nvfp4_paper" and not getattr(model, head)._fp4sim_kept
+    untied = convert(Net(head="proj"), "nvfp4_paper")             # neither named nor tied: quantized
+    assert untied.proj.recipe.name == "nvfp4_paper"
+    with pytest.raises(TypeError, match="quantize_head"):
+        convert(Net(), "nvfp4_paper", quantize_head="yes")
+
+
+# ------------------------------------------------------------------------------------------------ no silent no-ops
+def test_calls_that_would_do_nothing_raise():
+    plain = Net()
+    with pytest.raises(ValueError, match="no QuantLinear layers"):
+        set_recipe(plain, "bf16")
+    with pytest.raises(ValueError, match="no QuantLinear layers"):
+        with collect_stats(plain):
+            pass
+    with pytest.raises(ValueError, match="keep_high_precision 'lm-head' matches no linear layer"):
+        convert(Net(), "nvfp4_paper", keep_high_precision=("lm-head",))
+    with pytest.raises(ValueError, match="keep glob 'lm_head' matches no linear layer"):
+        convert(Net(), Recipe.preset("nvfp4_paper", keep=("lm_head",)))
+    with pytest.raises(ValueError, match="no torch.nn.Linear layers"):
+        convert(torch.nn.Sequential(torch.nn.ReLU()), "nvfp4_paper")
+    with pytest.raises(TypeError, match="disable_rht='no': a switch takes True or False"):
+        Recipe.preset("nvfp4_paper", disable_rht="no")
+    with pytest.raises(TypeError, match="rht_size"):
+        Recipe.preset("nvfp4_paper", rht_size="16")
+    with pytest.raises(ValueError, match=r"Operand\('nvfp4', block=\(1, 32\)\).*\(1, 16\) or \(16, 16\)"):
+        Operand("nvfp4", block=(1, 32))
+    with pytest.raises(ValueError, match="scheme=None"):
+        Operand(None, block=(1, 16))
+    model = convert(Net(), "nvfp4_paper")
+    with pytest.raises(ValueError, match="ran no backward pass"):
+        suggest_high_precision(model, lambda: model(_data()[:, :-1]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_set_recipe_applies_the_new_recipes_keep_rules():
+    """set_recipe(model, Recipe.preset(..., keep=...)): the layers the new recipe keeps take its high-precision
+    recipe, the rest the recipe itself; layers convert kept stay as they are."""
+    model = convert(Net(), "nvfp4_paper")
+    set_recipe(model, Recipe.preset("mxfp4_paper", keep=("layers.1.*",)))
+    assert model.layers[0].up.recipe.name == "mxfp4_paper" and model.layers[0].up.recipe_backward.name == "mxfp4_paper"
+    assert model.layers[1].up.recipe.name == "bf16" and model.layers[1].down.recipe_backward.name == "bf16"
+    assert model.head.recipe.name == "bf16"
+    set_recipe(model, Recipe.preset("mxfp4_paper", keep_last=1), which="forward")
+    assert model.layers[1].down.recipe.name == "bf16" and model.layers[0].down.recipe.name == "mxfp4_paper"
+    with pytest.raises(ValueError, match="keep glob 'mlp.*' matches no linear layer"):
+        set_recipe(model, Recipe.preset("bf16", keep=("mlp.*",)))
+
+
+def test_operand_block_validation_names_the_scheme_and_its_blocks():
+    assert Operand("nvfp4", block=[16, 16]).block == (16, 16)
+    assert Operand("fp8_blockwise", block=(128, 128)).block == (128, 128)
+    with pytest.raises(ValueError, match=r"mxfp4.*\(1, 32\)"):
+        Operand("mxfp4", block=(1, 16))
+    with pytest.raises(ValueError, match="does not apply"):
+        Operand("bf16", block=(1, 16))
+    with pytest.raises(ValueError, match="a \\(rows, columns\\) pair"):
+        Operand("nvfp4", block=16)
+    assert emulate.quantize_operand(heavy((32, 64), 4), Operand("nvfp4", block=(16, 16)), 1,
+                                    Recipe.preset("nvfp4_paper"), 0, 0, "fprop_w").scheme.block == (16, 16)
+    assert np.isfinite(fs.dequantize(fs.quantize(heavy((16, 32), 5), "nvfp4"))).all()
