@@ -50,11 +50,14 @@ def load_array(spec: str) -> np.ndarray:
             with np.load(p, allow_pickle=False) as z:
                 return _pick(dict(z.items()), key, path)
         if suf == ".safetensors":
-            try:
-                from safetensors.numpy import load_file
-            except ImportError as e:
-                raise _Clear(f"{path}: reading .safetensors needs the safetensors package ({e})") from None
-            return _pick(load_file(str(p)), key, path)
+            from ._safetensors import load_safetensors, safetensors_keys
+            names = safetensors_keys(p)
+            if not key and len(names) != 1:
+                raise _Clear(f"{path}: holds {len(names)} entries {sorted(names)[:8]}; name one as {path}:NAME")
+            key = key or names[0]
+            if key not in names:
+                raise _Clear(f"{path}: has no entry {key!r}; entries: {sorted(names)}")
+            return load_safetensors(p, key)
         if suf in (".pt", ".pth"):
             try:
                 import torch

@@ -424,3 +424,50 @@ def test_the_array_loader_reads_bfloat16_pt_tensors_as_bfloat16(tmp_path):
     from fp4sim.analyze.inputs import _load_pt
     b = _load_pt(tmp_path / "one.pt", None)
     assert b.dtype == np.dtype(ml_dtypes.bfloat16) and np.array_equal(b.view(np.uint16), bits)
+
+
+def test_safetensors_with_float8_and_bfloat16_entries_are_read_through_ml_dtypes(tmp_path):
+    """A .safetensors file of a kernel's outputs (float32 input, uint8 codes, F8_E4M3 scale bytes) beside BF16,
+    F8_E5M2 and F8_E8M0 entries: each entry reads back with its own dtype and bits; validate takes the F8 scales
+    (EXACT); analyze analyses the float entries and skips the others with their dtype as the reason."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+    from fp4sim.arrays_io import load_array
+    x = np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32)
+    q = fs.quantize(x, "nvfp4")
+    t = {"x": torch.from_numpy(x), "codes": torch.from_numpy(q.codes),
+         "scales": torch.from_numpy(q.scales).view(torch.float8_e4m3fn), "bf": torch.from_numpy(x).bfloat16(),
+         "e5": torch.from_numpy(x).to(torch.float8_e5m2), "e8": torch.tensor([1.0, 2.0, 0.5]).to(torch.float8_e8m0fnu)}
+    f = tmp_path / "k.safetensors"
+    save_file(t, str(f))
+    want = {"x": (np.float32, x.view(np.uint32)), "codes": (np.uint8, q.codes),
+            "scales": (ml_dtypes.float8_e4m3fn, q.scales), "bf": (ml_dtypes.bfloat16, t["bf"].view(torch.int16).numpy()),
+            "e5": (ml_dtypes.float8_e5m2, t["e5"].view(torch.uint8).numpy()),
+            "e8": (ml_dtypes.float8_e8m0fnu, np.array([127, 128, 126], np.uint8))}
+    for k, (dt, bits) in want.items():
+        a = load_array(f"{f}:{k}")
+        assert a.dtype == np.dtype(dt) and a.shape == bits.shape, k
+        assert np.array_equal(a.view(bits.dtype), bits), k
+    r = _validate("--scheme", "nvfp4", "--input", f"{f}:x", "--codes", f"{f}:codes", "--scales", f"{f}:scales")
+    assert r.returncode == 0 and "EXACT" in r.stdout, r.stdout + r.stderr
+    r = _analyze(f, "--no-hadamard", "--json", tmp_path / "s.json")
+    assert r.returncode == 1, r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert set(s["tensors"]) == {"x", "bf"}
+    reasons = {k["tensor"]: k["reason"] for k in s["skipped"]}
+    assert {k.rpartition(":")[2] for k in reasons} == {"codes", "scales", "e5", "e8"}
+    assert any("float8_e4m3fn" in v for v in reasons.values())
+    with pytest.raises(ValueError, match="holds 6 entries"):
+        load_array(str(f))
+    with pytest.raises(ValueError, match="no entry 'y'"):
+        load_array(f"{f}:y")
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    last = max((e["data_offsets"][1], k) for k, e in json.loads(raw[8:8 + n]).items() if k != "__metadata__")[1]
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(raw[:-1])
+    with pytest.raises(ValueError, match=f"entry '{last}' is truncated"):
+        load_array(f"{cut}:{last}")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="header is not JSON"):
+        load_array(f"{tmp_path / 'junk.safetensors'}:x")

@@ -67,9 +67,8 @@ def _keys(path: Path) -> list[str | None]:
                                   ".npy arrays; a torch .pt file under an .npz name?)")
             return [k for k in z.files if not k.startswith("__")]
     if suf == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(str(path), "np") as f:
-            return list(f.keys())
+        from .._safetensors import safetensors_keys
+        return safetensors_keys(path)
     if suf == ".npy":
         return [None]
     obj = _torch_load(path)  # .pt: one tensor, TE DumpTensors' dict, or a state_dict
@@ -232,9 +231,8 @@ def load(src: Source) -> np.ndarray:
         elif suf == ".npy":
             a = np.load(path, allow_pickle=False)
         elif suf == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(path), "np") as f:
-                a = f.get_tensor(src.key)
+            from .._safetensors import load_safetensors
+            a = load_safetensors(path, src.key)
         else:
             a = _load_pt(path, src.key)
     except TensorError:
