@@ -388,3 +388,35 @@ def test_gemm_of_four_over_six_operands_equals_te_qgemm(te_ref, ea, eb):
     y = ref.qgemm(torch.from_numpy(qa.codes.copy()), torch.from_numpy(qb.codes.copy()), None, torch.float32, sx, sw,
                   qresult_x=res(qa, ea), qresult_w=res(qb, eb)).numpy()
     assert np.array_equal(fs.gemm(qa, qb).view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.peer
+def test_validate_takes_torchaos_per_tensor_scale_as_it_is(tmp_path):
+    """torchao's nvfp4_quantize takes per_tensor_scale = amax / 2688. Given as the tensor scale (here from a delayed
+    amax 1.37x the tensor's own, so it is no float32 neighbour of max|x| / 2688) the torchao flavour reproduces
+    the kernel exactly; given where the amax belongs, the report says what it is and names the CLI flag."""
+    import subprocess
+    import sys
+    torch = torch_or_skip()
+    nv = import_or_missing("torchao.prototype.mx_formats.nvfp4_tensor")
+    from fp4sim.validate import compare
+    x = heavy((64, 128), 5)
+    pts = nv.per_tensor_amax_to_scale(torch.tensor(np.float32(np.abs(x).max() * 1.37)))
+    scales, codes = nv.nvfp4_quantize(torch.from_numpy(x), 16, pts)
+    s, c, p = scales.view(torch.uint8).numpy(), codes.numpy(), np.float32(pts.item())
+    r = compare(x, c, s, "nvfp4", flavor="torchao", tensor_scale=p, expect_tensor_amax=False)
+    assert r.verdict == "exact", r.summary()
+    r = compare(x, c, s, "nvfp4", flavor="torchao", tensor_scale=p)          # not the tensor's own: noted
+    assert r.global_amax_mismatch and any("tensor_scale" in n and "fl(max|x| / 2688)" in n for n in r.notes)
+    pts0 = nv.per_tensor_amax_to_scale(torch.tensor(np.float32(np.abs(x).max())))
+    scales0, codes0 = nv.nvfp4_quantize(torch.from_numpy(x), 16, pts0)
+    for k, v in (("x", x), ("c", codes0.numpy()), ("s", scales0.view(torch.uint8).numpy())):
+        np.save(tmp_path / f"{k}.npy", v)
+    base = [sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4", "--flavor", "torchao", "--input",
+            tmp_path / "x.npy", "--codes", tmp_path / "c.npy", "--scales", tmp_path / "s.npy"]
+    ok = subprocess.run([*map(str, base), "--tensor-scale", repr(float(pts0.item()))], capture_output=True, text=True)
+    assert ok.returncode == 0 and "EXACT" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run([*map(str, base), "--global-amax", repr(float(pts0.item()))], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "--global-amax" in bad.stdout and "--tensor-scale" in bad.stdout and "amax = scale x 2688" in bad.stdout
+    assert "global_amax" not in bad.stdout.replace("--global-amax", "") and "--delayed-scaling" in bad.stdout

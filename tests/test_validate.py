@@ -222,3 +222,32 @@ def test_statistical_sr_check_flags_an_exact_input_moved_to_its_upper_neighbour(
     from fp4sim.validate.sr import sr_statistics
     s = sr_statistics(np.array([1.5, -4.0, 0.0, 2.5], np.float32), np.array([4, 0xF, 0, 5]), fs.E2M1)
     assert s["not_neighbour"] == 2 and not s["passed"]       # 1.5 -> 2, -4 -> -6 moved; 0 stays, 2.5 -> 3 is hi
+
+
+def test_the_amax_found_for_a_tensor_scale_gives_that_scale_back():
+    """amax_of_tensor_scale(s) for scales made as torchao makes them, s = fl(amax / 2688) over many binades:
+    fl(a / 2688) == s exactly, and a is the largest such amax. A scale no amax gives (not every float32 is
+    fl(a / 2688): the quotient's steps are wider than a float32 ulp in part of each binade) and a bad one are
+    refused naming the option."""
+    from fp4sim.validate.core import amax_of_tensor_scale
+    rng = np.random.default_rng(0)
+    for amax in np.exp(rng.uniform(-30, 30, 2000)).astype(np.float32):
+        s = np.float32(amax / np.float32(2688))
+        a = amax_of_tensor_scale(s)
+        assert np.float32(a / np.float32(2688)) == s and a >= amax
+        assert np.float32(np.nextafter(a, np.float32(np.inf)) / np.float32(2688)) != s
+    amaxes = (np.float32(2048).view(np.int32) + np.arange(64, dtype=np.int32)).view(np.float32)
+    hit = set((amaxes / np.float32(2688)).astype(np.float32).tolist())    # amax in [2048, 2688): s in [0.76, 1)
+    lo = np.float32(np.float32(2048) / np.float32(2688))
+    scales = (lo.view(np.int32) + np.arange(64, dtype=np.int32)).view(np.float32)
+    missing = next(s for s in scales if float(s) not in hit and s < max(hit))
+    with pytest.raises(ValueError, match="no float32 amax gives this scale"):
+        amax_of_tensor_scale(missing)
+    for bad in (0.0, -1.0, np.inf, [1.0, 2.0]):
+        with pytest.raises(ValueError, match="tensor_scale"):
+            amax_of_tensor_scale(bad)
+    q = fs.quantize(X, "nvfp4")
+    with pytest.raises(ValueError, match="not both"):
+        compare(X, q.codes, q.scales, "nvfp4", global_amax=1.0, tensor_scale=1.0)
+    with pytest.raises(ValueError, match="has none"):
+        compare(X, q.codes, q.scales, "mxfp4", tensor_scale=1.0)

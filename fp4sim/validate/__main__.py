@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arrays_io import check_writable, load_array
 from ..schemes import SCHEMES, get_scheme
-from .core import compare
+from .core import CLI_NAMES, compare
 
 
 def main(argv=None) -> int:
@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("--codes", required=True, help="the kernel's codes (FP4 packed two per byte)")
     ap.add_argument("--scales", help="the kernel's scale bytes (or float32 scales for FP8)")
     ap.add_argument("--global-amax", help="the kernel's NVFP4 tensor amax: a file holding one float, or a number")
+    ap.add_argument("--tensor-scale",
+                    help="instead of --global-amax: the per-tensor decode scale as torchao (per_tensor_scale) and "
+                         "ModelOpt store it, amax / 2688 (a file holding one float, or a number)")
     ap.add_argument("--delayed-scaling", action="store_true",
                     help="the global amax is not the input's own |x| max (do not report it as a mismatch)")
     ap.add_argument("--scale-layout", default="linear", choices=["linear", "swizzled"])
@@ -57,6 +60,7 @@ def main(argv=None) -> int:
         if scales is None and a.scheme != "bf16":
             raise ValueError(f"--scales is required for scheme {a.scheme}")
         g = _global_amax(a.global_amax, a.row_scaled) if a.global_amax else None
+        ts = _global_amax(a.tensor_scale, False, "--tensor-scale") if a.tensor_scale else None
         rbits = load_array(a.rbits) if a.rbits else None
         block = None
         if a.block:
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
         rep = compare(x, codes, scales, scheme, axis=a.axis, flavor=a.flavor, scale_mode=a.scale_mode,
                       block=block, global_amax=g, scale_layout=a.scale_layout, rounding=a.rounding, rbits=rbits,
                       rbits_mapping=a.rbits_mapping, sr_bits=a.sr_bits, expect_tensor_amax=not a.delayed_scaling,
-                      max_mismatches=a.max_mismatches, alpha=a.alpha)
+                      max_mismatches=a.max_mismatches, alpha=a.alpha, tensor_scale=ts, _names=CLI_NAMES)
     except (ValueError, TypeError, OSError) as e:
         print(f"fp4sim.validate: bad input: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -112,18 +116,19 @@ def _check_options(a):
         check_writable(a.json, "--json")
 
 
-def _global_amax(spec: str, per_row: bool = False):
-    """--global-amax: a file holding one float32 (one per row with --row-scaled), or a number written out."""
+def _global_amax(spec: str, per_row: bool = False, flag: str = "--global-amax"):
+    """--global-amax / --tensor-scale: a file holding one float32 (one per row with --row-scaled), or a number
+    written out."""
     if not Path(spec).exists() and not Path(spec.rpartition(":")[0] or spec).exists():
         try:
             return np.float32(float(spec))
         except ValueError:
-            raise ValueError(f"--global-amax {spec!r}: neither a file nor a number") from None
+            raise ValueError(f"{flag} {spec!r}: neither a file nor a number") from None
     ga = np.asarray(load_array(spec), dtype=np.float32).reshape(-1)
     if per_row:
         return ga
     if ga.size != 1:
-        raise ValueError(f"--global-amax {spec}: must hold one number, found {ga.size}")
+        raise ValueError(f"{flag} {spec}: must hold one number, found {ga.size}")
     return ga[0]
 
 

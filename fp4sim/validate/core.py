@@ -72,7 +72,30 @@ def _scales_per_row(scales, q, layout):
         return np.repeat(s.reshape(tiles, C), sch.block[0], axis=0)[:rows]
     raise ValueError(f"scales have {s.size} bytes; expected {rows * C} ({rows} rows x {C} blocks)"
                      + (f" or {tiles * C} (one per 16x16 tile)" if sch.block[0] > 1 else "")
-                     + " in the linear layout (or pass scale_layout='swizzled')")
+                     + " in the linear layout (or pass scale_layout='swizzled' / --scale-layout swizzled)")
+
+
+_PY_NAMES = {"global_amax": "global_amax", "tensor_scale": "tensor_scale", "delayed": "expect_tensor_amax=False"}
+CLI_NAMES = {"global_amax": "--global-amax", "tensor_scale": "--tensor-scale", "delayed": "--delayed-scaling"}
+
+
+def amax_of_tensor_scale(scale, name="tensor_scale"):
+    """A float32 amax ``a`` with ``fl(a / 2688) == scale`` (the largest such, found from ``fl(scale * 2688)`` by
+    stepping ulps), so that the torchao / modelopt constants computed from it are the kernel's own."""
+    s = np.asarray(scale, np.float32).reshape(-1)
+    if s.size != 1 or not np.isfinite(s[0]) or s[0] <= 0:
+        raise ValueError(f"{name} {scale!r}: one positive finite float32 (the per-tensor scale, amax / 2688)")
+    s = s[0]
+    a = np.array([f32(s * f32(2688.0))], np.float32)
+    ok = lambda v: f32(v / f32(2688.0)) == s  # noqa: E731
+    for _ in range(8):
+        if ok(a[0]):
+            nxt = np.nextafter(a, np.float32(np.inf))
+            while ok(nxt[0]):
+                a, nxt = nxt, np.nextafter(nxt, np.float32(np.inf))
+            return f32(a[0])
+        a = np.nextafter(a, np.float32(np.inf) if f32(a[0] / f32(2688.0)) < s else np.float32(0))
+    raise ValueError(f"{name} {float(s)!r}: no float32 amax gives this scale as fl(amax / 2688)")
 
 
 # ------------------------------------------------------------------------------------------ emulation
@@ -128,7 +151,7 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
             scale_mode: str | None = None, block=None, global_amax=None, scale_layout: str = "linear",
             rounding: str = "rne", rbits=None, rbits_mapping: str = "te", sr_bits: int = 8,
             expect_tensor_amax: bool = True, max_mismatches: int = 10, diagnose: bool = True,
-            alpha: float = 1e-3) -> Report:
+            alpha: float = 1e-3, tensor_scale=None, _names=None) -> Report:
     """Compare a kernel's quantized output of ``x`` with fp4sim's emulation of ``scheme``.
 
     Parameters
@@ -141,6 +164,10 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
         for FP8 per-tensor.
     global_amax : the kernel's NVFP4 tensor amax; the emulation uses it. With ``expect_tensor_amax`` it must
         also equal max|x| (current scaling), else that is reported as a global-scale mismatch.
+    tensor_scale : instead of ``global_amax``, the per-tensor decode scale as torchao (``per_tensor_scale``) and
+        ModelOpt store it: ``pts = fl(amax / 2688)``. The emulation then uses an amax whose ``fl(amax / 2688)``
+        is exactly this scale (so the torchao and modelopt flavours compute what the kernel computed from it);
+        with ``expect_tensor_amax`` it must equal ``fl(max|x| / 2688)``.
     rounding : ``"rne"`` or ``"sr"``. With ``"sr"`` and ``rbits`` (the kernel's random bits) the check is exact;
         without them it is statistical: every code must be a neighbour of its scaled input and the
         rounding-up frequency must match delta (a z-test at significance ``alpha``).
@@ -152,14 +179,22 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
         raise ValueError(f"scales is required for scheme {sch.name!r} (the kernel's scale bytes or float32 scales)")
     rounding = _inputs.check_choice(rounding, "rounding", ("rne", "sr"))
     scale_layout = _inputs.check_choice(scale_layout, "scale_layout", ("linear", "swizzled"))
+    names = _names or _PY_NAMES
     statistical = rounding == "sr" and rbits is None
+    notes = []
+    if tensor_scale is not None:
+        if global_amax is not None:
+            raise ValueError(f"give {names['global_amax']} or {names['tensor_scale']}, not both")
+        if not isinstance(sch, NVFP4) or sch.row_scaled or not sch.per_tensor_scale:
+            raise ValueError(f"{names['tensor_scale']} is the NVFP4 per-tensor scale; scheme {sch.name!r} "
+                             + ("has one per row" if isinstance(sch, NVFP4) and sch.row_scaled else "has none"))
+        global_amax = amax_of_tensor_scale(tensor_scale, names["tensor_scale"])
     kw = dict(axis=axis, global_amax=global_amax)
     if rounding == "sr" and rbits is not None:
         kw.update(rounding="sr", rbits=rbits, rbits_mapping=rbits_mapping, sr_bits=sr_bits)
     q = quantize(x, sch, **kw)
     xs = _inputs.as_float32(x)
     x2 = np.ascontiguousarray(np.moveaxis(xs, q.axis, -1)).reshape(-1, q.K)
-    notes = []
     gmis = False
     if isinstance(sch, NVFP4) and global_amax is not None and expect_tensor_amax:
         from ..cpu.backend import CPU
@@ -167,14 +202,24 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
             want = CPU.row_absmax(x2)
             gmis = not np.array_equal(np.asarray(global_amax, np.float32).reshape(-1), want)
             if gmis:
-                notes.append("the per-row global amaxes differ from the rows' |x| maxima (pass "
-                             "expect_tensor_amax=False for delayed scaling)")
+                notes.append(f"the per-row global amaxes differ from the rows' |x| maxima (pass "
+                             f"{names['delayed']} for delayed scaling)")
         tensor_amax = CPU.absmax(x2)[0]  # NaN ignored (0 for an all-NaN tensor), as the quantizer's amax
-        if not sch.row_scaled:
+        if tensor_scale is not None:
+            pts = f32(tensor_amax / f32(2688.0))
+            gmis = bool(f32(tensor_scale) != pts)
+            if gmis:
+                notes.append(f"{names['tensor_scale']} {float(tensor_scale)!r} != fl(max|x| / 2688) {float(pts)!r} "
+                             f"(pass {names['delayed']} for delayed scaling)")
+        elif not sch.row_scaled:
             gmis = bool(f32(global_amax) != tensor_amax)
-        if gmis and not sch.row_scaled:
-            notes.append(f"global_amax {float(global_amax)!r} != max|x| {float(tensor_amax)!r} (pass "
-                         "expect_tensor_amax=False for delayed scaling)")
+            if gmis:
+                notes.append(f"{names['global_amax']} {float(global_amax)!r} != max|x| {float(tensor_amax)!r} "
+                             f"(pass {names['delayed']} for delayed scaling)")
+                if tensor_amax > 0 and abs(float(global_amax) * 2688.0 / float(tensor_amax) - 1) < 1e-5:
+                    notes.append(f"{names['global_amax']} is max|x| / 2688: that is the per-tensor scale "
+                                 f"torchao and ModelOpt store, not the amax. Give it as {names['tensor_scale']}, "
+                                 f"or the amax itself (amax = scale x 2688)")
     if isinstance(sch, (FP8Tensor, FP8Blockwise, BF16Cast)):
         return _compare_plain(q, x2, codes, scales, sch, gmis, notes, max_mismatches)
 
