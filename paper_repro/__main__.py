@@ -1,6 +1,8 @@
 """python -m paper_repro FIG [--quick] [--out DIR] [--seeds N] | list | all [--quick] | ablations [--quick] | table
+| replot [FIG ...]
 
-``table`` prints the verdicts of the ablation figures already made in DIR as a Markdown table.
+``table`` prints the verdicts of the ablation figures already made in DIR as a Markdown table; ``replot`` redraws
+training figures from their CSVs in DIR without their runs.
 
 Regenerates a figure of the NVFP4 paper at small scale: trains the tiny GPTs it needs (resuming any that were
 interrupted, reusing any already finished under DIR/runs/) and writes DIR/FIG.png, DIR/FIG.csv and DIR/FIG.json.
@@ -46,14 +48,35 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paper_repro", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("fig", help=f"list, all (the part-1 figures: {', '.join(figures.PART1)}), ablations (the "
-                                f"rest), table (their verdicts), or one of {', '.join(FIGURES)}")
+                                f"rest), table (their verdicts), replot (redraw from the CSVs), or one of "
+                                f"{', '.join(FIGURES)}")
     ap.add_argument("--quick", action="store_true", help="a tiny model for a few steps (seconds): checks the pipeline")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: figures/)")
     ap.add_argument("--seeds", type=int, help=f"seeds per training curve (default {figures.FULL_SEEDS}; "
                                               f"--quick {figures.QUICK_SEEDS})")
     ap.add_argument("--threads", type=int, help="torch and Numba threads (default: all cores, at most 2)")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("what", nargs="*", help="with replot: the training figures to redraw from their CSV "
+                                            "(default: every one whose CSV is in --out)")
     a = ap.parse_args(argv)
+    if a.what and a.fig != "replot":
+        ap.error(f"unexpected arguments {a.what} after {a.fig!r} (only replot takes figure names)")
+    if a.fig == "replot":
+        from .replot import replot
+        trained = [f for f, v in FIGURES.items() if v.trains]
+        names = a.what or [f for f in trained if (a.out / f"{f}.csv").is_file()]
+        if not names:
+            print(f"paper_repro: no training figure's CSV in {a.out} to redraw", file=sys.stderr)
+            return 2
+        for n in names:
+            try:
+                replot(n, a.out, a.quick)
+            except (ValueError, FileNotFoundError) as e:
+                print(f"paper_repro: {e}", file=sys.stderr)
+                return 2
+            if not a.quiet:
+                print(f"{n}: redrew {a.out / (n + '.png')} from {n}.csv")
+        return 0
     if a.fig == "table":
         if not any((a.out / f"{f}.json").is_file() for f in ablations.ABLATIONS):
             print(f"paper_repro: no ablation figure in {a.out} yet; make them with 'python -m paper_repro "

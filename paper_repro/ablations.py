@@ -230,15 +230,19 @@ def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
     return out
 
 
-def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
-    """Write fig.png / fig.csv / fig.json of an ablation figure from its finished runs."""
-    from .figures import TRAIN_COLUMNS, _band, _plt, _write_csv, _write_json, training_rows
+def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dict:
+    """Write fig.png / fig.csv / fig.json of an ablation figure from its finished runs (fig12's Wgrad errors at
+    the branch point computed from the runs' snapshots, or taken as given in ``wgrad_at_branch``: rows of
+    fig12_wgrad_error.csv)."""
+    from .figures import TRAIN_COLUMNS, _lines, _plt, _title, _write_csv, _write_json, training_rows
     title, variants = ABLATIONS[fig]
     out = Path(out)
     rows = training_rows(fig, runs, logs)
     _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS + ("wgrad_rel_error_mean",), rows)
     logged = any("wgrad_error" in r for rr in logs.values() for r in rr)
-    at_branch = wgrad_error_at_branch(runs, run_dirs, fig) if fig == "fig12" else None
+    at_branch = None
+    if fig == "fig12":
+        at_branch = wgrad_at_branch if wgrad_at_branch is not None else wgrad_error_at_branch(runs, run_dirs, fig)
     if at_branch is not None:
         _write_csv(out / f"{fig}_wgrad_error.csv", ("seed", "variant", "layer", "rel_error"), at_branch)
     seeds = sorted({c.seed for _, _, c in runs})
@@ -264,8 +268,8 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
             summary["wgrad_error_at_branch"][v.label] = {"mean": float(m), "std": float(sd), "seeds": len(per_seed)}
             axes[2].bar([i], [m], yerr=[sd], color=cmap(i), capsize=4)
         axes[2].set_xticks(range(len(variants)), [v.label for v in variants], fontsize=8)
-        axes[2].set(ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)",
-                    title=f"Wgrad error of each d on the same tensors (step at {BRANCH:.0%})")
+        axes[2].set(ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)")
+        _title(axes[2], f"Wgrad error of each d on the same tensors (step at {BRANCH:.0%}), mean ± std over seeds")
         axes[2].grid(alpha=0.3, axis="y")
     if logged:                  # the paper's diagnostic: each run's mean relative Wgrad GEMM error over its layers
         for i, v in enumerate(variants):
@@ -275,8 +279,8 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
                        if r.get("wgrad_error")]
                 if pts:
                     axes[2].plot(*zip(*pts), color=cmap(i), lw=1, alpha=0.8, label=v.label if s == seeds[0] else None)
-        axes[2].set(xlabel="training tokens", ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)",
-                    title="Wgrad quantization error during training")
+        axes[2].set(xlabel="training tokens", ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)")
+        _title(axes[2], "Wgrad quantization error during training")
         axes[2].legend(fontsize=7)
         axes[2].grid(alpha=0.3)
     for i, v in enumerate(variants):
@@ -290,7 +294,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
                 t = np.array([r["tokens"] for r in rv])
                 R.append(stats.rel_diff_pct([rb[r["step"]] for r in rv], [r["val_loss"] for r in rv]))
         if ok and R:
-            _band(a0, t, np.array(R), cmap(i), v.label)
+            _lines(a0, t, np.array(R), cmap(i), v.label, i, len(variants))
         vs = v.vs or ref
         diffs = [final[v.label][s][0] - final[vs][s][0] for s in seeds]
         flags = [final[v.label][s][1] or final[vs][s][1] for s in seeds]
@@ -301,14 +305,20 @@ def make(fig: str, runs, logs, out: Path, run_dirs) -> dict:
         if v.label != ref:
             a1.errorbar([i], [info.get("effect", math.nan)], yerr=[2 * info.get("stderr", math.nan)], fmt="o",
                         color=cmap(i), capsize=4)
+        else:                   # the reference: 0 by definition, marked so that its tick is not empty
+            a1.plot([i], [0.0], marker="D", ms=7, mfc="white", mec=cmap(i), mew=1.5, ls="none",
+                    label="reference (0 by definition)")
     a0.axhline(0, color="k", lw=0.8)
-    a0.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)", title=title)
+    a0.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)")
+    _title(a0, f"{title}: relative difference from BF16, mean ± 1 s.e. over {len(seeds)} seeds")
     a0.legend(fontsize=7)
+    a1.legend(fontsize=7, loc="best")
     a1.axhline(0, color="k", lw=0.8)
     a1.set_xticks(range(len(variants)), [v.label + (f"\n(vs {v.vs})" if v.vs else "") for v in variants], rotation=25,
                   ha="right", fontsize=7)
     against = ref if not any(v.vs for v in variants) else f"{ref} (or the run named)"
-    a1.set(ylabel=f"final loss - {against} (nats), ± 2 s.e.", title="effect at the end of training, paired by seed")
+    a1.set(ylabel=f"final loss - {against} (nats), ± 2 s.e.")
+    _title(a1, "effect at the end of training, paired by seed")
     for a in (a0, a1):
         a.grid(alpha=0.3)
     f.tight_layout()

@@ -107,35 +107,72 @@ def training_rows(fig, runs, logs, baseline="bf16"):
 
 
 def _band(ax, x, Y, color, label):
+    """One curve with its +-std band over seeds: for a panel that shows one curve only."""
     m, s = stats.mean_std(Y)
     ax.plot(x, m, color=color, label=label, lw=1.6)
     if Y.shape[0] > 1:
         ax.fill_between(x, m - s, m + s, color=color, alpha=0.2, lw=0)
 
 
+def _lines(ax, x, Y, color, label, k=0, n=1, err=True):
+    """The seed mean of Y (seeds, points) as a thin line, with +-1 standard error bars at the evaluations when
+    ``err`` and there are several seeds; curve ``k`` of ``n`` is shifted by a fraction of the first evaluation
+    interval so that the bars of curves on one panel stay apart."""
+    x = np.asarray(x, np.float64)
+    m, s = stats.mean_std(Y)
+    dx = (x[1] - x[0]) if x.size > 1 else 1.0
+    xs = x + (k - (n - 1) / 2) * 0.12 * dx
+    ax.plot(x, m, color=color, label=label, lw=1.2)
+    if err and Y.shape[0] > 1:
+        ax.errorbar(xs, m, yerr=s / np.sqrt(Y.shape[0]), fmt="none", ecolor=color, elinewidth=1, capsize=2,
+                    alpha=0.9)
+
+
+def _ylim_all(ax, *Ys, pad=0.04):
+    """y limits that include every evaluation of every curve (NaN of a diverged run ignored)."""
+    v = np.concatenate([np.asarray(Y, np.float64).ravel() for Y in Ys])
+    v = v[np.isfinite(v)]
+    if v.size:
+        lo, hi = float(v.min()), float(v.max())
+        span = (hi - lo) or abs(hi) or 1.0
+        ax.set_ylim(lo - pad * span, hi + pad * span)
+
+
+def _title(ax, text, width=72, **kw):
+    """A title wrapped to the panel's width, so that it stays inside the figure."""
+    import textwrap
+    ax.set_title(textwrap.fill(text, width), fontsize=9, **kw)
+
+
 def _loss_and_rel(fig, runs, logs, labels, out: Path, title):
     plt = _plt()
-    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.4))
     summary = {"runs": {}, "seeds": len({c.seed for _, _, c in runs})}
     tb, Yb = _curves(runs, logs, "bf16")
+    shown, rels = [], []
+    others = [lab for lab in labels if lab != "bf16"]
     for lab in labels:
         t, Y = _curves(runs, logs, lab)
-        _band(a0, t, Y, COLORS[lab], LABELS[lab])
+        _lines(a0, t, Y, COLORS[lab], LABELS[lab], err=False)
+        shown.append(Y)
         m, s = stats.mean_std(Y[:, -1])
         summary["runs"][lab] = {"final_val_loss_mean": float(m), "final_val_loss_std": float(s),
                                 "final_val_loss_per_seed": [float(v) for v in Y[:, -1]]}
         if lab != "bf16":
             R = stats.rel_diff_pct(Yb, Y)
-            _band(a1, t, R, COLORS[lab], LABELS[lab])
+            _lines(a1, t, R, COLORS[lab], LABELS[lab], others.index(lab), len(others))
+            rels.append(R)
             rm, rs = stats.mean_std(R[:, -1])
             dm, ds = stats.mean_std(Y[:, -1] - Yb[:, -1])
             summary["runs"][lab].update(final_rel_diff_pct_mean=float(rm), final_rel_diff_pct_std=float(rs),
                                         final_loss_gap_vs_bf16_mean=float(dm), final_loss_gap_vs_bf16_std=float(ds))
-    a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title=title)
-    a0.set_ylim(top=float(np.nanmax(Yb[:, min(1, Yb.shape[1] - 1)])) * 1.02 if Yb.shape[1] > 1 else None)
+    a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)")
+    _title(a0, f"{title} (mean over {summary['seeds']} seeds)")
+    _ylim_all(a0, *shown)
     a1.axhline(0, color="k", lw=0.8)
-    a1.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)\n(BF16 - run) / BF16",
-           title="relative difference (mean ± std over seeds)")
+    a1.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)\n(BF16 - run) / BF16")
+    _title(a1, "relative difference, paired by seed (mean ± 1 s.e.)")
+    _ylim_all(a1, *rels, np.zeros(1))
     for a in (a0, a1):
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
@@ -172,29 +209,36 @@ def _fig6b(runs, logs, out: Path) -> dict:
     finals = np.array([[logs[c.key()][-1]["val_loss"] for s in seeds for lab, m, c in runs
                         if lab == f"mxfp4_paper_x{mm:g}" and c.seed == s] for mm in MULTS]).T   # (seeds, mults)
     res = stats.token_multiplier_over_seeds(MULTS, finals, Yn[:, -1])
-    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.2))
-    _band(a0, tn, Yn, COLORS["nvfp4_paper"], "NVFP4, 1.0x tokens")
+    f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.6))
+    _lines(a0, tn, Yn, COLORS["nvfp4_paper"], f"NVFP4, {1.0:.2f}x tokens", err=False)
     cmap = plt.get_cmap("Reds")
+    shown = [Yn]
     for i, m in enumerate(MULTS):
         t, Y = _curves(runs, logs, f"mxfp4_paper_x{m:g}")
-        _band(a0, t, Y, cmap(0.4 + 0.6 * i / (len(MULTS) - 1)), f"MXFP4, {m:g}x tokens")
-    a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title="MXFP4 with more tokens")
-    a0.set_ylim(top=float(np.nanmax(Yn[:, min(1, Yn.shape[1] - 1)])) * 1.02 if Yn.shape[1] > 1 else None)
+        _lines(a0, t, Y, cmap(0.4 + 0.6 * i / (len(MULTS) - 1)), f"MXFP4, {m:.2f}x tokens", err=False)
+        shown.append(Y)
+    a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)")
+    _title(a0, f"MXFP4 with more tokens (mean over {len(seeds)} seeds)")
+    _ylim_all(a0, *shown)
     fm, fs = stats.mean_std(finals)
-    a1.errorbar(MULTS, fm, yerr=fs, color="tab:red", marker="o", capsize=3, label="MXFP4 final loss")
+    se = fs / math.sqrt(len(seeds))
+    a1.errorbar(MULTS, fm, yerr=se, color="tab:red", marker="o", capsize=3, label="MXFP4 final loss (± 1 s.e.)")
     nm, ns = stats.mean_std(Yn[:, -1])
-    a1.axhline(nm, color="tab:green", label="NVFP4 final loss (1.0x)")
-    a1.axhspan(nm - ns, nm + ns, color="tab:green", alpha=0.15, lw=0)
+    nse = ns / math.sqrt(len(seeds))
+    a1.axhline(nm, color="tab:green", label=f"NVFP4 final loss at {1.0:.2f}x (± 1 s.e.)")
+    a1.axhspan(nm - nse, nm + nse, color="tab:green", alpha=0.15, lw=0)
     if res["status"] == "interpolated":
         a1.axvline(res["value"], color="0.4", ls="--",
                    label=f"match at {res['value']:.2f}x ± {res['stderr']:.2f} (paper: 1.36x)")
+        _title(a1, "the token multiplier at which MXFP4 matches NVFP4's final loss")
     elif res["status"] == "at_or_below_min":
-        a1.set_title(f"MXFP4 reaches NVFP4's final loss already at {MULTS[0]:g}x (paper: 1.36x)")
+        _title(a1, f"MXFP4 reaches NVFP4's final loss already at {MULTS[0]:.2f}x (paper: 1.36x)")
     else:
         ext = res["extrapolated"]
-        a1.set_title(f"MXFP4 does not reach NVFP4's final loss by {MULTS[-1]:g}x"
-                     + (f" (straight-line extrapolation: {ext:.2f}x)" if math.isfinite(ext) else ""))
+        _title(a1, f"MXFP4 does not reach NVFP4's final loss by {MULTS[-1]:.2f}x"
+               + (f" (straight-line extrapolation: {ext:.2f}x)" if math.isfinite(ext) else "") + " (paper: 1.36x)")
     a1.set(xlabel="MXFP4 tokens / NVFP4 tokens", ylabel="final validation loss")
+    a1.set_xticks(MULTS, [f"{m:.2f}x" for m in MULTS])
     for a in (a0, a1):
         a.legend(fontsize=8)
         a.grid(alpha=0.3)

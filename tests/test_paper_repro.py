@@ -499,3 +499,42 @@ def test_token_multiplier_stderr_counts_only_the_interpolated_seeds():
     assert res["per_seed_status"] == ["interpolated"] * 3 + ["above_max"]
     assert res["per_seed"][:3] == pytest.approx([1.2, 1.3, 1.4]) and math.isnan(res["per_seed"][3])
     assert res["stderr"] == pytest.approx(0.1 / math.sqrt(3), rel=1e-9)
+
+
+def test_replot_redraws_a_figure_from_its_csv_with_the_same_numbers(tmp_path):
+    """fig6b and fig12 made in quick mode, then redrawn from their CSVs alone (the runs folder removed): the CSV is
+    written back byte for byte and the JSON summary with the same numbers; the PNG is drawn again. A figure without
+    training, or without a CSV, is refused."""
+    import shutil
+    for fig in ("fig6b", "fig12"):
+        r = _run([fig, "--quick", "--out", str(tmp_path), "--quiet"], timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix in (".csv", ".json")}
+    shutil.rmtree(tmp_path / "runs")
+    for p in tmp_path.glob("*.png"):
+        p.unlink()
+    r = _run(["replot", "--quick", "--out", str(tmp_path)], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fig6b: redrew" in r.stdout and "fig12: redrew" in r.stdout
+    for name, b in before.items():
+        assert (tmp_path / name).read_bytes() == b, name
+    assert all((tmp_path / f"{f}.png").read_bytes()[:4] == b"\x89PNG" for f in ("fig6b", "fig12"))
+    r = _run(["replot", "fig1", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "only training figures" in r.stderr
+    r = _run(["replot", "fig2", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = _run(["fig2", "extra", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "only replot takes figure names" in r.stderr
+
+
+def test_loss_panels_include_every_evaluation():
+    """The y limits of a loss panel hold every evaluation of every curve, the first one included (it used to be cut
+    off), with NaN of a diverged run left out."""
+    plt = figures._plt()
+    f, ax = plt.subplots()
+    Y1 = np.array([[3.5, 2.4, 2.0], [3.6, 2.5, 2.1]])
+    Y2 = np.array([[3.4, 2.3, np.nan]])
+    figures._ylim_all(ax, Y1, Y2)
+    lo, hi = ax.get_ylim()
+    assert lo < 2.0 and hi > 3.6
+    plt.close(f)
