@@ -309,3 +309,92 @@ def test_operand_block_validation_names_the_scheme_and_its_blocks():
     assert emulate.quantize_operand(heavy((32, 64), 4), Operand("nvfp4", block=(16, 16)), 1,
                                     Recipe.preset("nvfp4_paper"), 0, 0, "fprop_w").scheme.block == (16, 16)
     assert np.isfinite(fs.dequantize(fs.quantize(heavy((16, 32), 5), "nvfp4"))).all()
+
+
+# ------------------------------------------------------------------------------------------------ gradient fidelity
+def test_gradient_fidelity_against_a_float32_copy_and_leaves_the_model_as_it_was():
+    """gradient_fidelity against a direct computation: the model's own weight gradients (g_q) and those of a deep
+    copy whose every QuantLinear runs the 'none' recipe (g_ref), on the same batch: snr = |g_ref| / |g_q - g_ref|,
+    cosine, rel_error = 1 / snr, for every layer, the BF16-kept head included (finite: BF16 is not float32).
+    Afterwards the gradients, SR call counts and recipes are as before, a second call gives the same numbers, and
+    the next training step has the bits it would have had without the diagnostic."""
+    from fp4sim.torch import gradient_fidelity
+    torch.manual_seed(3)
+    model = convert(Net(), Recipe.preset("nvfp4_paper", seed=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_steps(model, opt, 1)
+    batch = _data(seed=7)
+    step = lambda m=model: _loss(m, batch).backward()  # noqa: E731
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, QuantLinear):
+            m.recipe = m.recipe_backward = "none"
+    step(ref)
+    mine = copy.deepcopy(model)
+    step(mine)
+    before = {n: (m._calls, m.recipe, m.recipe_backward) for n, m in model.named_modules()
+              if isinstance(m, QuantLinear)}
+    grads = [p.grad.clone() for p in model.parameters()]
+    ds = gradient_fidelity(model, step)
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert list(ds.layer.values) == names and ds.attrs["snr_threshold"] == pytest.approx(3 ** 0.5)
+    for n in names:
+        q = mine.get_submodule(n).weight.grad.double()
+        r = ref.get_submodule(n).weight.grad.double()
+        snr = float(r.norm() / (q - r).norm())
+        assert float(ds.snr.sel(layer=n)) == pytest.approx(snr, rel=1e-12), n
+        assert float(ds.rel_error.sel(layer=n)) == pytest.approx(1 / snr, rel=1e-12)
+        assert float(ds.cosine.sel(layer=n)) == pytest.approx(float((q * r).sum() / (q.norm() * r.norm())),
+                                                              rel=1e-12)
+        assert 1 < snr < 1e6, n                            # quantized and kept (BF16) layers alike
+    assert float(ds.snr.sel(layer="head")) > float(ds.snr.sel(layer="layers.0.up"))
+    assert {n: (m._calls, m.recipe, m.recipe_backward) for n, m in model.named_modules()
+            if isinstance(m, QuantLinear)} == before
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    again = gradient_fidelity(model, step)
+    assert np.array_equal(again.snr.values, ds.snr.values)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    twin_opt.load_state_dict(opt.state_dict())
+    a = _train_steps(model, opt, 1, start=1)[0]
+    b = _train_steps(twin, twin_opt, 1, start=1)[0]
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_gradient_fidelity_refuses_what_it_cannot_measure():
+    from fp4sim.torch import gradient_fidelity
+    with pytest.raises(ValueError, match="no QuantLinear layers"):
+        gradient_fidelity(Net(), lambda: None)
+    model = convert(Net(), "nvfp4_paper")
+    with pytest.raises(ValueError, match="ran no backward pass"):
+        gradient_fidelity(model, lambda: model(_data()[:, :-1]))
+    assert all(m.recipe.name in ("nvfp4_paper", "bf16") for m in model.modules() if isinstance(m, QuantLinear))
+    plain = convert(Net(), "none")
+    ds = gradient_fidelity(plain, lambda: _loss(plain, _data()).backward())
+    assert np.all(np.isinf(ds.snr.values)) and np.all(ds.rel_error.values == 0)
+
+
+def test_four_over_six_operands_and_switch():
+    """Operand(four_over_six=...) quantizes with TE's 4over6 block scales (the same bits as fs.quantize with it);
+    the preset switch sets it on every round-to-nearest NVFP4 operand and leaves the SR gradients alone; it is
+    refused for other schemes, for SR, and for other error rules."""
+    rec = Recipe.preset("nvfp4_paper", four_over_six="mse")
+    assert [getattr(rec, op).four_over_six for op in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x",
+                                                       "wgrad_dy")] == ["mse", "mse", None, "mse", "mse", None]
+    w = heavy((48, 64), 6)
+    q = emulate.quantize_operand(w, rec.fprop_w, 1, rec, 0, 0, "fprop_w")
+    want = fs.quantize(w, "nvfp4_2d", four_over_six="mse")
+    assert np.array_equal(q.codes, want.codes) and np.array_equal(q.scales, want.scales)
+    plain = fs.quantize(w, "nvfp4_2d")
+    assert not np.array_equal(plain.scales, want.scales)
+    assert "4over6-MSE" in rec.table()
+    lin = QuantLinear(64, 48, bias=False, recipe=rec)
+    lin(torch.from_numpy(heavy((32, 64), 7))).sum().backward()
+    with pytest.raises(ValueError, match="round-to-nearest"):
+        Operand("nvfp4", rounding="sr", four_over_six="mse")
+    with pytest.raises(ValueError, match="round-to-nearest"):
+        Operand("mxfp4", four_over_six="mae")
+    with pytest.raises(ValueError, match="'mae', 'mse' or None"):
+        Operand("nvfp4", four_over_six="l1")
+    with pytest.raises(ValueError, match="four_over_six='l1'"):
+        Recipe.preset("nvfp4_paper", four_over_six="l1")

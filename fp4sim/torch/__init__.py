@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
-           "suggest_high_precision", "drop_extra_state"]
-_LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state"}
+           "suggest_high_precision", "drop_extra_state", "gradient_fidelity"]
+_LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
+           "gradient_fidelity"}
 
 
 def __getattr__(name):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from .. import emulate
 from ..training import OPERANDS, Recipe
 
-__all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state"]
+__all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
+           "gradient_fidelity"]
 
 HEAD_NAMES = ("lm_head", "output", "head")      # a model's output head, by the last component of its name
 _FP4 = ("nvfp4", "mxfp4")                       # element E2M1: NaN encodes as +6 and does not propagate
@@ -409,3 +410,73 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     order = sorted(rel, key=lambda n: -rel[n])
     k = max(1, round(fraction * len(order)))
     return order[:k], rel
+
+
+SNR_THRESHOLD = 3 ** 0.5       # Chmiel et al. 2025: quantized training stops helping below this gradient SNR
+
+
+def gradient_fidelity(model: torch.nn.Module, batch_fn):
+    """How faithful each QuantLinear's weight gradient is: ``batch_fn()`` (a forward and backward pass on one
+    batch) runs once as the model is (``g_q``) and once with every QuantLinear, kept layers included, under the
+    ``"none"`` recipe (plain float32 ``nn.Linear``: ``g_ref``), on the same weights, and with the torch RNG, the
+    module buffers and the SR call counts reset between the two, the same batch and dropout masks. Returns an
+    xarray Dataset over ``layer`` (the QuantLinear names) with ``snr = ||g_ref|| / ||g_q - g_ref||`` (inf when
+    equal), ``rel_error = 1 / snr`` and ``cosine = cos(g_q, g_ref)``, and the threshold ``sqrt(3)`` in its attrs
+    (Chmiel et al. 2025, "FP4 All the Way": below it, the quantized gradient's noise outweighs its signal).
+    Afterwards the model's parameters, gradients, buffers, recipes, SR call counts and the torch RNG are as they
+    were."""
+    import xarray as xr
+    mods = [(getattr(m, "_fp4sim_name", n), m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not mods:
+        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    bufs = [b.detach().clone() for b in model.buffers()]
+    calls = [m._calls for _, m in mods]
+    recipes = [(m.recipe, m.recipe_backward) for _, m in mods]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def reset():
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for b, v in zip(model.buffers(), bufs):
+            b.data.copy_(v)
+        for (_, m), c in zip(mods, calls):
+            m._calls = c
+        for p in params:
+            p.grad = None
+
+    def run(what):
+        reset()
+        batch_fn()
+        missing = [n for n, m in mods if m.weight.grad is None]
+        if missing:
+            raise ValueError(f"batch_fn ran no backward pass through {missing[0]!r} ({what} run; "
+                             f"{len(missing)} of {len(mods)} layers got no weight gradient): it must run the "
+                             "forward pass and loss.backward() through every QuantLinear")
+        return [m.weight.grad.detach().to(torch.float64).clone() for _, m in mods]
+
+    try:
+        g_q = run("quantized")
+        for _, m in mods:
+            m.recipe = m.recipe_backward = "none"
+        g_ref = run("float32 reference")
+    finally:
+        reset()
+        for (_, m), (rf, rb) in zip(mods, recipes):
+            m.recipe, m.recipe_backward = rf, rb
+        for p, g in zip(params, grads):
+            p.grad = g
+    snr, cos = [], []
+    for q, r in zip(g_q, g_ref):
+        nr, nd = float(r.norm()), float((q - r).norm())
+        snr.append(nr / nd if nd > 0 else float("inf"))
+        den = float(q.norm()) * nr
+        cos.append(float((q * r).sum()) / den if den > 0 else float("nan"))
+    snr = np.array(snr)
+    with np.errstate(divide="ignore"):
+        rel = np.where(np.isinf(snr), 0.0, 1.0 / snr)
+    return xr.Dataset({"snr": ("layer", snr), "rel_error": ("layer", rel), "cosine": ("layer", np.array(cos))},
+                      coords={"layer": [n for n, _ in mods]}, attrs={"snr_threshold": SNR_THRESHOLD})
