@@ -63,6 +63,8 @@ def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call
     kw = {}
     if op.block is not None:
         kw["block"] = op.block
+    if op.four_over_six is not None:
+        kw["four_over_six"] = op.four_over_six
     if op.rounding == "sr":
         kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer),
                   stream=(call * 8 + _OP_INDEX[name]) & 0xFFFFFFFF)

@@ -44,12 +44,15 @@ class Operand:
         taken after the transform).
     rht_signs : ``"te"`` (TransformerEngine's 16-element vector; d = 16), ``"fixed"`` (one vector from the
         recipe seed), ``"per_transform"`` (a new vector for every GEMM call) or ``"none"`` (all +1).
+    four_over_six : None, or ``"mae"`` / ``"mse"``: NVFP4 block scales by TransformerEngine's 4over6 rule with that
+        error measure (round to nearest only).
     """
     scheme: str | None = None
     block: tuple | None = None
     rounding: str = "rne"
     rht: int | None = None
     rht_signs: str = "te"
+    four_over_six: str | None = None
 
     def __post_init__(self):
         if self.scheme is not None and self.scheme not in _SCHEMES:
@@ -64,6 +67,12 @@ class Operand:
         if self.rht_signs == "te" and self.rht not in (None, 16):
             raise ValueError(f"rht_signs='te' is TransformerEngine's 16-element vector; rht={self.rht} needs "
                              "'fixed', 'per_transform' or 'none'")
+        if self.four_over_six is not None:
+            if self.four_over_six not in ("mae", "mse"):
+                raise ValueError(f"Operand four_over_six={self.four_over_six!r}: use 'mae', 'mse' or None")
+            if self.scheme != "nvfp4" or self.rounding != "rne":
+                raise ValueError(f"Operand four_over_six={self.four_over_six!r}: 4over6 is an NVFP4 round-to-nearest "
+                                 f"rule (scheme 'nvfp4', rounding 'rne'), not {self.scheme!r} with {self.rounding!r}")
         if self.block is not None:
             if isinstance(self.block, (str, bytes)) or not hasattr(self.block, "__len__"):
                 raise ValueError(f"Operand block={self.block!r}: a (rows, columns) pair such as (1, 16), or None")
@@ -85,7 +94,8 @@ class Operand:
             return "fp32"
         b = f" {self.block[0]}x{self.block[1]}" if self.block else ""
         r = f" RHT{self.rht}" if self.rht else ""
-        return f"{self.scheme}{b} {self.rounding.upper()}{r}"
+        f = f" 4over6-{self.four_over_six.upper()}" if self.four_over_six else ""
+        return f"{self.scheme}{b} {self.rounding.upper()}{r}{f}"
 
 
 @dataclass(frozen=True)
@@ -202,7 +212,8 @@ class Recipe:
         ``disable_rht``, ``disable_stochastic_rounding``, ``disable_2d_quantization``, ``sr_activations``,
         ``sr_weights``, ``sr_backward`` (SR on every backward operand), ``rht_fprop``, ``rht_dgrad``,
         ``rht_size=d``, ``rht_signs=`` ``"te" | "fixed" | "per_transform" | "none"``, ``weights_1d_reuse``
-        (1x16 weights quantized once along K and reused in Dgrad). Any other keyword is a Recipe field.
+        (1x16 weights quantized once along K and reused in Dgrad), ``four_over_six="mae" | "mse"`` (TE's 4over6
+        block scales on every round-to-nearest NVFP4 operand). Any other keyword is a Recipe field.
         """
         if name not in PRESETS:
             raise ValueError(f"preset {name!r} is not known; use one of {list(PRESETS)}")
@@ -214,6 +225,9 @@ class Recipe:
             elif k == "rht_signs":
                 if v not in SIGNS:
                     raise ValueError(f"rht_signs={v!r}: use one of {list(SIGNS)}")
+            elif k == "four_over_six":
+                if v not in ("mae", "mse"):
+                    raise ValueError(f"four_over_six={v!r}: use 'mae' or 'mse'")
             elif not isinstance(v, bool):
                 raise TypeError(f"{k}={v!r}: a switch takes True or False")
         bad = [k for k in overrides if k not in {f.name for f in dataclasses.fields(cls)}]
@@ -246,6 +260,10 @@ class Recipe:
         if sw.get("disable_stochastic_rounding"):
             for op in OPERANDS:
                 ops[op] = rep(ops[op], rounding="rne")
+        if sw.get("four_over_six"):
+            for op in OPERANDS:
+                if ops[op].scheme == "nvfp4" and ops[op].rounding == "rne":
+                    ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
         d_default = next((ops[op].rht for op in OPERANDS if ops[op].rht), 16)
         d = sw.get("rht_size", d_default)
         signs = sw.get("rht_signs")
@@ -284,7 +302,8 @@ def presets_markdown() -> str:
 
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",
-             "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse"}
+             "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse",
+             "four_over_six"}
 
 
 def _uniform(op: Operand, name: str) -> Recipe:
