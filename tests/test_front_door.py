@@ -471,3 +471,34 @@ def test_safetensors_with_float8_and_bfloat16_entries_are_read_through_ml_dtypes
     (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(ValueError, match="header is not JSON"):
         load_array(f"{tmp_path / 'junk.safetensors'}:x")
+
+
+def test_the_fp4sim_command_lists_its_subcommands_and_runs_them(tmp_path):
+    """The installed `fp4sim` console script: --help lists every subcommand; `fp4sim validate` runs the validate
+    parser on real files (EXACT, exit 0; a mismatch exits 1); `fp4sim recipes` prints the README's recipe table;
+    an unknown command exits 2 with the list. The python -m forms are the same functions."""
+    from pathlib import Path as _P
+    from fp4sim.cli import COMMANDS
+    from fp4sim.training import presets_markdown
+    exe = _P(sys.executable).parent / "fp4sim"
+    assert exe.is_file(), f"{exe}: the console script is installed by `pip install .` (README's commands)"
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and all(f"  {c}" in r.stdout for c in COMMANDS), r.stdout
+    x = np.random.default_rng(4).standard_normal((32, 64)).astype(np.float32)
+    q = fs.quantize(x, "nvfp4")
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "c.npy", q.codes)
+    np.save(tmp_path / "s.npy", q.scales)
+    args = ["validate", "--scheme", "nvfp4", "--input", tmp_path / "x.npy", "--codes", tmp_path / "c.npy",
+            "--scales", tmp_path / "s.npy"]
+    r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 0 and "EXACT" in r.stdout, r.stdout + r.stderr
+    bad = q.scales.copy()
+    bad[0, 0] ^= 1
+    np.save(tmp_path / "s.npy", bad)
+    r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 1 and "MISMATCH" in r.stdout
+    r = subprocess.run([str(exe), "recipes"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == presets_markdown()
+    r = subprocess.run([str(exe), "analyse"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown command 'analyse'" in r.stderr and "analyze" in r.stderr
