@@ -25,6 +25,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None) -> dict:
     from .runner import run_all, set_threads
     out.mkdir(parents=True, exist_ok=True)
+    given = seeds
     seeds = seeds or (figures.QUICK_SEEDS if quick else figures.FULL_SEEDS)
     t0 = time.perf_counter()
     if FIGURES[fig].trains:
@@ -35,6 +36,10 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
             summary = ablations.make(fig, runs, logs, out, {c.key(): out / "runs" / c.key() for _, _, c in runs})
         else:
             summary = figures.make_training_figure(fig, runs, logs, out)
+    elif fig in figures.TEACHER:
+        from . import teacher
+        set_threads(threads)
+        summary = teacher.make(fig, out, quick, given, quiet=quiet)
     else:
         summary = getattr(figures, fig.lower())(out, quick)
     if quick:

@@ -1,0 +1,130 @@
+"""paper_repro.teacher: the teacher-student task, its runs (deterministic, cached, the late switch), the figures'
+verdicts recomputed from their CSVs, and the sqrt(3) gradient-SNR claim's rule on curves with a known answer."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from paper_repro import teacher as T  # noqa: E402
+from paper_repro.ablations import verdict  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = T.Run(task="mlp", preset="nvfp4_paper", steps=12, eval_points=3)
+
+
+def test_the_task_is_realizable_and_fixed():
+    """The teacher is an MLP of the task's form; the data are the same on every call; the targets have unit
+    variance on the training set; the outlier channels are heavy-tailed (kurtosis far above a Gaussian's 3)."""
+    task = T.TASKS["mlp"]
+    xt, yt, xv, yv = T.data(task)
+    assert xt.shape == (task.n_train, T.D_IN) and yt.shape == (task.n_train, task.d_out)
+    assert xv.shape == (task.n_val, T.D_IN)
+    assert float(yt.std()) == pytest.approx(1.0, rel=1e-5)
+    T._DATA.clear()
+    assert torch.equal(T.data(task)[0], xt)
+    x = xt.double()
+    kurt = ((x - x.mean(0)) ** 4).mean(0) / x.var(0) ** 2
+    assert float(kurt[:T.N_OUTLIER].min()) > 10 and float(kurt[T.N_OUTLIER:].max()) < 3.3
+    teacher = T.build(task, task.seed + 1, teacher=True)
+    assert teacher.up.out_features == task.teacher_width and T.build(task, 0).up.out_features == task.width
+
+
+def test_a_run_is_deterministic_cached_and_paired_by_seed(tmp_path):
+    a = T.train(TINY)
+    b = T.train(TINY, tmp_path)
+    assert a["rows"] == b["rows"] and [r["step"] for r in a["rows"]] == TINY.eval_steps()
+    assert (tmp_path / f"{TINY.key()}.json").is_file()
+    c = T.train(TINY, tmp_path)                                   # read back
+    assert c == json.loads((tmp_path / f"{TINY.key()}.json").read_text())
+    assert T.train(replace(TINY, seed=1))["rows"] != a["rows"]
+    assert all(0 < r["val_mse"] < 10 and r["snr_median"] > 0 for r in a["rows"])
+    s0 = T.build_student(TINY)
+    s1 = T.build_student(replace(TINY, preset="bf16"))
+    assert torch.equal(s0.up.weight, s1.up.weight)              # one seed: the same initial student
+
+
+def test_the_late_switch_changes_the_recipe_at_its_step(monkeypatch):
+    """late=(0.5, 'forward'): from step 6 of 12 the Fprop GEMMs run BF16 and Dgrad / Wgrad keep NVFP4; the run
+    equals the plain one up to the switch."""
+    from fp4sim.torch import linear
+    seen = []
+    real = linear.set_recipe
+
+    def spy(model, recipe, which="both", include_kept=False):
+        seen.append((which, recipe.name))
+        out = real(model, recipe, which, include_kept)
+        seen.append({m.recipe.name + "/" + m.recipe_backward.name for m in model.modules()
+                     if isinstance(m, linear.QuantLinear)})
+        return out
+
+    monkeypatch.setattr("fp4sim.torch.set_recipe", spy, raising=False)
+    monkeypatch.setattr(linear, "set_recipe", spy)
+    run = replace(TINY, eval_points=12, late=(0.5, "forward"))
+    got = T.train(run)["rows"]
+    assert seen == [("forward", "bf16"), {"bf16/nvfp4_paper"}]
+    plain = T.train(replace(TINY, eval_points=12))["rows"]
+    assert got[:6] == plain[:6] and got[6:] != plain[6:]
+
+
+def test_the_quick_figures_verdicts_recompute_from_their_csv(tmp_path):
+    """Both figures in quick mode; every variant's effect is the seed-paired mean difference of the final held-out
+    MSE read from the CSV against its comparison variant, and the verdict is the ablation rule's on those
+    differences."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for fig in T.FIGS:
+        r = subprocess.run([sys.executable, "-m", "paper_repro", fig, "--quick", "--out", str(tmp_path), "--quiet"],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        summ = json.loads((tmp_path / f"{fig}.json").read_text())
+        rows = list(csv.DictReader(open(tmp_path / f"{fig}.csv")))
+        last = {}
+        for row in rows:
+            k = (row["variant"], int(row["seed"]))
+            if int(row["step"]) >= last.get(k, (-1, 0))[0]:
+                last[k] = (int(row["step"]), float(row["val_mse"]))
+        seeds = range(summ["seeds"])
+        assert summ["seeds"] == T.QUICK_SEEDS
+        _, variants = T.FIGS[fig]
+        assert set(summ["variants"]) == {v.label for v in variants}
+        for v in variants:
+            if v.expect == "reference":
+                continue
+            vs = v.vs or summ["reference"]
+            d = [last[(v.label, s)][1] - last[(vs, s)][1] for s in seeds]
+            got = summ["variants"][v.label]
+            assert got["effect"] == pytest.approx(np.mean(d), rel=1e-9, abs=1e-15) and got["vs"] == vs
+            assert got["verdict"] == verdict(v.expect, d, [False] * len(d))[0]
+        assert (tmp_path / f"{fig}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "snr_claim" in json.loads((tmp_path / "teacher_formats.json").read_text())
+
+
+def test_the_snr_claim_rule_on_curves_with_a_known_answer():
+    """Three seeds whose median SNR falls below sqrt(3) at the 4th of 8 evaluations: an excess loss flat before and
+    rising after reproduces the claim; one rising before and flat after contradicts it; SNR that never falls is
+    'not tested'."""
+    def rows(snr, ratio, jitter):
+        return [{"step": i + 1, "val_mse": float(r) * (1 + jitter), "snr_median": float(s)}
+                for i, (s, r) in enumerate(zip(snr, ratio))]
+    snr = [5, 4, 3, 1.5, 1.2, 1.0, 0.9, 0.8]
+    flat_then_up = [1, 1, 1, 1, 1.2, 1.44, 1.73, 2.07]
+    up_then_flat = [1, 1.2, 1.44, 1.73, 1.73, 1.73, 1.73, 1.73]
+    ref = {s: rows([9] * 8, [1] * 8, 0) for s in range(3)}
+    for ratio, want in ((flat_then_up, "reproduces"), (up_then_flat, "contradicts")):
+        q = {s: rows(snr, [r * (1 + 0.01 * s * i) for i, r in enumerate(ratio)], 0) for s in range(3)}
+        got = T._snr_claim(q, ref, range(3))
+        assert got["verdict"].startswith(want), got
+        assert got["crossing_step"] == {0: 4, 1: 4, 2: 4}
+    q = {s: rows([9] * 8, flat_then_up, 0) for s in range(3)}
+    got = T._snr_claim(q, ref, range(3))
+    assert got["verdict"].startswith("not tested") and got["lowest_snr_median"] == 9
