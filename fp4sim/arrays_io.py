@@ -51,13 +51,7 @@ def load_array(spec: str) -> np.ndarray:
                 return _pick(dict(z.items()), key, path)
         if suf == ".safetensors":
             from ._safetensors import load_safetensors, safetensors_keys
-            names = safetensors_keys(p)
-            if not key and len(names) != 1:
-                raise _Clear(f"{path}: holds {len(names)} entries {sorted(names)[:8]}; name one as {path}:NAME")
-            key = key or names[0]
-            if key not in names:
-                raise _Clear(f"{path}: has no entry {key!r}; entries: {sorted(names)}")
-            return load_safetensors(p, key)
+            return load_safetensors(p, _entry(safetensors_keys(p), key, path))
         if suf in (".pt", ".pth"):
             try:
                 import torch
@@ -81,14 +75,19 @@ def load_array(spec: str) -> np.ndarray:
     raise ValueError(f"{path}: unsupported file type {suf!r}; use .npy, .npz, .safetensors or .pt")
 
 
-def _pick(d: dict, key: str, path: str):
+def _entry(names, key: str, path: str) -> str:
+    """The entry ``key`` names among ``names`` (the only one when no key is given), or a clear error."""
     if key:
-        if key not in d:
-            raise _Clear(f"{path}: has no entry {key!r}; entries: {sorted(d)}")
-        return d[key]
-    if len(d) != 1:
-        raise _Clear(f"{path}: holds {len(d)} entries {sorted(d)[:8]}; name one as {path}:NAME")
-    return next(iter(d.values()))
+        if key not in names:
+            raise _Clear(f"{path}: has no entry {key!r}; entries: {sorted(names)}")
+        return key
+    if len(names) != 1:
+        raise _Clear(f"{path}: holds {len(names)} entries {sorted(names)[:8]}; name one as {path}:NAME")
+    return next(iter(names))
+
+
+def _pick(d: dict, key: str, path: str):
+    return d[_entry(list(d), key, path)]
 
 
 def _torch_to_numpy(t):

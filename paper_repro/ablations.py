@@ -193,6 +193,19 @@ def verdict(expect: str, diffs, diverged_flags) -> tuple[str, dict]:
     return "reference", info
 
 
+def paired_verdict(v, final, seeds, ref, metric) -> dict:
+    """A variant's summary: its final ``metric`` paired by seed with the reference's (or ``v.vs``'s) and the
+    verdict on those differences. ``final``: {label: {seed: (final value, diverged)}}; ``v``: label, expect, paper,
+    vs."""
+    vs = v.vs or ref
+    diffs = [final[v.label][s][0] - final[vs][s][0] for s in seeds]
+    flags = [final[v.label][s][1] or final[vs][s][1] for s in seeds]
+    word, info = verdict(v.expect, diffs, flags)
+    m, sd = stats.mean_std([final[v.label][s][0] for s in seeds])
+    return {"paper": v.paper, "expect": v.expect, "verdict": word, "vs": vs, f"final_{metric}_mean": float(m),
+            f"final_{metric}_std": float(sd), **info}
+
+
 def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
     """The Wgrad GEMM error of every RHT size on the same tensors: for each seed, the d=16 run's snapshot at the
     branch point (the weights all of fig12's branches start from), one forward and backward pass on the first
@@ -295,13 +308,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
                 R.append(stats.rel_diff_pct([rb[r["step"]] for r in rv], [r["val_loss"] for r in rv]))
         if ok and R:
             _lines(a0, t, np.array(R), cmap(i), v.label, i, len(variants))
-        vs = v.vs or ref
-        diffs = [final[v.label][s][0] - final[vs][s][0] for s in seeds]
-        flags = [final[v.label][s][1] or final[vs][s][1] for s in seeds]
-        word, info = verdict(v.expect, diffs, flags)
-        lm, ls = stats.mean_std([final[v.label][s][0] for s in seeds])
-        summary["variants"][v.label] = {"paper": v.paper, "expect": v.expect, "verdict": word, "vs": vs,
-                                        "final_val_loss_mean": float(lm), "final_val_loss_std": float(ls), **info}
+        summary["variants"][v.label] = info = paired_verdict(v, final, seeds, ref, "val_loss")
         if v.label != ref:
             a1.errorbar([i], [info.get("effect", math.nan)], yerr=[2 * info.get("stderr", math.nan)], fmt="o",
                         color=cmap(i), capsize=4)

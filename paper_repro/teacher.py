@@ -322,7 +322,7 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
     """Train (or read back from DIR/runs/teacher/) every run of a teacher figure and write FIG.png / .csv / .json."""
     from tqdm import tqdm
     from . import figures
-    from .ablations import verdict
+    from .ablations import paired_verdict
     out = Path(out)
     seeds = seeds or (QUICK_SEEDS if quick else FULL_SEEDS)
     title, variants = FIGS[fig]
@@ -339,22 +339,18 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
                                                                            "snr_median", "snr_min")}})
     figures._write_csv(out / f"{fig}.csv", CSV_COLUMNS, rows)
     ss = list(range(seeds))
-    final = {(lab, s): (res[(lab, s)]["rows"][-1]["val_mse"], bool(res[(lab, s)]["diverged"]))
-             for lab, r in runs for s in [r.seed]}
+    final = {}
+    for lab, r in runs:
+        got = res[(lab, r.seed)]
+        final.setdefault(lab, {})[r.seed] = (got["rows"][-1]["val_mse"], bool(got["diverged"]))
     ref = next(v.label for v in variants if v.expect == "reference")
     summary = {"title": title, "seeds": seeds, "reference": ref, "metric": "final held-out MSE",
                "task": asdict(TASKS[BASE[fig].task]), "base_run": asdict(replace(BASE[fig], **(QUICK if quick else {}))),
                "variants": {}}
     for v in variants:
-        vs = v.vs or ref
-        diffs = [final[(v.label, s)][0] - final[(vs, s)][0] for s in ss]
-        flags = [final[(v.label, s)][1] or final[(vs, s)][1] for s in ss]
-        word, info = verdict(v.expect, diffs, flags)
-        m, sd = figures.stats.mean_std([final[(v.label, s)][0] for s in ss])
-        ratio = [final[(v.label, s)][0] / final[(ref, s)][0] for s in ss]
-        summary["variants"][v.label] = {"paper": v.paper, "expect": v.expect, "verdict": word, "vs": vs,
-                                        "final_val_mse_mean": float(m), "final_val_mse_std": float(sd),
-                                        "mse_ratio_to_reference_mean": float(np.mean(ratio)), **info}
+        ratio = [final[v.label][s][0] / final[ref][s][0] for s in ss]
+        summary["variants"][v.label] = {**paired_verdict(v, final, ss, ref, "val_mse"),
+                                        "mse_ratio_to_reference_mean": float(np.mean(ratio))}
     if fig == "teacher_recipe":            # effects in units of the full recipe's own gap to BF16, where known
         fmt = out / "teacher_formats.json"
         if fmt.is_file():

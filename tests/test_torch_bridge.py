@@ -156,6 +156,17 @@ def test_a_non_float_input_raises_type_error(dtype):
         _layer()(torch.ones(4, 64, dtype=dtype))
 
 
+def test_an_input_on_another_device_raises_naming_both():
+    """nn.Linear refuses an input on another device than its weight; so does QuantLinear, naming both devices,
+    before anything is quantized (the 'meta' device stands in for a GPU on a CPU-only machine)."""
+    lin = _layer()
+    with pytest.raises(ValueError, match="the input is on meta and the weight on cpu"):
+        lin(torch.ones(4, 64, device="meta"))
+    with pytest.raises(ValueError, match="on meta"):
+        lin(torch.ones(0, 64, device="meta"))
+    assert lin._calls == 0
+
+
 def test_the_recipe_attribute_takes_a_preset_name_or_a_recipe_and_refuses_anything_else():
     lin = _layer()
     lin.recipe = "bf16"

@@ -127,7 +127,8 @@ class QuantLinear(torch.nn.Linear):
     ``recipe`` (a :class:`~fp4sim.training.Recipe` or a preset name). The bias is added in float32 after the
     GEMM; the output has the input's dtype. ``recipe="none"`` is exactly ``nn.Linear``.
 
-    As ``nn.Linear``: a floating-point input only (TypeError otherwise), and an empty input (no rows, or no
+    As ``nn.Linear``: a floating-point input on the weight's device only (TypeError / ValueError otherwise), and
+    an empty input (no rows, or no
     features) gives an empty output and zero gradients. The layer counts its forward calls; the count keys the
     Philox bits of stochastic rounding and travels in the state_dict (``_extra_state``: ``{"calls": n}``), so a
     model saved and loaded again draws the bits an uninterrupted run would. A state_dict without it (a plain
@@ -208,6 +209,9 @@ class QuantLinear(torch.nn.Linear):
             what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"QuantLinear takes a floating-point input, not {what}; convert it first "
                             "(x.float(), or the weight's dtype)")
+        if x.device != self.weight.device:
+            raise ValueError(f"QuantLinear: the input is on {x.device} and the weight on {self.weight.device}; "
+                             f"move one of them (x.to({str(self.weight.device)!r}) or the module .to(...))")
         if x.numel() == 0 or self.weight.numel() == 0:
             self._calls += 1                   # no rows (an MoE expert without tokens) or no features
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -223,6 +227,14 @@ def drop_extra_state(state_dict: dict) -> dict:
     of plain ``nn.Linear`` layers loads with ``strict=True``."""
     return type(state_dict)((k, v) for k, v in state_dict.items() if not k.endswith("._extra_state")
                             and k != "_extra_state")
+
+
+def _quant_layers(model):
+    """[(name, layer)] of the model's QuantLinear layers (named as convert named them); ValueError if none."""
+    mods = [(getattr(m, "_fp4sim_name", n), m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not mods:
+        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    return mods
 
 
 def _linears(model):
@@ -297,9 +309,7 @@ def set_recipe(model: torch.nn.Module, recipe, which: str = "both", include_kept
     recipe = _resolve(recipe)
     if which not in ("forward", "backward", "both"):
         raise ValueError(f"which={which!r}: use 'forward', 'backward' or 'both'")
-    mods = [(getattr(m, "_fp4sim_name", n), m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-    if not mods:
-        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    mods = _quant_layers(model)
     names = [n for n, _ in mods]
     _unmatched(recipe.keep, names, f"recipe {recipe.name!r}: keep glob")
     n_blocks = _n_blocks(recipe, names)
@@ -324,9 +334,7 @@ def collect_stats(model: torch.nn.Module):
     where the E4M3 block scale rounded below amax / 6). ``with collect_stats(model) as log: ...`` then
     ``log.dataset()`` (xarray). A model without QuantLinear layers raises ValueError."""
     log = _StatsLog()
-    mods = [m for _, m in model.named_modules() if isinstance(m, QuantLinear)]
-    if not mods:
-        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    mods = [m for _, m in _quant_layers(model)]
     for m in mods:
         m._stats = log.entries
     try:
@@ -377,9 +385,7 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     Returns ``(names to keep, {name: relative Wgrad error})``; the model's gradients are left as they were."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction!r}: a share of the layers in (0, 1]")
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-    if not mods:
-        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    mods = _quant_layers(model)
     err = {n: [0.0, 0.0] for n, _ in mods}
     probed = []
     grads = {id(p): (p.grad.clone() if p.grad is not None else None) for p in model.parameters()}
@@ -426,9 +432,7 @@ def gradient_fidelity(model: torch.nn.Module, batch_fn):
     Afterwards the model's parameters, gradients, buffers, recipes, SR call counts and the torch RNG are as they
     were."""
     import xarray as xr
-    mods = [(getattr(m, "_fp4sim_name", n), m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-    if not mods:
-        raise ValueError("the model has no QuantLinear layers: fp4sim.torch.convert(model, recipe) first")
+    mods = _quant_layers(model)
     params = list(model.parameters())
     grads = [p.grad for p in params]
     bufs = [b.detach().clone() for b in model.buffers()]
