@@ -7,9 +7,8 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .elements import decode, encode
 from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
-from .hadamard import rht
 from .qtensor import QuantizedTensor
-from .quantize import dequantize, fake_quantize, quantize
+from .quantize import dequantize, fake_quantize, quantize, rht
 from .gemm import gemm
 from .schemes import SCHEMES, get_scheme
 from . import layout, rng, threads, training

@@ -11,8 +11,7 @@ import numpy as np
 
 from ._xp import xp_of
 from .gemm import gemm
-from .hadamard import rht
-from .quantize import dequantize, quantize
+from .quantize import dequantize, quantize, rht
 from .training import OPERANDS, Operand, Recipe
 
 __all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "quantize_operand"]

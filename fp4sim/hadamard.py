@@ -1,12 +1,12 @@
-"""Random Hadamard transform (SPEC §3.1): ``y = x_chunk @ (diag(s) H_d / sqrt(d))`` for every d-long chunk."""
+"""The random Hadamard transform's matrices (SPEC §3.1): ``M = diag(s) H_d / sqrt(d)``, the Sylvester matrix H_d and
+the sign vector s. Pure NumPy, below the planning layer; the transform itself is :func:`fp4sim.rht`."""
 from __future__ import annotations
 
 import numpy as np
 
-from ._xp import is_cupy
 from .rng import philox_bytes
 
-__all__ = ["rht", "hadamard_matrix", "rht_signs", "rht_matrix", "TE_SIGN_MASK"]
+__all__ = ["check_d", "hadamard_matrix", "rht_signs", "rht_matrix", "TE_SIGN_MASK"]
 
 TE_SIGN_MASK = 0xD7E8  # TransformerEngine's fixed 16-element sign vector: bit i set <=> s_i = -1
 
@@ -51,24 +51,3 @@ def rht_signs(d: int, signs="te") -> np.ndarray:
 def rht_matrix(d: int = 16, signs="te") -> np.ndarray:
     """M = diag(s) H_d / sqrt(d) (float64); ``rht`` computes x_chunk @ M."""
     return rht_signs(d, signs)[:, None] * hadamard_matrix(d) / np.sqrt(d)
-
-
-def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16", memory: str = "C") -> np.ndarray:
-    """Random Hadamard transform of every contiguous d-long chunk along ``axis``.
-
-    The d signed terms are summed in float64 in index order, multiplied by float64(1/sqrt(d)) and rounded
-    once: to bfloat16 with ``out="bf16"`` (returned as float32 values that are exactly bfloat16, as
-    TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
-    The length of ``axis`` must be a multiple of d.
-
-    ``memory="axis_last"``: the same values in ``x``'s shape, as a strided view of memory laid out with ``axis``
-    last, which :func:`fp4sim.quantize` along ``axis`` reads without moving the axis (the Wgrad operands). The
-    default keeps the layout of a C-contiguous ``x`` on the CPU; other inputs (and CuPy arrays) take the
-    axis-last layout either way.
-    """
-    from . import planning
-    if is_cupy(x):
-        from .gpu import ops
-        return planning.run_rht(ops.kernels(ops.backend()), x, d, signs, axis, out, memory)
-    from .cpu.backend import CPU
-    return planning.run_rht(CPU, x, d, signs, axis, out, memory)

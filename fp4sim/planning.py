@@ -43,6 +43,7 @@ import numpy as np
 from . import _inputs, ids
 from ._xp import xp_of
 from .formats import E2M1, Format, get_format
+from .hadamard import check_d, hadamard_matrix, rht_signs
 from .qtensor import QuantizedTensor
 from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
 
@@ -270,21 +271,13 @@ class QuantPlan:
     scale_layout: str
     fake: bool
 
-    def to2d(self, xp, a):
-        return axis_last(xp, a, self.axis).reshape(-1, self.K)
+    def to2d(self, kern, a):
+        """``a`` as (R, K) rows, C-contiguous with the block axis last (the backend's ``axis_last`` copy)."""
+        return kern.axis_last(a, self.axis).reshape(-1, self.K)
 
     def back(self, xp, y2):
         """A (R, K) result in the input's original layout."""
         return xp.moveaxis(y2.reshape(self.lead + (self.K,)), -1, self.axis)
-
-
-def axis_last(xp, a, axis):
-    """``a`` with ``axis`` moved last, C-contiguous (on the CPU a tiled copy: NumPy's strided copy of a large
-    transpose is several times slower)."""
-    if xp is np:
-        from .cpu.transpose import axis_last as cpu_axis_last
-        return cpu_axis_last(a, axis)
-    return xp.ascontiguousarray(xp.moveaxis(a, axis, -1))
 
 
 def plan_quantize(shape, scheme, axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
@@ -362,7 +355,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     # The CPU kernels read an input blocked along another axis than the last a chunk of rows at a time
     # (kern.moved_rows): no tensor-sized moved copy. 4over6 and the FP8 / BF16 schemes take the copy.
     rows = (kern.moved_rows if hasattr(kern, "moved_rows") and isinstance(sch, (NVFP4, MX))
-            and not getattr(sch, "four_over_six", None) else lambda a, ax: p.to2d(xp, a))
+            and not getattr(sch, "four_over_six", None) else lambda a, ax: p.to2d(kern, a))
     x2 = rows(xs, p.axis)
     use_rb = p.sr.kind != ids.SR_NONE
     rb = (philox_rows(p.sr, xs.shape, p.axis) if use_rb and getattr(kern, "philox_in_kernel", False)
@@ -482,7 +475,6 @@ def is_fp4(sch) -> bool:
 def rht_args(xs, d, signs, axis, out):
     """Checked arguments of :func:`fp4sim.rht`: (axis 0..ndim-1, its length, diag(s) @ H_d as float64,
     bf16 output?)."""
-    from .hadamard import check_d, hadamard_matrix, rht_signs
     check_d(d)
     out = _inputs.check_choice(out, "out", ("bf16", "fp32"))
     axis = _inputs.check_axis(axis, xs.ndim, "rht")
@@ -507,7 +499,7 @@ def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16", memory="C"):
         if last:                                          # (outer, inner, K) in memory, seen in x's shape
             return np.moveaxis(y.reshape(xs.shape[:axis] + xs.shape[axis + 1:] + (K,)), -1, axis)
         return y.reshape(xs.shape)
-    xm = axis_last(xp, xs, axis)
+    xm = kern.axis_last(xs, axis)
     x2 = xm.reshape(-1, K)
     y = kern.rht(x2, d, sh, math.sqrt(1.0 / d), to_bf16)
     return xp.moveaxis(y.reshape(xm.shape), -1, axis)

@@ -1,16 +1,19 @@
-"""Public block-scaled entry points: ``quantize``, ``dequantize``, ``fake_quantize`` (SPEC §2-3).
+"""Public entry points that run on a backend: ``quantize``, ``dequantize``, ``fake_quantize`` (SPEC §2-3) and
+``rht``, the random Hadamard transform (SPEC §3.1; its matrices are in :mod:`fp4sim.hadamard`).
 
 Each checks and plans its call in :mod:`fp4sim.planning` and runs on the backend of its input: Numba for NumPy
 arrays, the CUDA kernels for CuPy arrays.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from . import planning
 from ._xp import is_cupy
 from .planning import fp8_tensor_scale  # noqa: F401  (part of this module's documented surface)
 from .qtensor import QuantizedTensor
 
-__all__ = ["quantize", "dequantize", "fake_quantize"]
+__all__ = ["quantize", "dequantize", "fake_quantize", "rht"]
 
 
 def _variant(scheme, flavor, block, scale_mode, fos, fos_fast, fos_max, fos_ties):
@@ -93,3 +96,19 @@ def dequantize(q: QuantizedTensor) -> np.ndarray:
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor (from fp4sim.quantize), not {type(q).__name__}")
     return planning.run_dequantize(_kernels(q.codes), q)
+
+
+def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16", memory: str = "C") -> np.ndarray:
+    """Random Hadamard transform of every contiguous d-long chunk along ``axis``.
+
+    The d signed terms are summed in float64 in index order, multiplied by float64(1/sqrt(d)) and rounded
+    once: to bfloat16 with ``out="bf16"`` (returned as float32 values that are exactly bfloat16, as
+    TransformerEngine rounds the transform's output before quantizing) or to float32 with ``out="fp32"``.
+    The length of ``axis`` must be a multiple of d.
+
+    ``memory="axis_last"``: the same values in ``x``'s shape, as a strided view of memory laid out with ``axis``
+    last, which :func:`fp4sim.quantize` along ``axis`` reads without moving the axis (the Wgrad operands). The
+    default keeps the layout of a C-contiguous ``x`` on the CPU; other inputs (and CuPy arrays) take the
+    axis-last layout either way.
+    """
+    return planning.run_rht(_kernels(x), x, d, signs, axis, out, memory)

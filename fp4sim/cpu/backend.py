@@ -5,12 +5,13 @@ import numpy as np
 
 from .. import ids
 from ..formats import E2M1, E4M3
-from ..planning import POW2_DEC, POW2_ENC, PhiloxRows, as_float32, kernel_params
+from ..planning import POW2_DEC, POW2_ENC, PhiloxRows, SRPlan, as_float32, kernel_params
 from ..rng import philox_bytes, seed_key
 from . import blocks as _b
 from . import elements as _e
+from .four_over_six import nvfp4_4over6
 from .hadamard import rht_axis_kernel, rht_kernel
-from .transpose import MovedRows, chunk_rows, moved_rows, row_chunks
+from .transpose import MovedRows, axis_last, chunk_rows, moved_rows, row_chunks
 
 f32 = np.float32
 
@@ -49,6 +50,12 @@ class CpuKernels:
     @staticmethod
     def as_float32(x, order="C"):
         return as_float32(x, order=order)
+
+    @staticmethod
+    def axis_last(a, axis):
+        """``a`` with ``axis`` moved last, C-contiguous: a tiled copy (NumPy's strided copy of a large transpose
+        is several times slower)."""
+        return axis_last(a, axis)
 
     @staticmethod
     def sr_bytes(sr, shape):
@@ -97,8 +104,9 @@ class CpuKernels:
 
     @staticmethod
     def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
-        from .four_over_six import nvfp4_4over6
-        return nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4)
+        def encode(v, fmt):
+            return CpuKernels.encode(np.ascontiguousarray(v, np.float32), fmt, 0, True, 8, SRPlan(0))
+        return nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4, encode)
 
     @staticmethod
     def row_absmax(x2):

@@ -18,15 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import E2M1, E4M3
+from ..four_over_six import FLT_MAX, second_level
 
 f32 = np.float32
-FLT_MAX = f32(np.finfo(np.float32).max)
-
-
-def _encode(v, fmt):
-    from ..cpu.backend import CPU
-    from ..planning import SRPlan
-    return CPU.encode(np.ascontiguousarray(v, np.float32), fmt, 0, True, 8, SRPlan(0))
 
 
 def fp16_product(q, scale_byte):
@@ -70,24 +64,10 @@ def _tree16(err):
     return r[:, 0] + r[:, 1]
 
 
-def second_level(amax_g, e4m3_max):
-    """(S_enc, S_dec, fl(6 * e4m3_max)) float32 of a 4over6 tensor (S_enc = 1 when amax_g is 0, as the te
-    flavour's kernels). ``amax_g`` is a number, or a vector of per-row amaxes (row-scaled); S_enc and S_dec
-    then have its shape."""
-    g = np.asarray(amax_g, np.float32)
-    num = f32(f32(e4m3_max) * f32(6.0))
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s_enc = np.where(g == 0, f32(1.0), np.minimum(num / g, FLT_MAX)).astype(np.float32)
-        s_enc = np.where(s_enc == 0, f32(1.0), s_enc).astype(np.float32)
-        s_dec = (f32(1.0) / s_enc).astype(np.float32)
-    if s_enc.ndim == 0:
-        return f32(s_enc), f32(s_dec), num
-    return s_enc, s_dec, num
-
-
-def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
+def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4, encode):
     """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2.
-    ``amax_g``: the tensor's second-level amax, or (1x16 only) a vector with one per row (row-scaled)."""
+    ``amax_g``: the tensor's second-level amax, or (1x16 only) a vector with one per row (row-scaled).
+    ``encode(values, fmt)``: the backend's round-to-nearest, saturating element encoder (float32 in, codes out)."""
     R, K = x2.shape
     nbk = -(-K // 16)
     Kp, Rp = nbk * 16, -(-R // tile) * tile
@@ -111,11 +91,11 @@ def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=Fals
         base = (vec / f32(6.0)) * s_enc
         cand = {}
         for name, sf in (("4", base * f32(1.5)), ("6", base)):
-            byte = _encode(np.minimum(sf, f32(448.0)), E4M3)
+            byte = encode(np.minimum(sf, f32(448.0)), E4M3)
             sval = E4M3.values[byte]
             enc = np.minimum(f32(1.0) / (sval * s_dec), FLT_MAX).astype(np.float32)
             y = np.clip(xb * enc[..., None], f32(-6.0), f32(6.0))
-            codes = _encode(y, E2M1)
+            codes = encode(y, E2M1)
             v = E2M1.values[codes]
             if fast_math:
                 d = fp16_product(v, np.repeat(byte[..., None], 16, -1)) - (xb * _col(s_enc))

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import ids, planning
 from ..formats import E2M1, E4M3
+from ..four_over_six import second_level
 from ..planning import POW2_DEC, POW2_ENC, kernel_params
 from ..rng import seed_key
 
@@ -36,6 +37,10 @@ class GpuKernels:
             raise TypeError(f"{name} has dtype {x.dtype}; on the GPU fp4sim takes float16, float32 or float64 CuPy "
                             f"arrays (bfloat16 tensors: pass them through fp4sim.torch or .float() first)")
         return self.xp.ascontiguousarray(x, dtype=np.float32) if order == "C" else self.xp.asarray(x, np.float32)
+
+    def axis_last(self, a, axis):
+        """``a`` with ``axis`` moved last, C-contiguous."""
+        return self.xp.ascontiguousarray(self.xp.moveaxis(a, axis, -1))
 
     def table(self, t: np.ndarray):
         """A small float64 lookup table on the device (exact float32 values), uploaded once."""
@@ -75,7 +80,6 @@ class GpuKernels:
         return host[:1].view(np.float32)[0], bool(host[1])
 
     def nvfp4_4over6(self, x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
-        from ..cpu.four_over_six import second_level
         xp = self.xp
         R, K = x2.shape
         nbk = -(-K // 16)
