@@ -1,78 +1,17 @@
 """``compare``: check a kernel's quantized output against the emulator, bit for bit, and explain mismatches."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from .. import _inputs
-from ..elements import encode
-from ..formats import E2M1, E4M3
-from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
-from ..planning import POW2_DEC, POW2_ENC, nvfp4_constants_rows
+from ..formats import E4M3
+from ..planning import POW2_DEC, nvfp4_constants_rows
 from ..quantize import quantize
 from ..schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
+from .readout import codes_unpacked, scaled, scales_per_row, x2_padded
 from .report import Report
 
 f32 = np.float32
-FLT_MAX = f32(np.finfo(np.float32).max)
-E2M1_TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
-E2M1_MAGS = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
-
-
-# ------------------------------------------------------------------------------------------ normalising
-def _as_bytes(a, name):
-    a = np.asarray(a)
-    if a.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu),
-                   np.dtype(ml_dtypes.float4_e2m1fn)):
-        a = a.view(np.uint8)
-    if a.dtype != np.uint8:
-        raise TypeError(f"{name} must hold raw bytes (uint8, or an ml_dtypes float8 array), not {a.dtype}")
-    return a
-
-
-def _codes_unpacked(codes, q, nibble_order="low_first"):
-    """The kernel's codes as (rows, Kp) unpacked (FP4) or (rows, n) (FP8)."""
-    sch = q.scheme
-    want = q.codes
-    if isinstance(sch, BF16Cast):
-        c = np.asarray(codes)
-        if c.dtype != np.uint16 and c.dtype != np.dtype(ml_dtypes.bfloat16):
-            raise TypeError(f"codes for bf16 must be uint16 (or bfloat16), not {c.dtype}")
-        c = c.view(np.uint16)
-    else:
-        c = _as_bytes(codes, "codes")
-    if c.size != want.size:
-        what = "packed FP4 codes, two per byte" if _is_fp4(sch) else "codes, one per byte"
-        raise ValueError(f"codes has {c.size} entries; {sch.name} of an input of shape {q.shape} (axis {q.axis}) "
-                         f"needs {want.size} {what}, shaped {want.shape}")
-    c = c.reshape(-1, want.shape[-1])
-    return unpack_fp4(c, nibble_order) if _is_fp4(sch) else c
-
-
-def _is_fp4(sch):
-    return isinstance(sch, NVFP4) or (isinstance(sch, MX) and sch.elem is E2M1)
-
-
-def _scales_per_row(scales, q, layout):
-    """The kernel's scale bytes as the per-row (rows, blocks) matrix, read in ``layout``."""
-    sch = q.scheme
-    s = _as_bytes(scales, "scales").reshape(-1)
-    rows = int(np.prod(q.lead, dtype=np.int64))
-    C = q.scale_rows_cols[1]
-    if layout == "swizzled":
-        need = swizzled_size(rows, C)
-        if s.size != need:
-            raise ValueError(f"swizzled scales have {s.size} bytes; {rows} rows x {C} blocks padded to multiples "
-                             f"of 128 x 4 need {need}")
-        return unswizzle_scales(s, rows, C)
-    tiles = q.scale_rows_cols[0]
-    if s.size == rows * C:
-        return s.reshape(rows, C)
-    if sch.block[0] > 1 and s.size == tiles * C:
-        return np.repeat(s.reshape(tiles, C), sch.block[0], axis=0)[:rows]
-    raise ValueError(f"scales have {s.size} bytes; expected {rows * C} ({rows} rows x {C} blocks)"
-                     + (f" or {tiles * C} (one per 16x16 tile)" if sch.block[0] > 1 else "")
-                     + " in the linear layout (or pass scale_layout='swizzled' / --scale-layout swizzled)")
 
 
 _PY_NAMES = {"global_amax": "global_amax", "tensor_scale": "tensor_scale", "delayed": "expect_tensor_amax=False"}
@@ -96,54 +35,6 @@ def amax_of_tensor_scale(scale, name="tensor_scale"):
             return f32(a[0])
         a = np.nextafter(a, np.float32(np.inf) if f32(a[0] / f32(2688.0)) < s else np.float32(0))
     raise ValueError(f"{name} {float(s)!r}: no float32 amax gives this scale as fl(amax / 2688)")
-
-
-# ------------------------------------------------------------------------------------------ emulation
-def _x2_padded(q, x2):
-    bk = q.scheme.block[1]
-    Kp = -(-q.K // bk) * bk
-    xp = np.zeros((x2.shape[0], Kp), np.float32)
-    xp[:, : q.K] = x2
-    return xp
-
-
-def _scaled(xp, sch, s_rows, global_amax):
-    """(y, factor-is-NaN mask): the values each element is rounded from, given per-row scale bytes."""
-    bk = sch.block[1]
-    with np.errstate(all="ignore"):
-        if isinstance(sch, MX):
-            fac = np.repeat(POW2_ENC[s_rows], bk, axis=1)
-            return xp * fac, np.zeros(xp.shape, bool)
-        c0, c1, _ = nvfp4_constants_rows(sch.flavor, 1.0 if global_amax is None else global_amax,
-                                          sch.per_tensor_scale, sch.e4m3_max)
-        c0, c1 = c0.reshape(-1, 1), c1.reshape(-1, 1)          # one per row (row-scaled) or one
-        sval = np.repeat(E4M3.values[s_rows], bk, axis=1)
-        if sch.flavor in ("te", "paper"):
-            fac = np.minimum(f32(1.0) / (sval * c1), FLT_MAX)
-        elif sch.flavor == "torchao":
-            fac = c1 / sval
-        else:
-            return xp / (sval * c1), np.zeros(xp.shape, bool)
-        return xp * fac, np.isnan(fac)
-
-
-def _codes_from_scaled(y, xp, nanfac, sch, tie="even"):
-    """Element codes from scaled values, with a tie rule (even / away / zero) and the flavour's specials."""
-    elem = sch.elem
-    c = encode(y, elem)
-    if tie != "even" and elem is E2M1:
-        ay = np.abs(y)
-        at_tie = np.isin(ay, E2M1_TIES)
-        up = np.searchsorted(E2M1_MAGS, ay).astype(np.uint8)  # first magnitude >= |y|
-        mag = up if tie == "away" else up - 1
-        c = np.where(at_tie, mag | (np.signbit(y).astype(np.uint8) << 3), c).astype(np.uint8)
-    if isinstance(sch, NVFP4):
-        c = np.where(np.isnan(xp), 7, c)
-        if sch.flavor == "torchao":
-            c = np.where(nanfac & ~np.isnan(xp), 0xC, c)
-        if sch.flavor == "modelopt":
-            c = np.where(y == 0, 0, c)
-    return c.astype(np.uint8)
 
 
 # ------------------------------------------------------------------------------------------ the check
@@ -224,9 +115,9 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
         return _compare_plain(q, x2, codes, scales, sch, gmis, notes, max_mismatches)
 
     exp_s = q.scales_per_row()
-    act_s = _scales_per_row(scales, q, scale_layout)
-    exp_c = _codes_unpacked(q.codes, q)
-    act_c = _codes_unpacked(codes, q)
+    act_s = scales_per_row(scales, q, scale_layout)
+    exp_c = codes_unpacked(q.codes, q)
+    act_c = codes_unpacked(codes, q)
     s_bad = exp_s != act_s
     rep = Report(sch.name, getattr(sch, "flavor", None) or getattr(sch, "scale_mode", None), "exact",
                  int(exp_c.size), int(exp_s.size), 0, int(s_bad.sum()), gmis, notes=notes)
@@ -234,8 +125,8 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
                                         actual=int(act_s[r, b])) for r, b in np.argwhere(s_bad)[:max_mismatches]]
     if statistical:
         from .sr import sr_statistics
-        xp = _x2_padded(q, x2)
-        y, _ = _scaled(xp, sch, act_s, q.global_amax if q.global_amax is not None else 0)
+        xp = x2_padded(q, x2)
+        y, _ = scaled(xp, sch, act_s, q.global_amax if q.global_amax is not None else 0)
         rep.sr = sr_statistics(y, act_c, sch.elem, sr_bits, alpha)
         ok = rep.sr["passed"] and not s_bad.any() and not gmis
         rep.verdict = "sr_consistent" if ok else "sr_inconsistent"
@@ -288,7 +179,7 @@ def _examples(q, x2, exp_c, act_c, exp_s, act_s, bad, n):
 
 def _compare_plain(q, x2, codes, scales, sch, gmis, notes, n):
     """FP8 per-tensor / blockwise and BF16: codes (and float32 scales) compared exactly."""
-    act_c = _codes_unpacked(codes, q)
+    act_c = codes_unpacked(codes, q)
     exp_c = np.asarray(q.codes).reshape(act_c.shape)
     if isinstance(sch, BF16Cast):
         exp_s = act_s = np.zeros(0, np.float32)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..quantize import quantize
 from ..schemes import NVFP4, FLAVORS, SCALE_MODES
-from .core import _codes_from_scaled, _codes_unpacked, _scaled, _scales_per_row, _x2_padded
+from .readout import codes_from_scaled, codes_unpacked, scaled, scales_per_row, x2_padded
 
 __all__ = ["diagnose"]
 
@@ -73,12 +73,12 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
     g = q.global_amax
     xs = np.asarray(x, dtype=np.float32)
     x2 = np.ascontiguousarray(np.moveaxis(xs, q.axis, -1)).reshape(-1, q.K)
-    xp = _x2_padded(q, x2)
+    xp = x2_padded(q, x2)
     readings = []  # (label, actual codes unpacked, actual per-row scales)
     for order, layout in itertools.product(("low_first", "high_first"), ("linear", "swizzled")):
         try:
-            ac = _codes_unpacked(codes, q, order)
-            as_ = _scales_per_row(scales, q, layout)
+            ac = codes_unpacked(codes, q, order)
+            as_ = scales_per_row(scales, q, layout)
         except ValueError:
             continue
         lab = ("low nibble first" if order == "low_first" else "high nibble first (swapped nibbles)") + \
@@ -101,15 +101,15 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
             exp_s = qv.scales_per_row()
             if off:
                 exp_s = np.clip(exp_s.astype(np.int16) + off, 0, 254).astype(np.uint8)
-            base = _codes_unpacked(qv.codes, qv)
+            base = codes_unpacked(qv.codes, qv)
             ties = {"ties to even": base}
             if off:
-                y, nanfac = _scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
-                ties = {"ties to even": _codes_from_scaled(y, xp, nanfac, var, "even")}
+                y, nanfac = scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
+                ties = {"ties to even": codes_from_scaled(y, xp, nanfac, var, "even")}
             if not sr and not fos:
-                y, nanfac = _scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
+                y, nanfac = scaled(xp, var, exp_s, qv.global_amax if qv.global_amax is not None else 0)
                 for tie in ("away", "zero"):
-                    c = _codes_from_scaled(y, xp, nanfac, var, tie)
+                    c = codes_from_scaled(y, xp, nanfac, var, tie)
                     if not np.array_equal(c, ties["ties to even"]):  # only where the input has exact ties
                         ties[f"ties {'away from' if tie == 'away' else 'toward'} zero"] = c
             for tlab, ec in ties.items():

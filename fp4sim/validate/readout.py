@@ -1,0 +1,124 @@
+"""What :func:`fp4sim.validate.compare` and :func:`fp4sim.validate.diagnose` both do with a kernel's output:
+read its code and scale bytes as per-row matrices, and round the input from given scale bytes (the values each
+element is rounded from, then its E2M1 / FP8 code under a tie rule and the flavour's special cases)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ..elements import encode
+from ..formats import E2M1, E4M3
+from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
+from ..planning import POW2_ENC, nvfp4_constants_rows
+from ..schemes import MX, NVFP4, BF16Cast
+
+__all__ = ["as_bytes", "codes_unpacked", "is_fp4", "scales_per_row", "x2_padded", "scaled", "codes_from_scaled"]
+
+f32 = np.float32
+FLT_MAX = f32(np.finfo(np.float32).max)
+E2M1_TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+E2M1_MAGS = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+# ------------------------------------------------------------------------------------------ normalising
+def as_bytes(a, name):
+    a = np.asarray(a)
+    if a.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu),
+                   np.dtype(ml_dtypes.float4_e2m1fn)):
+        a = a.view(np.uint8)
+    if a.dtype != np.uint8:
+        raise TypeError(f"{name} must hold raw bytes (uint8, or an ml_dtypes float8 array), not {a.dtype}")
+    return a
+
+
+def codes_unpacked(codes, q, nibble_order="low_first"):
+    """The kernel's codes as (rows, Kp) unpacked (FP4) or (rows, n) (FP8)."""
+    sch = q.scheme
+    want = q.codes
+    if isinstance(sch, BF16Cast):
+        c = np.asarray(codes)
+        if c.dtype != np.uint16 and c.dtype != np.dtype(ml_dtypes.bfloat16):
+            raise TypeError(f"codes for bf16 must be uint16 (or bfloat16), not {c.dtype}")
+        c = c.view(np.uint16)
+    else:
+        c = as_bytes(codes, "codes")
+    if c.size != want.size:
+        what = "packed FP4 codes, two per byte" if is_fp4(sch) else "codes, one per byte"
+        raise ValueError(f"codes has {c.size} entries; {sch.name} of an input of shape {q.shape} (axis {q.axis}) "
+                         f"needs {want.size} {what}, shaped {want.shape}")
+    c = c.reshape(-1, want.shape[-1])
+    return unpack_fp4(c, nibble_order) if is_fp4(sch) else c
+
+
+def is_fp4(sch):
+    return isinstance(sch, NVFP4) or (isinstance(sch, MX) and sch.elem is E2M1)
+
+
+def scales_per_row(scales, q, layout):
+    """The kernel's scale bytes as the per-row (rows, blocks) matrix, read in ``layout``."""
+    sch = q.scheme
+    s = as_bytes(scales, "scales").reshape(-1)
+    rows = int(np.prod(q.lead, dtype=np.int64))
+    C = q.scale_rows_cols[1]
+    if layout == "swizzled":
+        need = swizzled_size(rows, C)
+        if s.size != need:
+            raise ValueError(f"swizzled scales have {s.size} bytes; {rows} rows x {C} blocks padded to multiples "
+                             f"of 128 x 4 need {need}")
+        return unswizzle_scales(s, rows, C)
+    tiles = q.scale_rows_cols[0]
+    if s.size == rows * C:
+        return s.reshape(rows, C)
+    if sch.block[0] > 1 and s.size == tiles * C:
+        return np.repeat(s.reshape(tiles, C), sch.block[0], axis=0)[:rows]
+    raise ValueError(f"scales have {s.size} bytes; expected {rows * C} ({rows} rows x {C} blocks)"
+                     + (f" or {tiles * C} (one per 16x16 tile)" if sch.block[0] > 1 else "")
+                     + " in the linear layout (or pass scale_layout='swizzled' / --scale-layout swizzled)")
+
+
+# ------------------------------------------------------------------------------------------ emulation
+def x2_padded(q, x2):
+    bk = q.scheme.block[1]
+    Kp = -(-q.K // bk) * bk
+    xp = np.zeros((x2.shape[0], Kp), np.float32)
+    xp[:, : q.K] = x2
+    return xp
+
+
+def scaled(xp, sch, s_rows, global_amax):
+    """(y, factor-is-NaN mask): the values each element is rounded from, given per-row scale bytes."""
+    bk = sch.block[1]
+    with np.errstate(all="ignore"):
+        if isinstance(sch, MX):
+            fac = np.repeat(POW2_ENC[s_rows], bk, axis=1)
+            return xp * fac, np.zeros(xp.shape, bool)
+        c0, c1, _ = nvfp4_constants_rows(sch.flavor, 1.0 if global_amax is None else global_amax,
+                                          sch.per_tensor_scale, sch.e4m3_max)
+        c0, c1 = c0.reshape(-1, 1), c1.reshape(-1, 1)          # one per row (row-scaled) or one
+        sval = np.repeat(E4M3.values[s_rows], bk, axis=1)
+        if sch.flavor in ("te", "paper"):
+            fac = np.minimum(f32(1.0) / (sval * c1), FLT_MAX)
+        elif sch.flavor == "torchao":
+            fac = c1 / sval
+        else:
+            return xp / (sval * c1), np.zeros(xp.shape, bool)
+        return xp * fac, np.isnan(fac)
+
+
+def codes_from_scaled(y, xp, nanfac, sch, tie="even"):
+    """Element codes from scaled values, with a tie rule (even / away / zero) and the flavour's specials."""
+    elem = sch.elem
+    c = encode(y, elem)
+    if tie != "even" and elem is E2M1:
+        ay = np.abs(y)
+        at_tie = np.isin(ay, E2M1_TIES)
+        up = np.searchsorted(E2M1_MAGS, ay).astype(np.uint8)  # first magnitude >= |y|
+        mag = up if tie == "away" else up - 1
+        c = np.where(at_tie, mag | (np.signbit(y).astype(np.uint8) << 3), c).astype(np.uint8)
+    if isinstance(sch, NVFP4):
+        c = np.where(np.isnan(xp), 7, c)
+        if sch.flavor == "torchao":
+            c = np.where(nanfac & ~np.isnan(xp), 0xC, c)
+        if sch.flavor == "modelopt":
+            c = np.where(y == 0, 0, c)
+    return c.astype(np.uint8)
