@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import stats
+from . import plotting, stats
 from .train import RunConfig, diverged
 
 BRANCH = 0.34          # fig4 / fig12: branch from the full recipe at 34% of the run, as the paper does
@@ -247,17 +247,16 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
     """Write fig.png / fig.csv / fig.json of an ablation figure from its finished runs (fig12's Wgrad errors at
     the branch point computed from the runs' snapshots, or taken as given in ``wgrad_at_branch``: rows of
     fig12_wgrad_error.csv)."""
-    from .figures import TRAIN_COLUMNS, _lines, _plt, _title, _write_csv, _write_json, training_rows
     title, variants = ABLATIONS[fig]
     out = Path(out)
-    rows = training_rows(fig, runs, logs)
-    _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS + ("wgrad_rel_error_mean",), rows)
+    rows = plotting.training_rows(fig, runs, logs)
+    plotting.write_csv(out / f"{fig}.csv", plotting.TRAIN_COLUMNS + ("wgrad_rel_error_mean",), rows)
     logged = any("wgrad_error" in r for rr in logs.values() for r in rr)
     at_branch = None
     if fig == "fig12":
         at_branch = wgrad_at_branch if wgrad_at_branch is not None else wgrad_error_at_branch(runs, run_dirs, fig)
     if at_branch is not None:
-        _write_csv(out / f"{fig}_wgrad_error.csv", ("seed", "variant", "layer", "rel_error"), at_branch)
+        plotting.write_csv(out / f"{fig}_wgrad_error.csv", ("seed", "variant", "layer", "rel_error"), at_branch)
     seeds = sorted({c.seed for _, _, c in runs})
     final = {}
     for lab, _, c in runs:
@@ -265,7 +264,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
         final.setdefault(lab, {})[c.seed] = (r[-1]["val_loss"], bool(diverged(run_dirs[c.key()])))
     ref = next(v.label for v in variants if v.expect == "reference")
     summary = {"title": title, "seeds": len(seeds), "reference": ref, "variants": {}}
-    plt = _plt()
+    plt = plotting.pyplot()
     panel3 = logged or at_branch is not None
     f, axes = plt.subplots(1, 3 if panel3 else 2, figsize=(17 if panel3 else 12, 4.4))
     a0, a1 = axes[0], axes[1]
@@ -282,7 +281,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
             axes[2].bar([i], [m], yerr=[sd], color=cmap(i), capsize=4)
         axes[2].set_xticks(range(len(variants)), [v.label for v in variants], fontsize=8)
         axes[2].set(ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)")
-        _title(axes[2], f"Wgrad error of each d on the same tensors (step at {BRANCH:.0%}), mean ± std over seeds")
+        plotting.title(axes[2], f"Wgrad error of each d on the same tensors (step at {BRANCH:.0%}), mean ± std over seeds")
         axes[2].grid(alpha=0.3, axis="y")
     if logged:                  # the paper's diagnostic: each run's mean relative Wgrad GEMM error over its layers
         for i, v in enumerate(variants):
@@ -293,7 +292,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
                 if pts:
                     axes[2].plot(*zip(*pts), color=cmap(i), lw=1, alpha=0.8, label=v.label if s == seeds[0] else None)
         axes[2].set(xlabel="training tokens", ylabel="relative Wgrad GEMM error (mean over NVFP4 layers)")
-        _title(axes[2], "Wgrad quantization error during training")
+        plotting.title(axes[2], "Wgrad quantization error during training")
         axes[2].legend(fontsize=7)
         axes[2].grid(alpha=0.3)
     for i, v in enumerate(variants):
@@ -307,7 +306,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
                 t = np.array([r["tokens"] for r in rv])
                 R.append(stats.rel_diff_pct([rb[r["step"]] for r in rv], [r["val_loss"] for r in rv]))
         if ok and R:
-            _lines(a0, t, np.array(R), cmap(i), v.label, i, len(variants))
+            plotting.lines(a0, t, np.array(R), cmap(i), v.label, i, len(variants))
         summary["variants"][v.label] = info = paired_verdict(v, final, seeds, ref, "val_loss")
         if v.label != ref:
             a1.errorbar([i], [info.get("effect", math.nan)], yerr=[2 * info.get("stderr", math.nan)], fmt="o",
@@ -317,7 +316,7 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
                     label="reference (0 by definition)")
     a0.axhline(0, color="k", lw=0.8)
     a0.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)")
-    _title(a0, f"{title}: relative difference from BF16, mean ± 1 s.e. over {len(seeds)} seeds")
+    plotting.title(a0, f"{title}: relative difference from BF16, mean ± 1 s.e. over {len(seeds)} seeds")
     a0.legend(fontsize=7)
     a1.legend(fontsize=7, loc="best")
     a1.axhline(0, color="k", lw=0.8)
@@ -325,13 +324,13 @@ def make(fig: str, runs, logs, out: Path, run_dirs, wgrad_at_branch=None) -> dic
                   ha="right", fontsize=7)
     against = ref if not any(v.vs for v in variants) else f"{ref} (or the run named)"
     a1.set(ylabel=f"final loss - {against} (nats), ± 2 s.e.")
-    _title(a1, "effect at the end of training, paired by seed")
+    plotting.title(a1, "effect at the end of training, paired by seed")
     for a in (a0, a1):
         a.grid(alpha=0.3)
     f.tight_layout()
     f.savefig(out / f"{fig}.png", dpi=130)
     plt.close(f)
-    _write_json(out / f"{fig}.json", summary)
+    plotting.write_json(out / f"{fig}.json", summary)
     return summary
 
 

@@ -7,16 +7,15 @@ next (Fig. 6a) from DIR/runs/.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from . import stats
+from . import plotting, stats
 from .model import GPTConfig
-from .train import COLUMNS, RunConfig
+from .train import RunConfig
 
 # Full mode: sized so that `python -m paper_repro all` (every run of every figure) takes about 90 minutes on two
 # cores; the measured times are in figures/README.md.
@@ -29,8 +28,7 @@ MULTS = (1.0, 1.25, 1.36, 1.5)
 LABELS = {"bf16": "BF16", "nvfp4_paper": "NVFP4 (paper recipe)", "fp8_blockwise": "FP8 blockwise",
           "mxfp4_paper": "MXFP4 (RHT d=32)"}
 COLORS = {"bf16": "k", "nvfp4_paper": "tab:green", "fp8_blockwise": "tab:blue", "mxfp4_paper": "tab:red"}
-TRAIN_COLUMNS = ("figure", "run", "seed", "step", "tokens", "lr", "train_loss", "val_loss", "rel_diff_pct",
-                 "token_multiplier")
+
 
 
 def base(quick: bool) -> RunConfig:
@@ -61,118 +59,35 @@ def runs_for(fig: str, quick: bool, seeds: int) -> list[tuple[str, float, RunCon
     return out
 
 
-# ------------------------------------------------------------------------------------------- writing
-def _write_csv(path: Path, columns, rows):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else (repr(float(r[k])) if isinstance(r[k], (float, np.floating))
-                                                          else r[k])) for k in columns})
-
-
-def _write_json(path: Path, obj):
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _curves(runs, logs, label):
-    """(tokens, val (seeds, points)) of one run label over seeds, in seed order."""
-    sel = sorted((c.seed, logs[c.key()]) for lab, _, c in runs if lab == label)
-    tokens = np.array([r["tokens"] for r in sel[0][1]])
-    return tokens, np.array([[r["val_loss"] for r in rows] for _, rows in sel])
-
-
-def training_rows(fig, runs, logs, baseline="bf16"):
-    """The long-format rows, with the relative difference from the same seed's baseline at the same step."""
-    base_by_seed = {c.seed: {r["step"]: r["val_loss"] for r in logs[c.key()]}
-                    for lab, _, c in runs if lab == baseline}
-    rows = []
-    for lab, mult, c in runs:
-        for r in logs[c.key()]:
-            b = base_by_seed.get(c.seed, {}).get(r["step"]) if lab != baseline else None
-            row = {"figure": fig, "run": lab, "seed": c.seed, **{k: r[k] for k in COLUMNS},
-                   "rel_diff_pct": None if b is None else float(stats.rel_diff_pct(b, r["val_loss"])),
-                   "token_multiplier": mult if fig == "fig6b" else None}
-            if r.get("wgrad_error"):
-                row["wgrad_rel_error_mean"] = float(np.mean(list(r["wgrad_error"].values())))
-            rows.append(row)
-    return rows
-
-
-def _band(ax, x, Y, color, label):
-    """One curve with its +-std band over seeds: for a panel that shows one curve only."""
-    m, s = stats.mean_std(Y)
-    ax.plot(x, m, color=color, label=label, lw=1.6)
-    if Y.shape[0] > 1:
-        ax.fill_between(x, m - s, m + s, color=color, alpha=0.2, lw=0)
-
-
-def _lines(ax, x, Y, color, label, k=0, n=1, err=True):
-    """The seed mean of Y (seeds, points) as a thin line, with +-1 standard error bars at the evaluations when
-    ``err`` and there are several seeds; curve ``k`` of ``n`` is shifted by a fraction of the first evaluation
-    interval so that the bars of curves on one panel stay apart."""
-    x = np.asarray(x, np.float64)
-    m, s = stats.mean_std(Y)
-    dx = (x[1] - x[0]) if x.size > 1 else 1.0
-    xs = x + (k - (n - 1) / 2) * 0.12 * dx
-    ax.plot(x, m, color=color, label=label, lw=1.2)
-    if err and Y.shape[0] > 1:
-        ax.errorbar(xs, m, yerr=s / np.sqrt(Y.shape[0]), fmt="none", ecolor=color, elinewidth=1, capsize=2,
-                    alpha=0.9)
-
-
-def _ylim_all(ax, *Ys, pad=0.04):
-    """y limits that include every evaluation of every curve (NaN of a diverged run ignored)."""
-    v = np.concatenate([np.asarray(Y, np.float64).ravel() for Y in Ys])
-    v = v[np.isfinite(v)]
-    if v.size:
-        lo, hi = float(v.min()), float(v.max())
-        span = (hi - lo) or abs(hi) or 1.0
-        ax.set_ylim(lo - pad * span, hi + pad * span)
-
-
-def _title(ax, text, width=72, **kw):
-    """A title wrapped to the panel's width, so that it stays inside the figure."""
-    import textwrap
-    ax.set_title(textwrap.fill(text, width), fontsize=9, **kw)
-
-
 def _loss_and_rel(fig, runs, logs, labels, out: Path, title):
-    plt = _plt()
+    plt = plotting.pyplot()
     f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.4))
     summary = {"runs": {}, "seeds": len({c.seed for _, _, c in runs})}
-    tb, Yb = _curves(runs, logs, "bf16")
+    tb, Yb = plotting.curves(runs, logs, "bf16")
     shown, rels = [], []
     others = [lab for lab in labels if lab != "bf16"]
     for lab in labels:
-        t, Y = _curves(runs, logs, lab)
-        _lines(a0, t, Y, COLORS[lab], LABELS[lab], err=False)
+        t, Y = plotting.curves(runs, logs, lab)
+        plotting.lines(a0, t, Y, COLORS[lab], LABELS[lab], err=False)
         shown.append(Y)
         m, s = stats.mean_std(Y[:, -1])
         summary["runs"][lab] = {"final_val_loss_mean": float(m), "final_val_loss_std": float(s),
                                 "final_val_loss_per_seed": [float(v) for v in Y[:, -1]]}
         if lab != "bf16":
             R = stats.rel_diff_pct(Yb, Y)
-            _lines(a1, t, R, COLORS[lab], LABELS[lab], others.index(lab), len(others))
+            plotting.lines(a1, t, R, COLORS[lab], LABELS[lab], others.index(lab), len(others))
             rels.append(R)
             rm, rs = stats.mean_std(R[:, -1])
             dm, ds = stats.mean_std(Y[:, -1] - Yb[:, -1])
             summary["runs"][lab].update(final_rel_diff_pct_mean=float(rm), final_rel_diff_pct_std=float(rs),
                                         final_loss_gap_vs_bf16_mean=float(dm), final_loss_gap_vs_bf16_std=float(ds))
     a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)")
-    _title(a0, f"{title} (mean over {summary['seeds']} seeds)")
-    _ylim_all(a0, *shown)
+    plotting.title(a0, f"{title} (mean over {summary['seeds']} seeds)")
+    plotting.ylim_all(a0, *shown)
     a1.axhline(0, color="k", lw=0.8)
     a1.set(xlabel="training tokens", ylabel="relative difference from BF16 (%)\n(BF16 - run) / BF16")
-    _title(a1, "relative difference, paired by seed (mean ± 1 s.e.)")
-    _ylim_all(a1, *rels, np.zeros(1))
+    plotting.title(a1, "relative difference, paired by seed (mean ± 1 s.e.)")
+    plotting.ylim_all(a1, *rels, np.zeros(1))
     for a in (a0, a1):
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
@@ -184,8 +99,8 @@ def _loss_and_rel(fig, runs, logs, labels, out: Path, title):
 
 def make_training_figure(fig, runs, logs, out: Path) -> dict:
     out = Path(out)
-    rows = training_rows(fig, runs, logs)
-    _write_csv(out / f"{fig}.csv", TRAIN_COLUMNS, rows)
+    rows = plotting.training_rows(fig, runs, logs)
+    plotting.write_csv(out / f"{fig}.csv", plotting.TRAIN_COLUMNS, rows)
     if fig == "fig2":
         summary = _loss_and_rel(fig, runs, logs, ("bf16", "nvfp4_paper", "fp8_blockwise"), out,
                                 "NVFP4 vs BF16 and FP8 (validation loss)")
@@ -198,28 +113,28 @@ def make_training_figure(fig, runs, logs, out: Path) -> dict:
         summary["mxfp4_minus_nvfp4_final"] = {"mean": float(gm), "std": float(gs), "per_seed": [float(g) for g in gap]}
     else:
         summary = _fig6b(runs, logs, out)
-    _write_json(out / f"{fig}.json", summary)
+    plotting.write_json(out / f"{fig}.json", summary)
     return summary
 
 
 def _fig6b(runs, logs, out: Path) -> dict:
-    plt = _plt()
+    plt = plotting.pyplot()
     seeds = sorted({c.seed for _, _, c in runs})
-    tn, Yn = _curves(runs, logs, "nvfp4_paper")
+    tn, Yn = plotting.curves(runs, logs, "nvfp4_paper")
     finals = np.array([[logs[c.key()][-1]["val_loss"] for s in seeds for lab, m, c in runs
                         if lab == f"mxfp4_paper_x{mm:g}" and c.seed == s] for mm in MULTS]).T   # (seeds, mults)
     res = stats.token_multiplier_over_seeds(MULTS, finals, Yn[:, -1])
     f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.6))
-    _lines(a0, tn, Yn, COLORS["nvfp4_paper"], f"NVFP4, {1.0:.2f}x tokens", err=False)
+    plotting.lines(a0, tn, Yn, COLORS["nvfp4_paper"], f"NVFP4, {1.0:.2f}x tokens", err=False)
     cmap = plt.get_cmap("Reds")
     shown = [Yn]
     for i, m in enumerate(MULTS):
-        t, Y = _curves(runs, logs, f"mxfp4_paper_x{m:g}")
-        _lines(a0, t, Y, cmap(0.4 + 0.6 * i / (len(MULTS) - 1)), f"MXFP4, {m:.2f}x tokens", err=False)
+        t, Y = plotting.curves(runs, logs, f"mxfp4_paper_x{m:g}")
+        plotting.lines(a0, t, Y, cmap(0.4 + 0.6 * i / (len(MULTS) - 1)), f"MXFP4, {m:.2f}x tokens", err=False)
         shown.append(Y)
     a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)")
-    _title(a0, f"MXFP4 with more tokens (mean over {len(seeds)} seeds)")
-    _ylim_all(a0, *shown)
+    plotting.title(a0, f"MXFP4 with more tokens (mean over {len(seeds)} seeds)")
+    plotting.ylim_all(a0, *shown)
     fm, fs = stats.mean_std(finals)
     se = fs / math.sqrt(len(seeds))
     a1.errorbar(MULTS, fm, yerr=se, color="tab:red", marker="o", capsize=3, label="MXFP4 final loss (± 1 s.e.)")
@@ -230,12 +145,12 @@ def _fig6b(runs, logs, out: Path) -> dict:
     if res["status"] == "interpolated":
         a1.axvline(res["value"], color="0.4", ls="--",
                    label=f"match at {res['value']:.2f}x ± {res['stderr']:.2f} (paper: 1.36x)")
-        _title(a1, "the token multiplier at which MXFP4 matches NVFP4's final loss")
+        plotting.title(a1, "the token multiplier at which MXFP4 matches NVFP4's final loss")
     elif res["status"] == "at_or_below_min":
-        _title(a1, f"MXFP4 reaches NVFP4's final loss already at {MULTS[0]:.2f}x (paper: 1.36x)")
+        plotting.title(a1, f"MXFP4 reaches NVFP4's final loss already at {MULTS[0]:.2f}x (paper: 1.36x)")
     else:
         ext = res["extrapolated"]
-        _title(a1, f"MXFP4 does not reach NVFP4's final loss by {MULTS[-1]:.2f}x"
+        plotting.title(a1, f"MXFP4 does not reach NVFP4's final loss by {MULTS[-1]:.2f}x"
                + (f" (straight-line extrapolation: {ext:.2f}x)" if math.isfinite(ext) else "") + " (paper: 1.36x)")
     a1.set(xlabel="MXFP4 tokens / NVFP4 tokens", ylabel="final validation loss")
     a1.set_xticks(MULTS, [f"{m:.2f}x" for m in MULTS])
@@ -260,7 +175,7 @@ def fig1(out: Path, quick: bool = False) -> dict:
     """One real NVFP4 block: the 16 values of a MiniLM weight row, their E2M1 codes, the block's E4M3 scale, the
     tensor's FP32 scale and what they decode to; the block amax marked."""
     import fp4sim as fs
-    plt = _plt()
+    plt = plotting.pyplot()
     name = "minilm.encoder.layer.0.attention.self.query.weight"
     W = _sample(name)
     q = fs.quantize(W, "nvfp4")
@@ -278,7 +193,7 @@ def fig1(out: Path, quick: bool = False) -> dict:
              "code": int(codes[k]), "e2m1_value": float(e2m1[k]), "scale_byte": sbyte, "scale_e4m3": sval,
              "tensor_amax": amax, "tensor_scale_s_enc": s_enc, "dequantized": float(y[r, 16 * j + k]),
              "is_block_amax": int(k == k_amax)} for k in range(16)]
-    _write_csv(out / "fig1.csv", list(rows[0]), rows)
+    plotting.write_csv(out / "fig1.csv", list(rows[0]), rows)
     f, ax = plt.subplots(figsize=(10, 4.2))
     ks = np.arange(16)
     ax.bar(ks - 0.2, x, 0.4, color="0.6", label="float32 weight")
@@ -301,7 +216,7 @@ def fig1(out: Path, quick: bool = False) -> dict:
     summary = {"tensor": name, "scale_byte": sbyte, "scale_e4m3": sval, "tensor_amax": amax,
                "tensor_scale_s_enc": s_enc, "block_amax_element": k_amax,
                "block_amax": float(x[k_amax]), "block_amax_decoded": float(y[r, k_amax])}
-    _write_json(out / "fig1.json", summary)
+    plotting.write_json(out / "fig1.json", summary)
     return summary
 
 
@@ -311,7 +226,7 @@ def appb4(out: Path, quick: bool = False) -> dict:
     unused), while NVFP4's E4M3 scale maps the amax to 6 and keeps ~3.01. Then the share of each E2M1 magnitude
     on a real activation tensor under NVFP4 and MXFP4."""
     import fp4sim as fs
-    plt = _plt()
+    plt = plotting.pyplot()
     act_name = "smollm2.blk0.ffn_down.input"
     A = _sample(act_name)
     blk = A[0, :32].astype(np.float64)
@@ -338,7 +253,7 @@ def appb4(out: Path, quick: bool = False) -> dict:
         for code in range(8):
             rows.append({"figure": "appB4", "part": "histogram", "scheme": lab, "element": "", "x": "",
                          "dequantized": "", "magnitude_code": code, "share": float(h[code])})
-    _write_csv(out / "appB4.csv", list(rows[0]), rows)
+    plotting.write_csv(out / "appB4.csv", list(rows[0]), rows)
     f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = np.arange(32)
     a0.plot(xs, blk, "o", color="0.5", ms=4, label="input (amax 3.01)")
@@ -364,7 +279,7 @@ def appb4(out: Path, quick: bool = False) -> dict:
     f.savefig(out / "appB4.png", dpi=130)
     plt.close(f)
     summary = {"block": res, "histogram": hist, "tensor": act_name}
-    _write_json(out / "appB4.json", summary)
+    plotting.write_json(out / "appB4.json", summary)
     return summary
 
 

@@ -321,7 +321,7 @@ def _snr_claim(rows_q, rows_ref, seeds):
 def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, quiet: bool = True) -> dict:
     """Train (or read back from DIR/runs/teacher/) every run of a teacher figure and write FIG.png / .csv / .json."""
     from tqdm import tqdm
-    from . import figures
+    from . import plotting
     from .ablations import paired_verdict
     out = Path(out)
     seeds = seeds or (QUICK_SEEDS if quick else FULL_SEEDS)
@@ -337,7 +337,7 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
             rows.append({"figure": fig, "variant": lab, "seed": r.seed, **{k: row.get(k) for k in
                                                                           ("step", "train_mse", "val_mse",
                                                                            "snr_median", "snr_min")}})
-    figures._write_csv(out / f"{fig}.csv", CSV_COLUMNS, rows)
+    plotting.write_csv(out / f"{fig}.csv", CSV_COLUMNS, rows)
     ss = list(range(seeds))
     final = {}
     for lab, r in runs:
@@ -365,7 +365,7 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
         summary["snr_claim"] = {v.label: _snr_claim(by_seed(v.label), by_seed(ref), ss)
                                 for v in variants if v.expect != "reference"}
     _plot(fig, runs, res, summary, out, ss)
-    figures._write_json(out / f"{fig}.json", summary)
+    plotting.write_json(out / f"{fig}.json", summary)
     return summary
 
 
@@ -374,8 +374,8 @@ CSV_COLUMNS = ("figure", "variant", "seed", "step", "train_mse", "val_mse", "snr
 
 def _plot(fig, runs, res, summary, out, seeds):
     from fp4sim.torch.linear import SNR_THRESHOLD
-    from . import figures
-    plt = figures._plt()
+    from . import plotting
+    plt = plotting.pyplot()
     title, variants = FIGS[fig]
     f, (a0, a1, a2) = plt.subplots(1, 3, figsize=(17, 4.8))
     cmap = plt.get_cmap("tab20" if len(variants) > 10 else "tab10")
@@ -388,7 +388,6 @@ def _plot(fig, runs, res, summary, out, seeds):
         S = np.array([[r.get("snr_median", np.nan) for r in rr[:n]] for rr in rows], dtype=float)
         if np.isfinite(S).any():
             a2.plot(t, np.exp(np.nanmean(np.log(S), 0)), color=cmap(i), lw=1.2, label=v.label)
-        info = summary["variants"][v.label]
         if v.expect == "reference":
             a1.plot([i], [1.0], marker="D", ms=7, mfc="white", mec=cmap(i), mew=1.5, ls="none",
                     label="reference (1 by definition)")
@@ -402,18 +401,18 @@ def _plot(fig, runs, res, summary, out, seeds):
                                                           [math.exp(lr.mean() + 2 * se) - math.exp(lr.mean())]],
                         fmt="o", color=cmap(i), capsize=4)
     a0.set(xlabel="training step", ylabel="held-out MSE (geometric mean over seeds)", yscale="log")
-    figures._title(a0, f"{title}: held-out MSE over training, {len(seeds)} seeds")
+    plotting.title(a0, f"{title}: held-out MSE over training, {len(seeds)} seeds")
     a0.legend(fontsize=7)
     a1.axhline(1.0, color="k", lw=0.8)
     a1.set_yscale("log")
     a1.set_xticks(range(len(variants)), [v.label + (f"\n(vs {v.vs})" if v.vs else "") for v in variants],
                   rotation=30, ha="right", fontsize=7)
     a1.set(ylabel="final MSE / the compared run's (geo. mean ± 2 s.e.)")
-    figures._title(a1, "effect at the end of training, paired by seed (verdicts use the MSE differences)")
+    plotting.title(a1, "effect at the end of training, paired by seed (verdicts use the MSE differences)")
     a1.legend(fontsize=7)
     a2.axhline(SNR_THRESHOLD, color="k", ls="--", lw=1, label="sqrt(3) (Chmiel et al. 2025)")
     a2.set(xlabel="training step", ylabel="median weight-gradient SNR of the quantized layers", yscale="log")
-    figures._title(a2, "gradient fidelity: ||g_ref|| / ||g_q - g_ref|| on a fixed batch")
+    plotting.title(a2, "gradient fidelity: ||g_ref|| / ||g_q - g_ref|| on a fixed batch")
     a2.legend(fontsize=6)
     for a in (a0, a1, a2):
         a.grid(alpha=0.3)

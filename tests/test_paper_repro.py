@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fp4sim as fs  # noqa: E402
-from paper_repro import ablations, build_data, data, figures, stats  # noqa: E402
+from paper_repro import ablations, build_data, data, figures, plotting, stats  # noqa: E402
 from paper_repro.model import GPT, GPTConfig, build  # noqa: E402
 from paper_repro.train import RunConfig, train, wsd_lr  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
         runs = figures.runs_for(fig, True, figures.QUICK_SEEDS)
         assert len(rows) == sum(len(c.eval_steps()) for _, _, c in runs)
         extra = ("wgrad_rel_error_mean",) if fig in ablations.ABLATIONS else ()
-        assert set(rows[0]) == set(figures.TRAIN_COLUMNS + extra)
+        assert set(rows[0]) == set(plotting.TRAIN_COLUMNS + extra)
         assert {r["run"] for r in rows} == {lab for lab, _, _ in runs}
         assert {int(r["seed"]) for r in rows} == set(range(figures.QUICK_SEEDS))
     if fig in ablations.ABLATIONS:  # the verdict table lists every variant but the reference, in order
@@ -262,7 +262,7 @@ def test_relative_difference_sign_convention():
     runs = [("bf16", 1.0, replace(TINY, preset="bf16")), ("nvfp4_paper", 1.0, TINY)]
     logs = {runs[0][2].key(): [{"step": 1, "tokens": 9, "lr": 0.1, "train_loss": 3.0, "val_loss": 2.0}],
             runs[1][2].key(): [{"step": 1, "tokens": 9, "lr": 0.1, "train_loss": 3.0, "val_loss": 2.05}]}
-    rows = figures.training_rows("fig2", runs, logs)
+    rows = plotting.training_rows("fig2", runs, logs)
     assert rows[0]["rel_diff_pct"] is None and rows[1]["rel_diff_pct"] == pytest.approx(-2.5)
 
 
@@ -530,11 +530,11 @@ def test_replot_redraws_a_figure_from_its_csv_with_the_same_numbers(tmp_path):
 def test_loss_panels_include_every_evaluation():
     """The y limits of a loss panel hold every evaluation of every curve, the first one included (it used to be cut
     off), with NaN of a diverged run left out."""
-    plt = figures._plt()
+    plt = plotting.pyplot()
     f, ax = plt.subplots()
     Y1 = np.array([[3.5, 2.4, 2.0], [3.6, 2.5, 2.1]])
     Y2 = np.array([[3.4, 2.3, np.nan]])
-    figures._ylim_all(ax, Y1, Y2)
+    plotting.ylim_all(ax, Y1, Y2)
     lo, hi = ax.get_ylim()
     assert lo < 2.0 and hi > 3.6
     plt.close(f)
