@@ -12,7 +12,7 @@ from fp4sim.formats import spec_markdown
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp4sim", description=__doc__)
-    p.add_argument("--spec", action="store_true", help="print only the Markdown format table (README section)")
+    p.add_argument("--spec", action="store_true", help="print only the Markdown format table (the table of docs/formats.md)")
     p.add_argument("--recipes", action="store_true", help="print only the Markdown table of the training presets")
     args = p.parse_args(argv)
     if args.spec:

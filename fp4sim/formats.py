@@ -1,7 +1,7 @@
 """Element formats: what each code means.
 
 A format is a frozen dataclass; every property (max, min normal, value table, ...) is derived from the few
-defining fields, so the README tables, the encoders and the tests all read the same numbers.
+defining fields, so the documentation's tables, the encoders and the tests all read the same numbers.
 
 Formats
 -------
@@ -212,7 +212,7 @@ def get_format(fmt: "Format | str") -> Format:
 
 
 def spec_markdown() -> str:
-    """Markdown tables describing every format, generated from the Format objects (used by README.md)."""
+    """Markdown tables describing every format, generated from the Format objects (used by docs/formats.md)."""
     def num(v):
         if v is None:
             return "—"

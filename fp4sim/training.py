@@ -35,6 +35,8 @@ SIGNS = ("te", "fixed", "per_transform", "none")
 class Operand:
     """How one GEMM operand is quantized.
 
+    Parameters
+    ----------
     scheme : an fp4sim scheme name (``"nvfp4"``, ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"fp8_blockwise"``, ``"fp8_e4m3"``,
         ``"bf16"``, ...) or None (kept in float32).
     block : ``(1, 16)`` or ``(16, 16)`` for NVFP4, ``(1, 128)`` or ``(128, 128)`` for FP8 blockwise; None for
@@ -102,6 +104,9 @@ class Operand:
 class Recipe:
     """The six operands (see the module docstring), which layers stay in high precision, and the RNG seed.
 
+    Parameters
+    ----------
+    fprop_x, fprop_w, dgrad_dy, dgrad_w, wgrad_x, wgrad_dy : the :class:`Operand` of each GEMM input.
     keep : name globs of linear layers that stay in high precision (``high_precision``), e.g. ``("lm_head",)``.
     keep_first, keep_last : the first / last N transformer blocks stay in high precision; a layer's block is the
         first integer component of its name (``layers.11.mlp.up`` is block 11; ``block_pattern`` changes the rule).
@@ -290,7 +295,7 @@ class Recipe:
 
 
 def presets_markdown() -> str:
-    """Every preset's six operands as one Markdown table (README's recipe table; ``python -m fp4sim --recipes``)."""
+    """Every preset's six operands as one Markdown table (docs/training.md's; ``python -m fp4sim --recipes``)."""
     names = [n for n in PRESETS if n != "none"]
     recs = [Recipe.preset(n) for n in names]
     rows = ["| GEMM | operand | " + " | ".join(f"`{n}`" for n in names) + " |",

@@ -475,7 +475,7 @@ def test_safetensors_with_float8_and_bfloat16_entries_are_read_through_ml_dtypes
 
 def test_the_fp4sim_command_lists_its_subcommands_and_runs_them(tmp_path):
     """The installed `fp4sim` console script: --help lists every subcommand; `fp4sim validate` runs the validate
-    parser on real files (EXACT, exit 0; a mismatch exits 1); `fp4sim recipes` prints the README's recipe table;
+    parser on real files (EXACT, exit 0; a mismatch exits 1); `fp4sim recipes` prints the recipe table of docs/training.md;
     an unknown command exits 2 with the list. The python -m forms are the same functions."""
     from pathlib import Path as _P
     from fp4sim.cli import COMMANDS

@@ -65,7 +65,7 @@ class _Host:
 def dev(request, tmp_path_factory):
     if request.param == "cupy":
         if not fs.gpu.available():
-            pytest.skip("no CUDA device with CuPy: the GPU run of these tests needs pip install 'fp4sim[gpu]'")
+            pytest.skip("no CUDA device with CuPy: the GPU run of these tests needs pip install '.[gpu]' (from the repository root)")
         return _Cupy()
     return _Host(request.getfixturevalue("host_lib"))
 

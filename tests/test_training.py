@@ -478,7 +478,7 @@ def test_ddp_gradients_are_the_mean_of_each_process_alone(tmp_path):
 @pytest.mark.gpu
 def test_quant_linear_on_cuda_gives_the_cpu_bits():
     if not (torch.cuda.is_available() and fs.gpu.available()):
-        pytest.skip("no CUDA device with CuPy: the GPU run needs pip install 'fp4sim[gpu]' and a CUDA torch")
+        pytest.skip("no CUDA device with CuPy: the GPU run needs pip install '.[gpu]' and a CUDA torch")
     q, _ = _pair(Recipe.preset("nvfp4_paper", seed=5))
     x, dy = torch.randn(32, 64), torch.randn(32, 48)
     cpu = _run(q, x, dy)

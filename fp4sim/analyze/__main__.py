@@ -118,7 +118,7 @@ def _connect(address):
     try:
         from dask.distributed import Client
     except ImportError:
-        raise BadInput("--scheduler needs Dask: pip install 'fp4sim[dask]'") from None
+        raise BadInput("--scheduler needs Dask: pip install 'dask[distributed]' (or '.[dask]' from the repository root)") from None
     try:
         return Client(address, timeout=5)
     except (OSError, TimeoutError, ValueError) as e:

@@ -2,7 +2,7 @@
 
 Importing fp4sim never imports CuPy; passing CuPy arrays to ``fp4sim.encode``, ``decode``, ``quantize``,
 ``dequantize``, ``fake_quantize`` or ``rht`` runs here and returns CuPy arrays. Install with
-``pip install "fp4sim[gpu]"``.
+``pip install ".[gpu]"`` from the repository root.
 """
 from __future__ import annotations
 
