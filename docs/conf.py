@@ -20,7 +20,5 @@ html_theme = "furo"
 html_title = f"fp4sim {release}"
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": False}
 autodoc_typehints = "description"
-autodoc_mock_imports = ["cupy"]
 napoleon_numpy_docstring = True
 napoleon_google_docstring = False
-nitpicky = False

@@ -9,10 +9,10 @@ import numpy as np
 from ..elements import encode
 from ..formats import E2M1, E4M3
 from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
-from ..planning import POW2_ENC, nvfp4_constants_rows
+from ..planning import POW2_ENC, is_fp4, nvfp4_constants_rows
 from ..schemes import MX, NVFP4, BF16Cast
 
-__all__ = ["as_bytes", "codes_unpacked", "is_fp4", "scales_per_row", "x2_padded", "scaled", "codes_from_scaled"]
+__all__ = ["as_bytes", "codes_unpacked", "scales_per_row", "x2_padded", "scaled", "codes_from_scaled"]
 
 f32 = np.float32
 FLT_MAX = f32(np.finfo(np.float32).max)
@@ -48,10 +48,6 @@ def codes_unpacked(codes, q, nibble_order="low_first"):
                          f"needs {want.size} {what}, shaped {want.shape}")
     c = c.reshape(-1, want.shape[-1])
     return unpack_fp4(c, nibble_order) if is_fp4(sch) else c
-
-
-def is_fp4(sch):
-    return isinstance(sch, NVFP4) or (isinstance(sch, MX) and sch.elem is E2M1)
 
 
 def scales_per_row(scales, q, layout):
