@@ -404,7 +404,9 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
                                                     sch.four_over_six_fast_math, sch.four_over_six_ties == "map_to_4")
             q = finish(sch, codes, scales, g, p.lead, p.axis, p.shape, p.scale_layout,
                        {"map_to_4_frac": float(np.mean(pick)), "map_to_4": pick})
-            return p.back(xp, run_dequantize(kern, q).reshape(p.R, p.K)) if fake else q
+            # fake: the (R, K) rows themselves (run_dequantize's result is in the input's shape, which for a
+            # blocked axis other than the last is not those rows reshaped)
+            return p.back(xp, kern.dequantize(q, plan_dequantize(q)).reshape(p.R, p.K)) if fake else q
         c0, c1, dq = nvfp4_constants_rows(sch.flavor, amax_g, sch.per_tensor_scale)
         codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
                                        c0, c1, dq, fake, *pre)

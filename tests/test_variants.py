@@ -176,3 +176,15 @@ def test_row_scaled_four_over_six_validates_and_is_named_by_the_diagnosis(tmp_pa
     assert r.returncode == 0 and "EXACT" in r.stdout, (r.stdout, r.stderr)
     r = subprocess.run(args[:-3] + ["mae"], capture_output=True, text=True)
     assert r.returncode == 1 and "4over6 MSE, E4M3 max 256, one tensor scale per row" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_four_over_six_fake_quantize_equals_dequantize_along_every_axis(block, axis):
+    """fake_quantize with 4over6 is dequantize(quantize) bit for bit along any axis (along axis 0 it once
+    reshaped the dequantized tensor, in the input's shape, as if it were the (R, K) rows: scrambled values)."""
+    x = X[:, :40] * np.float32(1.5)                   # 32 x 40: the blocked axis not a multiple of 16 either way
+    for err in ("mae", "mse"):
+        a = fs.fake_quantize(x, "nvfp4", axis=axis, block=block, four_over_six=err)
+        b = fs.dequantize(fs.quantize(x, "nvfp4", axis=axis, block=block, four_over_six=err))
+        assert a.shape == x.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
