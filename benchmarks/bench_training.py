@@ -1,11 +1,19 @@
 """Emulated training cost, as ratios measured in one run (CPU).
 
     python benchmarks/bench_training.py [--repeat 3] [--d-model 256] [--json out.json]
+    python benchmarks/bench_training.py --model paper [--presets nvfp4_paper,bf16] [--general] [--sizes 128x32,64x64]
+                                        [--keep-last 0] [--json out.json]
 
 1. fp4sim.gemm (exact and fast) for M = N = K = 1024 NVFP4 / MXFP4 operands, against a float32 BLAS matmul of
    the same shape (the quantization of the operands is not included).
 2. One training step (forward + backward) of a small transformer (d_model, 2 blocks, 128 tokens x 4 sequences)
    under each preset, against the same model in plain torch float32.
+``--model paper``: instead, the full optimizer step (forward, backward, AdamW) of the paper_repro GPT (4 blocks,
+4 heads, 2 key/value heads, squared-ReLU MLP, no biases) at d_model 128 with 32 x 128 tokens per step and at
+d_model 64 with 64 x 128, every block linear under ``Recipe.preset(name, accumulate="fast")``, the head kept in
+high precision as paper_repro keeps it, against the same model in plain torch float32; with ``--general`` the
+same steps with the fast path turned off (what ``accumulate="fast"`` cost before it) are timed in the same
+rounds, so the before / after ratio comes from one run.
 Each ratio's two sides are timed in three alternating rounds (best of --repeat calls each), so a load spike
 on a shared machine does not fall on one side only.
 """
@@ -27,7 +35,15 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--json")
+    ap.add_argument("--model", choices=("tiny", "paper"), default="tiny")
+    ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise")
+    ap.add_argument("--general", action="store_true", help="also time the general path (fast path off)")
+    ap.add_argument("--sizes", default="128x32,64x64", help="d_model x sequences of 128 tokens (--model paper)")
+    ap.add_argument("--keep-last", type=int, default=0,
+                    help="blocks at the end kept in BF16 (--model paper; paper_repro's full mode keeps 1)")
     a = ap.parse_args()
+    if a.model == "paper":
+        return paper_steps(a)
     import fp4sim as fs  # before torch: fp4sim sets OMP_WAIT_POLICY=PASSIVE for both OpenMP pools
     import torch
     from fp4sim.torch import convert
@@ -72,6 +88,58 @@ def main():
             out["step"][key] = t / t0
             print(f"step {key:22}: {t * 1e3:8.1f} ms = {t / t0:5.2f}x plain torch (its float32 step in "
                   f"alternating rounds, d_model {d}: {t0 * 1e3:.1f} ms)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+def paper_steps(a):
+    import fp4sim  # noqa: F401  (before torch: one passive OpenMP wait policy for both pools)
+    import torch
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from fp4sim import fastpath
+    from paper_repro.model import GPTConfig, build
+    from paper_repro.train import make_recipe
+
+    out = {"step": {}, "tokens_per_s": {}, "threads": torch.get_num_threads()}
+    for size in a.sizes.split(","):
+        d, B = (int(v) for v in size.split("x"))
+        c = GPTConfig(d_model=d, n_layers=4)
+        idx = torch.randint(0, c.vocab, (B, c.ctx + 1), generator=torch.Generator().manual_seed(0))
+
+        def step_fn(model, fast=True):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+            def f():
+                old = fastpath._set_enabled(fast)
+                try:
+                    logits = model(idx[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, c.vocab), idx[:, 1:].reshape(-1))
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                finally:
+                    fastpath._set_enabled(old)
+            return f
+
+        base = step_fn(build(c, "none", 0))
+        for preset in a.presets.split(","):
+            rec = make_recipe(preset, {}, a.keep_last, 0, "fast")
+            fns = [base, step_fn(build(c, rec, 0))]
+            if a.general:
+                fns.append(step_fn(build(c, rec, 0), fast=False))
+            ts = best_alternating(fns, a.repeat)
+            t0, t = ts[0], ts[1]
+            key = f"d{d}_B{B}_{preset}"
+            tok = B * c.ctx
+            out["step"][key] = t / t0
+            out["tokens_per_s"][key] = {"emulated": tok / t, "plain": tok / t0}
+            line = (f"step {key:24}: {t * 1e3:7.1f} ms = {t / t0:5.2f}x plain float32 ({t0 * 1e3:6.1f} ms); "
+                    f"{tok / t:7.0f} vs {tok / t0:7.0f} tokens/s")
+            if a.general:
+                out["step"][key + "_general"] = ts[2] / t0
+                out["tokens_per_s"][key]["general"] = tok / ts[2]
+                line += f"; fast path off: {ts[2] / t0:5.2f}x ({tok / ts[2]:6.0f} tokens/s)"
+            print(line, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 

@@ -4,17 +4,28 @@ Each operand is quantized from the high-precision tensor along its GEMM's dot-pr
 GEMM's RHT, if any, with the tensor amax taken after the transform), and the GEMM is :func:`fp4sim.gemm`.
 Stochastic rounding draws Philox bits keyed by ``layer_seed(recipe.seed, layer)`` with the stream
 ``8 * call + operand``: the same seed and the same sequence of calls give the same bits on any backend.
+
+With ``recipe.accumulate == "fast"``, NumPy operands and no stats, the three functions take the fast path of
+:mod:`fp4sim.fastpath`: the same bits, without codes and scale bytes. There :func:`fprop` returns the operands'
+float32 values (:class:`Values`) where it returns quantized tensors otherwise; passed on to :func:`dgrad` and
+:func:`wgrad` as ``qw_fprop`` / ``qx_fprop``, they serve the reuse switches and, where an operand's values do
+not depend on the dot axis and the backward recipe quantizes it the same way, they are used again instead of
+quantizing the tensor a second time. :func:`dgrad` leaves the output gradient's values in ``cache`` (a dict)
+for :func:`wgrad` in the same way.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from dataclasses import dataclass
+
+from . import fastpath
 from ._xp import xp_of
 from .gemm import gemm
-from .quantize import dequantize, quantize, rht
+from .quantize import dequantize, fake_quantize, quantize, rht
 from .training import OPERANDS, Operand, Recipe
 
-__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "quantize_operand"]
+__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "quantize_operand", "Values", "serves"]
 
 _OP_INDEX = {op: i for i, op in enumerate(OPERANDS)}
 _GOLD = 0x9E3779B97F4A7C15
@@ -59,18 +70,96 @@ def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call
         a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype, memory="axis_last")   # quantized along axis
     if not op.quantized:
         return a
+    q = quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name))
+    if stats is not None:
+        stats.append(_operand_stats(a, q, name))
+    return q
+
+
+def _quant_kwargs(op: Operand, recipe: Recipe, layer: int, call: int, name: str) -> dict:
     kw = {}
     if op.block is not None:
         kw["block"] = op.block
     if op.four_over_six is not None:
         kw["four_over_six"] = op.four_over_six
     if op.rounding == "sr":
-        kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer),
-                  stream=(call * 8 + _OP_INDEX[name]) & 0xFFFFFFFF)
-    q = quantize(a, op.scheme, axis=axis, **kw)
-    if stats is not None:
-        stats.append(_operand_stats(a, q, name))
+        kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer), stream=_stream(call, name))
+    return kw
+
+
+def _stream(call, name):
+    return (call * 8 + _OP_INDEX[name]) & 0xFFFFFFFF
+
+
+@dataclass(eq=False)
+class Values:
+    """One operand of the fast path as its GEMM reads it: ``a`` (rows along the dot axis, C-contiguous for a
+    quantized operand), the :class:`~fp4sim.training.Operand` that made it, and ``reuse`` (whether the recipe
+    that made it asked for it to be reused: ``dgrad_w_reuse_fprop`` / ``wgrad_x_reuse_fprop``)."""
+    a: object
+    op: Operand
+    reuse: bool = False
+
+
+def _fast(recipe: Recipe, stats, *arrays) -> bool:
+    return (recipe.accumulate == "fast" and stats is None and fastpath.enabled()
+            and all(isinstance(a, np.ndarray) for a in arrays))
+
+
+def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call: int, name: str, signs=None):
+    """The fast path's :func:`quantize_operand`: the operand's float32 values with the dot axis last (what the
+    general path's ``dequantize`` moved to the dot axis gives, in the same layout)."""
+    if op.rht:
+        a = _pad_axis(a, axis, op.rht)
+        a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype, memory="axis_last")
+    if not op.quantized:
+        return a if axis == 1 else a.T
+    plan = fastpath.operand_plan(op, a.shape, axis)
+    if plan.kind == "bf16":
+        return fastpath.bf16_values(fastpath.a_form(a, axis))
+    if plan.kind == "nvfp4":
+        v = fastpath.nvfp4_values(fastpath.a_form(a, axis), plan, layer_seed(recipe.seed, layer),
+                                  _stream(call, name))
+        if v is not None:
+            return v
+        v = dequantize(quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name)))
+    else:
+        v = fake_quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name))
+    return v if axis == 1 else v.T
+
+
+def _as_values(q):
+    """A quantized tensor (or float32 array) from the general path as the fast path's :class:`Values`."""
+    if q is None or isinstance(q, Values):
+        return q
+    return Values(dequantize(q) if hasattr(q, "codes") else q, None, True)
+
+
+def _from_values(q):
+    """The general path's view of a :class:`Values`: its array where it was made for reuse, else nothing."""
+    if isinstance(q, Values):
+        return q.a if q.reuse else None
     return q
+
+
+def serves(v, op: Operand) -> bool:
+    """Whether ``v`` (what :func:`fprop` returned for one operand) gives the other GEMM's operand ``op`` its
+    values: a :class:`Values` made by the same operand, whose values do not depend on the dot axis. A caller
+    keeping fprop's outputs for the backward pass keeps those that serve (or that a reuse switch needs)."""
+    return isinstance(v, Values) and v.op == op and fastpath.shared_values(op)
+
+
+def _shared(prev, op: Operand):
+    """``prev`` (a :class:`Values` of the other GEMM's operand from the same tensor) transposed, where its
+    values are this operand's: the same operand, whose values do not depend on the dot axis; else None."""
+    if serves(prev, op):
+        return np.ascontiguousarray(prev.a.T)
+    return None
+
+
+def _fast_matmul(A, B):
+    """A·Bᵀ of two operands with their dot axes last: the call and layouts of ``gemm(accumulate="fast")``."""
+    return np.matmul(A, B.T).astype(np.float32, copy=False)
 
 
 def _operand_stats(a, q, name):
@@ -126,15 +215,35 @@ def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, retu
     """y = x · Wᵀ: x (M, K), w (N, K) -> (M, N) float32. Returns (y, the quantized weight for reuse), and the
     quantized activation third with ``return_qx`` (for ``wgrad_x_reuse_fprop``)."""
     s = _signs(recipe.fprop_x, recipe, layer, call, 0) if recipe.fprop_x.rht else None
+    if _fast(recipe, stats, x2, w):
+        xv = Values(_operand_values(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s), recipe.fprop_x,
+                    recipe.wgrad_x_reuse_fprop)
+        wv = Values(_operand_values(w, recipe.fprop_w, 1, recipe, layer, call, "fprop_w", s), recipe.fprop_w,
+                    recipe.dgrad_w_reuse_fprop)
+        y = _fast_matmul(xv.a, wv.a)
+        return (y, wv, xv) if return_qx else (y, wv)
     qx = quantize_operand(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s, stats)
     qw = quantize_operand(w, recipe.fprop_w, 1, recipe, layer, call, "fprop_w", s, stats)
     y = _matmul(qx, qw, recipe, 1, 1)
     return (y, qw, qx) if return_qx else (y, qw)
 
 
-def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None):
-    """dx = dy · W: dy (M, N), w (N, K) -> (M, K) float32."""
+def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None, cache=None):
+    """dx = dy · W: dy (M, N), w (N, K) -> (M, K) float32. On the fast path, ``cache`` (a dict) receives the
+    output gradient's values for :func:`wgrad`."""
     s = _signs(recipe.dgrad_dy, recipe, layer, call, 1) if recipe.dgrad_dy.rht else None
+    if _fast(recipe, stats, dy2, w):
+        qw_fprop = _as_values(qw_fprop)
+        dyv = Values(_operand_values(dy2, recipe.dgrad_dy, 1, recipe, layer, call, "dgrad_dy", s), recipe.dgrad_dy)
+        if cache is not None:
+            cache["dy"] = dyv
+        if recipe.dgrad_w_reuse_fprop and isinstance(qw_fprop, Values) and qw_fprop.reuse and recipe.dgrad_w.quantized:
+            return np.matmul(dyv.a, qw_fprop.a).astype(np.float32)     # the Fprop weight as it is, along N
+        B = _shared(qw_fprop, recipe.dgrad_w)
+        if B is None:
+            B = _operand_values(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s)
+        return _fast_matmul(dyv.a, B)
+    qw_fprop = _from_values(qw_fprop)
     qdy = quantize_operand(dy2, recipe.dgrad_dy, 1, recipe, layer, call, "dgrad_dy", s, stats)
     if recipe.dgrad_w_reuse_fprop and qw_fprop is not None and recipe.dgrad_w.quantized:
         # simulation only: the Fprop weight (quantized along K) used as it is along N
@@ -143,10 +252,23 @@ def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, 
     return _matmul(qdy, qw, recipe, 1, 0)
 
 
-def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx_fprop=None):
+def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx_fprop=None, cache=None):
     """dW = dyᵀ · x: dy (M, N), x (M, K) -> (N, K) float32. With ``recipe.wgrad_x_reuse_fprop``, ``qx_fprop``
-    (Fprop's quantized x, along K) is used as it is, upcast to float32, instead of x re-quantized along M."""
+    (Fprop's quantized x, along K) is used as it is, upcast to float32, instead of x re-quantized along M. On
+    the fast path, ``cache`` is :func:`dgrad`'s (the output gradient's values, used again where they can be)."""
     s = _signs(recipe.wgrad_dy, recipe, layer, call, 2) if recipe.wgrad_dy.rht else None
+    if _fast(recipe, stats, dy2, x2):
+        qx_fprop = _as_values(qx_fprop)
+        A = _shared(cache.get("dy") if cache else None, recipe.wgrad_dy)
+        if A is None:
+            A = _operand_values(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s)
+        if recipe.wgrad_x_reuse_fprop and isinstance(qx_fprop, Values) and qx_fprop.reuse and recipe.wgrad_x.quantized:
+            return np.matmul(A, qx_fprop.a).astype(np.float32)          # Fprop's x as it is, along K
+        B = _shared(qx_fprop, recipe.wgrad_x)
+        if B is None:
+            B = _operand_values(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s)
+        return _fast_matmul(A, B)
+    qx_fprop = _from_values(qx_fprop)
     qdy = quantize_operand(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s, stats)
     if recipe.wgrad_x_reuse_fprop and qx_fprop is not None and recipe.wgrad_x.quantized:
         return _upcast_matmul(qdy, qx_fprop, 0, 0)

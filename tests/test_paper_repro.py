@@ -146,7 +146,7 @@ def test_resume_after_a_kill_gives_the_same_curve(tmp_path):
     uninterrupted run's byte for byte (stochastic-rounding counters, optimizer state and data order restored).
     All three runs are fresh processes with the same environment, so only the resume logic is compared (the
     bits of a run also depend on its process's thread settings, which earlier tests in this process change)."""
-    cfg = replace(TINY, tokens=4 * 32 * 30, eval_points=6)
+    cfg = replace(TINY, tokens=4 * 32 * 120, eval_points=6)     # long enough to be killed mid-run on a fast path
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def cmd(run_dir, every):

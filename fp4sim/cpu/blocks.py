@@ -259,6 +259,14 @@ def sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, r0, K, rcols):
         philox_bytes_cols(rcols, base, pstride, K, pk0, pk1, pstream, pmask)
 
 
+@nb.njit(inline="always", cache=True)
+def scale_buffers(nbk):
+    """A task's buffers for :func:`nvfp4_scales` and the dequantize factors of ``nbk`` blocks: (sf, cb, sbytes,
+    fac, sdq)."""
+    return (np.empty(nbk, np.float32), np.empty(nbk, np.uint32), np.empty(nbk, np.uint8), np.empty(nbk, np.float32),
+            np.empty(nbk, np.float32))
+
+
 @nb.njit(parallel=True, cache=True)
 def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr, flavor, tile, c0v, c1v, dqv,
                  e4m3_vals, codes, scales, fake, do_fake, pre):
@@ -286,11 +294,7 @@ def nvfp4_kernel(x2, rb, ph, pk0, pk1, pstream, pmask, pstride, proff, mode, nsr
         rcols = np.zeros((16, Kp) if ph == 2 else (1, 1), np.uint8)   # used with ph 2 only
         crow = np.empty(Kp, np.uint8)
         amaxb = np.zeros(nbk, np.uint32)
-        sf = np.empty(nbk, np.float32)
-        cb = np.empty(nbk, np.uint32)
-        sbytes = np.empty(nbk, np.uint8)
-        fac = np.empty(nbk, np.float32)
-        sdq = np.empty(nbk, np.float32)
+        sf, cb, sbytes, fac, sdq = scale_buffers(nbk)
         c0r = sg * per * tile
         if mode == 4:
             sr_fill_cols(ph, pk0, pk1, pstream, pmask, pstride, c0r + proff, K, rcols)
