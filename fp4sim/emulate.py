@@ -117,9 +117,10 @@ def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call:
     plan = fastpath.operand_plan(op, a.shape, axis)
     if plan.kind == "bf16":
         return fastpath.bf16_values(fastpath.a_form(a, axis))
-    if plan.kind == "nvfp4":
-        v = fastpath.nvfp4_values(fastpath.a_form(a, axis), plan, layer_seed(recipe.seed, layer),
-                                  _stream(call, name))
+    if plan.kind in ("nvfp4", "fp8_blockwise"):
+        A = fastpath.a_form(a, axis)
+        v = (fastpath.nvfp4_values(A, plan, layer_seed(recipe.seed, layer), _stream(call, name))
+             if plan.kind == "nvfp4" else fastpath.fp8_blockwise_values(A, plan))
         if v is not None:
             return v
         v = dequantize(quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name)))

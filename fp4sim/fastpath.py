@@ -7,6 +7,8 @@ values directly, in the layout the BLAS call reads (the "A form": rows along the
 - NVFP4 (te / paper flavour, 1x16 or 16x16, RNE or SR with in-kernel Philox bits): one tensor-amax pass and one
   fused pass (:func:`fp4sim.cpu.fast.nvfp4_values_kernel`);
 - BF16 with RNE: a vectorised float32 -> bfloat16 rounding (:func:`fp4sim.cpu.fast.bf16_round_kernel`);
+- FP8 blockwise (E4M3, 1x128 or 128x128, RNE): block amax, scale and element rounding on registers in one
+  kernel (:func:`fp4sim.cpu.fast.fp8_blockwise_values_kernel`);
 - every other operand: ``fake_quantize`` with the arguments :func:`fp4sim.emulate.quantize_operand` gives
   ``quantize`` (its values are those of ``dequantize(quantize(...))``).
 
@@ -34,9 +36,11 @@ import numpy as np
 from . import ids
 from .planning import NVFP4_DEQUANT_AMAX_LIMIT, nvfp4_constants_rows
 from .rng import seed_key
+from .formats import E4M3
 from .schemes import NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
 
-__all__ = ["OperandPlan", "operand_plan", "shared_values", "enabled", "a_form", "nvfp4_values", "bf16_values"]
+__all__ = ["OperandPlan", "operand_plan", "shared_values", "enabled", "a_form", "nvfp4_values", "bf16_values",
+           "fp8_blockwise_values"]
 
 _ENABLED = os.environ.get("FP4SIM_FASTPATH", "1") != "0"
 
@@ -56,7 +60,8 @@ def _set_enabled(on: bool) -> bool:
 @dataclass(frozen=True)
 class OperandPlan:
     """What stays the same for one operand while its shape and the recipe do: ``kind`` ``"nvfp4"`` (the fused
-    kernel), ``"bf16"`` (RNE rounding) or ``"general"`` (fake_quantize); the fused kernel's ids, and the layout
+    kernel), ``"bf16"`` (RNE rounding), ``"fp8_blockwise"`` (its kernel, ``tile`` 1 or 128) or ``"general"``
+    (fake_quantize); the fused kernel's ids, and the layout
     of its Philox bits (``ph`` 1: the dot axis is last in the original tensor, 2: its stride ``pstride`` is a
     multiple of 16, None: not generated in the kernel)."""
     kind: str
@@ -83,6 +88,8 @@ def operand_plan(op, shape: tuple, axis: int) -> OperandPlan:
             return OperandPlan("general")
         return OperandPlan("nvfp4", ids.FLAVOR_IDS[sch.flavor], sch.block[0], ids.SR if sr else ids.RNE, ph,
                            stride)
+    if isinstance(sch, FP8Blockwise) and sch.elem is E4M3 and not sr:
+        return OperandPlan("fp8_blockwise", tile=sch.block[0])
     return OperandPlan("general")
 
 
@@ -129,7 +136,6 @@ def nvfp4_values(A, plan: OperandPlan, seed=None, stream=0):
 
     from .cpu import blocks as _b
     from .cpu.fast import nvfp4_values_kernel
-    from .formats import E4M3
     amax, has_nan = _b.absmax_nan(A)
     amax = np.float32(amax)
     if has_nan or not np.isfinite(amax) or amax > NVFP4_DEQUANT_AMAX_LIMIT:
@@ -147,6 +153,20 @@ def nvfp4_values(A, plan: OperandPlan, seed=None, stream=0):
         ntasks = max(1, min(-(-R // 16), 4 * numba.get_num_threads()))
         nvfp4_values_kernel(A, *sra, plan.mode, 8, plan.flavor, plan.tile, c0[0], c1[0], dq[0], E4M3.values, out,
                             ntasks)
+    return out
+
+
+def fp8_blockwise_values(A, plan: OperandPlan):
+    """The FP8 E4M3 blockwise values (RNE) of ``A`` (R, K) C-contiguous float32 along its rows, or None where
+    the operand holds NaN or Inf (then the caller takes the general path)."""
+    from .cpu import blocks as _b
+    from .cpu.fast import fp8_blockwise_values_kernel
+    amax, has_nan = _b.absmax_nan(A)
+    if has_nan or not np.isfinite(amax):
+        return None
+    out = np.empty(A.shape, np.float32)
+    if A.size:
+        fp8_blockwise_values_kernel(A, plan.tile, out)
     return out
 
 

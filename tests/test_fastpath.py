@@ -15,7 +15,7 @@ import pytest
 import fp4sim as fs
 from fp4sim import emulate, fastpath
 from fp4sim.cpu.elements import e2m1_rne, e2m1_value
-from fp4sim.cpu.fast import e2m1_rne_value
+from fp4sim.cpu.fast import e2m1_rne_value, e4m3_rne_value
 from fp4sim.training import Operand, Recipe
 
 torch = pytest.importorskip("torch")
@@ -107,6 +107,51 @@ def test_e2m1_rne_value_every_float32_near_the_grid():
     assert _e2m1_rne_mismatches(near) == 0
     rest = np.arange(0, 0x7F800001, 1009, dtype=np.uint32)
     assert _e2m1_rne_mismatches(np.concatenate([rest, np.array([0, 1, 0x7F7FFFFF, 0x7F800000], np.uint32)])) == 0
+
+
+@nb.njit(cache=True)
+def _e4m3_values(bits):
+    v = bits.view(np.float32)
+    out = np.empty(2 * bits.shape[0], np.float32)
+    for i in range(bits.shape[0]):
+        out[2 * i] = e4m3_rne_value(v[i])
+        out[2 * i + 1] = e4m3_rne_value(-v[i])
+    return out
+
+
+def test_e4m3_rne_value_every_float32_in_its_range():
+    """The register E4M3 rounding (RNE, satfinite) against fp4sim's E4M3 encoder and decoder for every float32
+    from 2^-12 (below half the smallest subnormal) up to 1024 (past the saturation at 448), both signs, every
+    997th bit pattern elsewhere, 0, the smallest subnormal, FLT_MAX and Inf."""
+    for lo, hi in ((0x39800000, 0x3F000000), (0x3F000000, 0x44800000)):
+        bits = np.arange(lo, hi, dtype=np.uint32)
+        both = np.stack([bits, bits | np.uint32(0x80000000)], 1).reshape(-1).view(np.float32)
+        want = fs.decode(fs.encode(both, "e4m3", saturate=True), "e4m3")
+        assert np.array_equal(_e4m3_values(bits).view(np.uint32), want.view(np.uint32))
+    bits = np.concatenate([np.arange(0, 0x7F800001, 997, dtype=np.uint32),
+                           np.array([0, 1, 0x7F7FFFFF, 0x7F800000], np.uint32)])
+    both = np.stack([bits, bits | np.uint32(0x80000000)], 1).reshape(-1).view(np.float32)
+    want = fs.decode(fs.encode(both, "e4m3", saturate=True), "e4m3")
+    assert np.array_equal(_e4m3_values(bits).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("shape", [(300, 200), (129, 130), (64, 256)])
+def test_fp8_blockwise_values_equal_dequantize_of_quantize(block, axis, shape):
+    """FP8 blockwise (E4M3, RNE) values of the fast path are dequantize(quantize(x)) bit for bit: blocks whose
+    amaxes span 60 binades, all-zero blocks, subnormal and -0 elements, partial blocks and tiles."""
+    rng = np.random.default_rng(hash((block, axis, shape)) % 2**32)
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, (shape[0], 1)))).astype(np.float32)
+    x[::7, :128] = 0.0
+    x[3, 5], x[4, 7] = 1e-42, -0.0
+    plan = fastpath.operand_plan(Operand("fp8_blockwise", block), shape, axis)
+    assert plan.kind == "fp8_blockwise"
+    want = fs.dequantize(fs.quantize(x, "fp8_blockwise", axis=axis, block=block))
+    got = fastpath.fp8_blockwise_values(fastpath.a_form(x, axis), plan)
+    assert _same(got, want if axis == 1 else want.T)
+    x[1, 1] = np.inf
+    assert fastpath.fp8_blockwise_values(fastpath.a_form(x, axis), plan) is None
 
 
 def test_bf16_values_equal_the_bf16_encoder():

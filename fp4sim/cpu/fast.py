@@ -15,7 +15,7 @@ import numba as nb
 import numpy as np
 
 from .blocks import nvfp4_dequant_factor, nvfp4_scales, scale_buffers, sr_fill_cols, sr_row_bytes
-from .elements import e2m1_sr, e2m1_value, sr_consts
+from .elements import e2m1_sr, e2m1_value, f32_bits_i32, i32_bits_f32, sr_consts
 
 
 @nb.njit(inline="always", cache=True)
@@ -116,3 +116,52 @@ def bf16_round_kernel(xb, out):
         a = u & np.uint32(0x7FFFFFFF)
         r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
         out[i] = np.uint32(0x7FFF0000) if a > np.uint32(0x7F800000) else r
+
+
+@nb.njit(inline="always", cache=True)
+def e4m3_rne_value(y):
+    """The E4M3 value of a float32 ``y`` that is not NaN, rounded to nearest-even and saturated at 448 (the
+    FP8 schemes' satfinite RNE encoder followed by its decoder): below 2^-6 (E4M3's subnormals, quantum 2^-9)
+    |y| + 2^14 - 2^14; above, the float32 bits rounded to 3 mantissa bits (the carry of 0x7FFFF plus the kept
+    lowest bit, as BF16's rounding with 20 dropped bits; Inf stays Inf); then min(., 448) and y's sign."""
+    a = abs(y)
+    if a < np.float32(0.015625):
+        r = (a + np.float32(16384.0)) - np.float32(16384.0)
+    else:
+        i = np.int32
+        u = f32_bits_i32(a)                                  # a >= 0: no sign bit, no overflow below
+        u = i(i(u + i(0x7FFFF) + i(i(u >> i(20)) & i(1))) & i(-0x100000))
+        r = i32_bits_f32(u)
+    return np.float32(np.copysign(min(r, np.float32(448.0)), y))
+
+
+@nb.njit(parallel=True, cache=True)
+def fp8_blockwise_values_kernel(x2, tile, out):
+    """``out`` (R, K) = the FP8 E4M3 blockwise values (tile x 128 blocks, scale s = fl(amax_b / 448), elements
+    fl(x / s) rounded to nearest-even with satfinite, value = E4M3 * s; an all-zero block: x * 0) of ``x2`` (R, K),
+    C-contiguous and without NaN: the float32 operations of :func:`fp4sim.cpu.blocks.fp8_kernel` in its order,
+    with the element rounding done on registers (:func:`e4m3_rne_value`)."""
+    R, K = x2.shape
+    nbk = (K + 127) // 128
+    ngroups = (R + tile - 1) // tile
+    for g in nb.prange(ngroups):
+        r0 = g * tile
+        r1 = min(r0 + tile, R)
+        for j in range(nbk):
+            k0 = j * 128
+            k1 = min(k0 + 128, K)
+            m = np.float32(0.0)
+            for r in range(r0, r1):
+                xr = x2[r, k0:k1]
+                for k in range(k1 - k0):
+                    m = max(m, abs(xr[k]))
+            s = m / np.float32(448.0)
+            for r in range(r0, r1):
+                xr = x2[r, k0:k1]
+                orow = out[r, k0:k1]
+                if s != np.float32(0.0):
+                    for k in range(k1 - k0):
+                        orow[k] = e4m3_rne_value(xr[k] / s) * s
+                else:
+                    for k in range(k1 - k0):
+                        orow[k] = e4m3_rne_value(xr[k] * np.float32(0.0)) * s
