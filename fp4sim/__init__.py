@@ -3,6 +3,12 @@ import os as _os
 
 # OpenMP workers that spin between Numba's parallel regions take the cores the main thread needs (5-8x slower
 # chunked analyses on two cores); sleeping workers cost microseconds. A value you set yourself is kept.
+import sys as _sys
+
+# Whether torch's OpenMP pool, if torch is loaded, spins: it read the policy when torch was imported
+# (fp4sim.threads.torch_pool_spins; the torch bridge then keeps Numba off the cores those workers hold).
+_TORCH_POOL_SPINS = (("torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ)
+                     or _os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE")
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .elements import decode, encode
@@ -12,6 +18,8 @@ from .quantize import dequantize, fake_quantize, quantize, rht
 from .gemm import gemm
 from .schemes import SCHEMES, get_scheme
 from . import layout, rng, threads, training
+
+threads._TORCH_POOL_SPINS = _TORCH_POOL_SPINS
 
 __version__ = "0.1.0"
 __all__ = ["layout", "rng", "threads", "training", "gemm", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",

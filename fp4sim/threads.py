@@ -4,12 +4,20 @@ Two things make the kernels slow on a shared machine: OpenMP worker threads that
 regions (taking the cores the main thread needs; fp4sim sets ``OMP_WAIT_POLICY=PASSIVE`` at import unless it is
 set already), and more threads than idle cores. :func:`configure` picks the thread count: a number you give,
 or the idle cores — the cores this process may use minus the one-minute load average, at least one.
+
+PyTorch's own OpenMP pool reads the wait policy when torch is imported: imported before fp4sim (what most
+training scripts do) and without ``OMP_WAIT_POLICY`` in the environment, its workers spin after every torch
+operation (torch and Numba share one OpenMP runtime, whose policy is fixed when it loads), and the BLAS
+threads of NumPy's matmuls fighting them for the cores made emulated training steps 2-4.5x slower (on two
+cores: 4.97x a plain torch step against 2.2x with fp4sim imported first). :func:`torch_pool_spins` says whether
+that is the case; the torch bridge (:class:`fp4sim.torch.QuantLinear`) then runs its Numba kernels and BLAS
+calls on the calling thread alone (:func:`bridge_threads`; the BLAS libraries through threadpoolctl).
 """
 from __future__ import annotations
 
 import os
 
-__all__ = ["configure", "idle_cores"]
+__all__ = ["configure", "idle_cores", "torch_pool_spins", "bridge_threads", "blas_controllers"]
 
 
 def idle_cores() -> int:
@@ -38,3 +46,43 @@ def configure(threads: int | None = None) -> int:
     n = min(n, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(n)
     return n
+
+
+def torch_pool_spins() -> bool:
+    """Whether torch's OpenMP workers spin between operations: torch was imported before fp4sim while
+    ``OMP_WAIT_POLICY`` was not set, or the variable is ``ACTIVE``."""
+    return _TORCH_POOL_SPINS
+
+
+_TORCH_POOL_SPINS = False          # set by fp4sim's __init__, which sees the import order and the policy first
+_BRIDGE_THREADS = None
+
+
+def bridge_threads(threads: int | None = None) -> int | None:
+    """The Numba thread count the torch bridge runs its kernels with, or None (the process's setting; the
+    default unless :func:`torch_pool_spins`, then 1). ``bridge_threads(n)`` sets it (``n = 0``: back to the
+    default) and returns the value in force."""
+    global _BRIDGE_THREADS
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"threads={threads!r}: give a positive number of threads, or 0 for the default")
+        _BRIDGE_THREADS = threads or None
+    if _BRIDGE_THREADS is not None:
+        return _BRIDGE_THREADS
+    return 1 if torch_pool_spins() else None
+
+
+_BLAS = None
+
+
+def blas_controllers() -> list:
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process (found once; empty without
+    threadpoolctl, which the ``[torch]`` extra installs)."""
+    global _BLAS
+    if _BLAS is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            return []
+        _BLAS = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+    return _BLAS

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -409,3 +412,45 @@ def test_four_over_six_operands_and_switch():
         Operand("nvfp4", four_over_six="l1")
     with pytest.raises(ValueError, match="four_over_six='l1'"):
         Recipe.preset("nvfp4_paper", four_over_six="l1")
+
+
+@pytest.mark.parametrize("order,policy,spins", [("torch, fp4sim", None, True), ("fp4sim, torch", None, False),
+                                                ("torch, fp4sim", "PASSIVE", False),
+                                                ("fp4sim, torch", "ACTIVE", True)])
+def test_torch_pool_spins_follows_the_import_order_and_the_policy(order, policy, spins):
+    """torch's OpenMP workers spin when torch was imported before fp4sim with no wait policy set, or with
+    OMP_WAIT_POLICY=ACTIVE; the bridge then runs its kernels on one thread (bridge_threads)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    code = (f"import {order}; from fp4sim import threads; "
+            "print(threads.torch_pool_spins(), threads.bridge_threads())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(spins), "1" if spins else "None"]
+
+
+def test_bridge_threads_limit_numba_and_blas_inside_a_pass_only(monkeypatch):
+    """With bridge_threads(1), Fprop, Dgrad and Wgrad run with one Numba thread and one BLAS thread, and the
+    counts are back afterwards; bridge_threads(0) returns to the default; bad counts are refused."""
+    import numba
+    from fp4sim import emulate, threads
+    seen = []
+    for name in ("fprop", "dgrad", "wgrad"):
+        real = getattr(emulate, name)
+
+        def spy(*a, _real=real, **k):
+            seen.append((numba.get_num_threads(), [lib.num_threads for lib in threads.blas_controllers()]))
+            return _real(*a, **k)
+        monkeypatch.setattr(emulate, name, spy)
+    before = numba.get_num_threads(), [lib.num_threads for lib in threads.blas_controllers()]
+    try:
+        assert threads.bridge_threads(1) == 1
+        layer = QuantLinear(32, 16, recipe=Recipe.preset("nvfp4_paper", accumulate="fast"))
+        layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    finally:
+        threads.bridge_threads(0)
+    assert len(seen) == 3 and all(n == 1 and all(b == 1 for b in blas) for n, blas in seen)
+    assert (numba.get_num_threads(), [lib.num_threads for lib in threads.blas_controllers()]) == before
+    assert threads.blas_controllers(), "threadpoolctl finds NumPy's BLAS"
+    with pytest.raises(ValueError, match="threads"):
+        threads.bridge_threads(-1)

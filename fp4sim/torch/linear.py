@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import emulate
+from .. import emulate, threads
 from ..training import OPERANDS, Recipe
 
 __all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
@@ -80,9 +80,41 @@ def _check_finite(layer, mode: str, which: str, t: torch.Tensor, uses):
                   "per layer and operand)", RuntimeWarning, stacklevel=4)
 
 
+@contextlib.contextmanager
+def _kernel_threads():
+    """Numba's and the BLAS libraries' thread counts as :func:`fp4sim.threads.bridge_threads` says, for the
+    duration of one pass."""
+    n = threads.bridge_threads()
+    if n is None:
+        yield
+        return
+    import numba
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    blas = [(lib, lib.num_threads) for lib in threads.blas_controllers()]
+    for lib, _ in blas:
+        lib.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
+        for lib, k in blas:
+            lib.set_num_threads(k)
+
+
 class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
+        with _kernel_threads():
+            return _Fn._forward(ctx, x, weight, bias, layer)
+
+    @staticmethod
+    def backward(ctx, dy):
+        with _kernel_threads():
+            return _Fn._backward(ctx, dy)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, layer):
         rec = layer.recipe
         call = layer._calls
         layer._calls += 1
@@ -105,7 +137,7 @@ class _Fn(torch.autograd.Function):
         return out.to(x.dtype).reshape(*lead, -1)
 
     @staticmethod
-    def backward(ctx, dy):
+    def _backward(ctx, dy):
         x, weight = ctx.saved_tensors
         layer, call = ctx.layer, ctx.call
         rec = layer.recipe_backward
