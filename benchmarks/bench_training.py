@@ -24,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+import fp4sim  # noqa: F401,I001  (first: its OpenMP and OpenBLAS thread settings apply only before NumPy, torch load)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,7 +45,7 @@ def main():
     a = ap.parse_args()
     if a.model == "paper":
         return paper_steps(a)
-    import fp4sim as fs  # before torch: fp4sim sets OMP_WAIT_POLICY=PASSIVE for both OpenMP pools
+    import fp4sim as fs
     import torch
     from fp4sim.torch import convert
     from fp4sim.training import Recipe
@@ -93,7 +94,6 @@ def main():
 
 
 def paper_steps(a):
-    import fp4sim  # noqa: F401  (before torch: one passive OpenMP wait policy for both pools)
     import torch
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from fp4sim import fastpath

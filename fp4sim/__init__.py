@@ -10,6 +10,11 @@ import sys as _sys
 _TORCH_POOL_SPINS = (("torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ)
                      or _os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE")
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenBLAS's workers (NumPy's matmuls) spin about 2^28 cycles after each call by default, holding a core that
+# Numba's kernels then wait for; 2^4 cycles lets them sleep at once. Read when NumPy loads OpenBLAS: in effect
+# only where fp4sim is imported before NumPy (else threads.blas_spins() is True and the torch bridge adapts).
+_BLAS_SPINS = "numpy" in _sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in _os.environ
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from .elements import decode, encode
 from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
@@ -19,7 +24,7 @@ from .gemm import gemm
 from .schemes import SCHEMES, get_scheme
 from . import layout, rng, threads, training
 
-threads._TORCH_POOL_SPINS = _TORCH_POOL_SPINS
+threads._TORCH_POOL_SPINS, threads._BLAS_SPINS = _TORCH_POOL_SPINS, _BLAS_SPINS
 
 __version__ = "0.1.0"
 __all__ = ["layout", "rng", "threads", "training", "gemm", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",

@@ -154,7 +154,7 @@ def _shared(prev, op: Operand):
     """``prev`` (a :class:`Values` of the other GEMM's operand from the same tensor) transposed, where its
     values are this operand's: the same operand, whose values do not depend on the dot axis; else None."""
     if serves(prev, op):
-        return np.ascontiguousarray(prev.a.T)
+        return fastpath.a_form(prev.a, 0)                  # transposed, C-contiguous (a tiled copy)
     return None
 
 

@@ -12,12 +12,20 @@ threads of NumPy's matmuls fighting them for the cores made emulated training st
 cores: 4.97x a plain torch step against 2.2x with fp4sim imported first). :func:`torch_pool_spins` says whether
 that is the case; the torch bridge (:class:`fp4sim.torch.QuantLinear`) then runs its Numba kernels and BLAS
 calls on the calling thread alone (:func:`bridge_threads`; the BLAS libraries through threadpoolctl).
+
+NumPy's OpenBLAS keeps its workers spinning for about 2^28 cycles after every matmul, on the core a Numba
+kernel started next needs: on two cores a `nvfp4_paper` step of the paper_repro model took 2.2x the plain
+step against 1.7x with ``OPENBLAS_THREAD_TIMEOUT=4``, which fp4sim sets when imported (a value you set is kept).
+OpenBLAS reads it when NumPy loads it, so it applies only where fp4sim is imported before NumPy; otherwise
+:func:`blas_spins` is True and the bridge runs its Numba kernels on the calling thread, beside the spinning
+worker instead of waiting for its core.
 """
 from __future__ import annotations
 
 import os
 
-__all__ = ["configure", "idle_cores", "torch_pool_spins", "bridge_threads", "blas_controllers"]
+__all__ = ["configure", "idle_cores", "torch_pool_spins", "blas_spins", "bridge_threads", "bridge_blas_threads",
+           "blas_controllers"]
 
 
 def idle_cores() -> int:
@@ -54,14 +62,14 @@ def torch_pool_spins() -> bool:
     return _TORCH_POOL_SPINS
 
 
-_TORCH_POOL_SPINS = False          # set by fp4sim's __init__, which sees the import order and the policy first
+_TORCH_POOL_SPINS = _BLAS_SPINS = False    # set by fp4sim's __init__, which sees the import order first
 _BRIDGE_THREADS = None
 
 
 def bridge_threads(threads: int | None = None) -> int | None:
     """The Numba thread count the torch bridge runs its kernels with, or None (the process's setting; the
-    default unless :func:`torch_pool_spins`, then 1). ``bridge_threads(n)`` sets it (``n = 0``: back to the
-    default) and returns the value in force."""
+    default unless :func:`torch_pool_spins` or :func:`blas_spins`, then 1). ``bridge_threads(n)`` sets it, and
+    the bridge's BLAS thread count with it (``n = 0``: back to the defaults); returns the value in force."""
     global _BRIDGE_THREADS
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -69,7 +77,21 @@ def bridge_threads(threads: int | None = None) -> int | None:
         _BRIDGE_THREADS = threads or None
     if _BRIDGE_THREADS is not None:
         return _BRIDGE_THREADS
+    return 1 if torch_pool_spins() or blas_spins() else None
+
+
+def bridge_blas_threads() -> int | None:
+    """The BLAS thread count the torch bridge's passes run with, or None (left as it is): the count given to
+    :func:`bridge_threads`, else 1 where :func:`torch_pool_spins`."""
+    if _BRIDGE_THREADS is not None:
+        return _BRIDGE_THREADS
     return 1 if torch_pool_spins() else None
+
+
+def blas_spins() -> bool:
+    """Whether NumPy's OpenBLAS workers spin after each call: NumPy was loaded before fp4sim with no
+    ``OPENBLAS_THREAD_TIMEOUT`` set."""
+    return _BLAS_SPINS
 
 
 _BLAS = None

@@ -414,19 +414,24 @@ def test_four_over_six_operands_and_switch():
         Recipe.preset("nvfp4_paper", four_over_six="l1")
 
 
-@pytest.mark.parametrize("order,policy,spins", [("torch, fp4sim", None, True), ("fp4sim, torch", None, False),
-                                                ("torch, fp4sim", "PASSIVE", False),
-                                                ("fp4sim, torch", "ACTIVE", True)])
-def test_torch_pool_spins_follows_the_import_order_and_the_policy(order, policy, spins):
+@pytest.mark.parametrize("order,env,want", [
+    ("fp4sim, torch", {}, "False False None None"),
+    ("torch, fp4sim", {}, "True True 1 1"),                      # torch loads NumPy too
+    ("torch, fp4sim", {"OMP_WAIT_POLICY": "PASSIVE"}, "False True 1 None"),
+    ("torch, fp4sim", {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}, "False False None None"),
+    ("numpy, fp4sim", {}, "False True 1 None"),
+    ("fp4sim, torch", {"OMP_WAIT_POLICY": "ACTIVE"}, "True False 1 1")])
+def test_spinning_pools_follow_the_import_order_and_the_environment(order, env, want):
     """torch's OpenMP workers spin when torch was imported before fp4sim with no wait policy set, or with
-    OMP_WAIT_POLICY=ACTIVE; the bridge then runs its kernels on one thread (bridge_threads)."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
-    code = (f"import {order}; from fp4sim import threads; "
-            "print(threads.torch_pool_spins(), threads.bridge_threads())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(spins), "1" if spins else "None"]
+    OMP_WAIT_POLICY=ACTIVE; OpenBLAS's when NumPy was loaded before fp4sim with no OPENBLAS_THREAD_TIMEOUT.
+    The bridge then runs its Numba kernels on one thread, and its BLAS calls too where torch's pool spins."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")}
+    code = (f"import {order}; import os; from fp4sim import threads; "
+            "print(threads.torch_pool_spins(), threads.blas_spins(), threads.bridge_threads(), "
+            "threads.bridge_blas_threads(), os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == want.split() + [env.get("OPENBLAS_THREAD_TIMEOUT", "4")]
 
 
 def test_bridge_threads_limit_numba_and_blas_inside_a_pass_only(monkeypatch):

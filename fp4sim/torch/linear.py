@@ -91,9 +91,10 @@ def _kernel_threads():
     import numba
     old = numba.get_num_threads()
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    blas = [(lib, lib.num_threads) for lib in threads.blas_controllers()]
+    nb = threads.bridge_blas_threads()
+    blas = [(lib, lib.num_threads) for lib in threads.blas_controllers()] if nb else []
     for lib, _ in blas:
-        lib.set_num_threads(n)
+        lib.set_num_threads(nb)
     try:
         yield
     finally:
