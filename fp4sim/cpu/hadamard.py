@@ -73,20 +73,23 @@ def rht_columns(t, n, st, signs, signs_h, scale, to_bf16, w):
     """The RHT of ``n`` chunks held as columns: ``t[i * st + c]`` is element i (0..d-1) of chunk c, as float32
     bits (uint32); the output bits go to ``w`` in the same layout. Each column takes the butterfly where its
     float64 sum is exact in any order (:func:`spread_limit`), else the index-order loop; every step is a
-    vector loop over the columns. ``w`` must not alias ``t``."""
+    vector loop over the columns of one row view (flat offsets into one array kept LLVM from vectorising some
+    of them). ``w`` must not alias ``t``."""
     d = signs.shape[0]
     lim = _limit(d)
     buf = np.empty(1, np.float32)
     bits = buf.view(np.uint32)
-    tf = t.view(np.float32)
-    z = np.empty(d * st, np.float64)
-    zi = z.view(np.int64)
-    emax = np.zeros(n, np.int32)
-    emin = np.full(n, 255, np.int32)
+    t2 = t.reshape((d, st))
+    tf2 = t.view(np.float32).reshape((d, st))
+    z2 = np.empty((d, st), np.float64)
+    zi2 = z2.view(np.int64)
+    w2 = w.reshape((d, st))
+    emax = np.zeros(st, np.int32)
+    emin = np.full(st, 255, np.int32)
     for i in range(d):
-        o = i * st
+        ti = t2[i]
         for c in range(n):
-            b = np.int32(t[o + c] & np.uint32(0x7FFFFFFF))
+            b = np.int32(ti[c] & np.uint32(0x7FFFFFFF))
             e = b >> 23
             nz = b != 0
             emax[c] = max(emax[c], e if nz else np.int32(0))
@@ -95,45 +98,47 @@ def rht_columns(t, n, st, signs, signs_h, scale, to_bf16, w):
     for c in range(n):
         nslow += np.int32((emax[c] >= 255) | (emax[c] - emin[c] > lim))
     for i in range(d):
-        o = i * st
         si = signs[i]
+        tfi = tf2[i]
+        zr = z2[i]
         for c in range(n):
-            z[o + c] = np.float64(tf[o + c]) * si
-    z2 = z.reshape(d, st)
+            zr[c] = np.float64(tfi[c]) * si
     h = 1
     while h < d:                                  # the butterfly, each step a vector loop over the columns
         for i0 in range(0, d, 2 * h):
             for i in range(i0, i0 + h):
-                za = z2[i]                        # two row views: with flat offsets into one array the loop
-                zb = z2[i + h]                    # was not vectorised (1.7x slower in all)
+                za = z2[i]
+                zb = z2[i + h]
                 for c in range(n):
                     p = za[c]
                     q = zb[c]
                     za[c] = p + q
                     zb[c] = p - q
         h *= 2
-    for k in range(d * st):
-        z[k] = (0.0 + z[k]) * scale               # 0.0 + : an exact zero is +0, as the index-order sum's
     odd = 0
-    if to_bf16:                                   # RNE on the float64 bits, for float32's normal range
-        for j in range(d):
-            o = j * st
+    for j in range(d):
+        zr = z2[j]
+        wr = w2[j]
+        for c in range(n):
+            zr[c] = (0.0 + zr[c]) * scale         # 0.0 + : an exact zero is +0, as the index-order sum's
+        if to_bf16:                               # RNE on the float64 bits, for float32's normal range
+            zir = zi2[j]
             for c in range(n):
-                code, ok = bf16_of_f64_bits(zi[o + c])
-                w[o + c] = np.uint32(code) << np.uint32(16)
+                code, ok = bf16_of_f64_bits(zir[c])
+                wr[c] = np.uint32(code) << np.uint32(16)
                 odd += np.int32(not ok)
-    else:
-        wf = w.view(np.float32)
-        for j in range(d):
-            o = j * st
+        else:
+            wf = wr.view(np.float32)
             for c in range(n):
-                wf[o + c] = np.float32(z[o + c])
+                wf[c] = np.float32(zr[c])
     if odd:                                       # zeros, subnormals, huge values, inf, NaN
         for j in range(d):
-            o = j * st
+            zr = z2[j]
+            zir = zi2[j]
+            wr = w2[j]
             for c in range(n):
-                if not bf16_of_f64_bits(zi[o + c])[1]:
-                    w[o + c] = f64_round_bits(z[o + c], True, buf, bits)
+                if not bf16_of_f64_bits(zir[c])[1]:
+                    wr[c] = f64_round_bits(zr[c], True, buf, bits)
     if nslow:                                     # columns whose sum may round: the index-order loop
         for c in range(n):
             if (emax[c] < 255) & (emax[c] - emin[c] <= lim):
@@ -141,8 +146,8 @@ def rht_columns(t, n, st, signs, signs_h, scale, to_bf16, w):
             for j in range(d):
                 acc = 0.0
                 for i in range(d):
-                    acc += np.float64(tf[i * st + c]) * signs_h[i, j]
-                w[j * st + c] = f64_round_bits(acc * scale, to_bf16, buf, bits)
+                    acc += np.float64(tf2[i, c]) * signs_h[i, j]
+                w2[j, c] = f64_round_bits(acc * scale, to_bf16, buf, bits)
 
 
 @nb.njit(parallel=True, cache=True)
@@ -191,15 +196,22 @@ def rht_axis_kernel(ab, signs, signs_h, scale, to_bf16, axis_last, out):
         n = min(CB, I - c0)
         t = np.empty(d * CB, np.uint32)
         w = np.empty(d * CB, np.uint32)
+        t2 = t.reshape((d, CB))
+        w2 = w.reshape((d, CB))
         for i in range(d):
+            src = ab[o, g * d + i]
+            ti = t2[i]
             for c in range(n):
-                t[i * CB + c] = ab[o, g * d + i, c0 + c]
+                ti[c] = src[c0 + c]
         rht_columns(t, n, CB, signs, signs_h, scale, to_bf16, w)
         if not axis_last:
             for j in range(d):
+                dst = out[o, g * d + j]
+                wj = w2[j]
                 for c in range(n):
-                    out[o, g * d + j, c0 + c] = w[j * CB + c]
+                    dst[c0 + c] = wj[c]
         else:
             for c in range(n):
+                dst = out[o, c0 + c]
                 for j in range(d):
-                    out[o, c0 + c, g * d + j] = w[j * CB + c]
+                    dst[g * d + j] = w2[j, c]
