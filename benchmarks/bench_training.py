@@ -2,7 +2,7 @@
 
     python benchmarks/bench_training.py [--repeat 3] [--d-model 256] [--json out.json]
     python benchmarks/bench_training.py --model paper [--presets nvfp4_paper,bf16] [--general] [--sizes 128x32,64x64]
-                                        [--keep-last 0] [--json out.json]
+                                        [--keep-last 0] [--accumulate fast|exact] [--json out.json]
 
 1. fp4sim.gemm (exact and fast) for M = N = K = 1024 NVFP4 / MXFP4 operands, against a float32 BLAS matmul of
    the same shape (the quantization of the operands is not included).
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise")
     ap.add_argument("--general", action="store_true", help="also time the general path (fast path off)")
     ap.add_argument("--sizes", default="128x32,64x64", help="d_model x sequences of 128 tokens (--model paper)")
+    ap.add_argument("--accumulate", choices=("fast", "exact"), default="fast", help="the recipes' GEMM rule (--model paper)")
     ap.add_argument("--keep-last", type=int, default=0,
                     help="blocks at the end kept in BF16 (--model paper; paper_repro's full mode keeps 1)")
     a = ap.parse_args()
@@ -123,13 +124,13 @@ def paper_steps(a):
 
         base = step_fn(build(c, "none", 0))
         for preset in a.presets.split(","):
-            rec = make_recipe(preset, {}, a.keep_last, 0, "fast")
+            rec = make_recipe(preset, {}, a.keep_last, 0, a.accumulate)
             fns = [base, step_fn(build(c, rec, 0))]
             if a.general:
                 fns.append(step_fn(build(c, rec, 0), fast=False))
             ts = best_alternating(fns, a.repeat)
             t0, t = ts[0], ts[1]
-            key = f"d{d}_B{B}_{preset}"
+            key = f"d{d}_B{B}_{preset}" + ("_exact" if a.accumulate == "exact" else "")
             tok = B * c.ctx
             out["step"][key] = t / t0
             out["tokens_per_s"][key] = {"emulated": tok / t, "plain": tok / t0}
