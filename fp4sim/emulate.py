@@ -117,10 +117,13 @@ def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call:
     plan = fastpath.operand_plan(op, a.shape, axis)
     if plan.kind == "bf16":
         return fastpath.bf16_values(fastpath.a_form(a, axis))
-    if plan.kind in ("nvfp4", "fp8_blockwise"):
+    if plan.kind in ("nvfp4", "fp8_blockwise", "mx"):
         A = fastpath.a_form(a, axis)
-        v = (fastpath.nvfp4_values(A, plan, layer_seed(recipe.seed, layer), _stream(call, name))
-             if plan.kind == "nvfp4" else fastpath.fp8_blockwise_values(A, plan))
+        if plan.kind == "fp8_blockwise":
+            v = fastpath.fp8_blockwise_values(A, plan)
+        else:
+            kernel = fastpath.nvfp4_values if plan.kind == "nvfp4" else fastpath.mx_values
+            v = kernel(A, plan, layer_seed(recipe.seed, layer), _stream(call, name))
         if v is not None:
             return v
         v = dequantize(quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name)))

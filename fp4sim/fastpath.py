@@ -9,6 +9,8 @@ values directly, in the layout the BLAS call reads (the "A form": rows along the
 - BF16 with RNE: a vectorised float32 -> bfloat16 rounding (:func:`fp4sim.cpu.fast.bf16_round_kernel`);
 - FP8 blockwise (E4M3, 1x128 or 128x128, RNE): block amax, scale and element rounding on registers in one
   kernel (:func:`fp4sim.cpu.fast.fp8_blockwise_values_kernel`);
+- MX (MXFP4, MXFP8; RNE or SR with in-kernel Philox bits): the backend's MX kernel called directly, its
+  float32 output taken (no planning layer, no separate dequantize);
 - every other operand: ``fake_quantize`` with the arguments :func:`fp4sim.emulate.quantize_operand` gives
   ``quantize`` (its values are those of ``dequantize(quantize(...))``).
 
@@ -37,10 +39,10 @@ from . import ids
 from .planning import NVFP4_DEQUANT_AMAX_LIMIT, nvfp4_constants_rows
 from .rng import seed_key
 from .formats import E4M3
-from .schemes import NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
+from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
 
 __all__ = ["OperandPlan", "operand_plan", "shared_values", "enabled", "a_form", "nvfp4_values", "bf16_values",
-           "fp8_blockwise_values"]
+           "fp8_blockwise_values", "mx_values"]
 
 _ENABLED = os.environ.get("FP4SIM_FASTPATH", "1") != "0"
 
@@ -60,7 +62,8 @@ def _set_enabled(on: bool) -> bool:
 @dataclass(frozen=True)
 class OperandPlan:
     """What stays the same for one operand while its shape and the recipe do: ``kind`` ``"nvfp4"`` (the fused
-    kernel), ``"bf16"`` (RNE rounding), ``"fp8_blockwise"`` (its kernel, ``tile`` 1 or 128) or ``"general"``
+    kernel), ``"bf16"`` (RNE rounding), ``"fp8_blockwise"`` (its kernel, ``tile`` 1 or 128), ``"mx"`` (the MX
+    kernel called directly: ``flavor`` holds the scale mode's id, ``elem`` the element format) or ``"general"``
     (fake_quantize); the fused kernel's ids, and the layout
     of its Philox bits (``ph`` 1: the dot axis is last in the original tensor, 2: its stride ``pstride`` is a
     multiple of 16, None: not generated in the kernel)."""
@@ -70,6 +73,7 @@ class OperandPlan:
     mode: int = ids.RNE
     ph: int | None = None
     pstride: int = 1
+    elem: object = None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -88,6 +92,13 @@ def operand_plan(op, shape: tuple, axis: int) -> OperandPlan:
             return OperandPlan("general")
         return OperandPlan("nvfp4", ids.FLAVOR_IDS[sch.flavor], sch.block[0], ids.SR if sr else ids.RNE, ph,
                            stride)
+    if isinstance(sch, MX):
+        stride = math.prod(shape[axis + 1:])
+        ph = 1 if stride == 1 else (2 if stride % 16 == 0 else None)
+        if sr and ph is None:
+            return OperandPlan("general")
+        return OperandPlan("mx", ids.SCALE_MODE_IDS[sch.scale_mode], 1, ids.SR if sr else ids.RNE, ph, stride,
+                           sch.elem)
     if isinstance(sch, FP8Blockwise) and sch.elem is E4M3 and not sr:
         return OperandPlan("fp8_blockwise", tile=sch.block[0])
     return OperandPlan("general")
@@ -154,6 +165,25 @@ def nvfp4_values(A, plan: OperandPlan, seed=None, stream=0):
         nvfp4_values_kernel(A, *sra, plan.mode, 8, plan.flavor, plan.tile, c0[0], c1[0], dq[0], E4M3.values, out,
                             ntasks)
     return out
+
+
+def mx_values(A, plan: OperandPlan, seed=None, stream=0):
+    """The MX values of ``A`` (R, K) C-contiguous float32 along its rows by the backend's MX kernel (its fake
+    output, as ``fake_quantize``), without the planning layer; None where ``A`` holds NaN or Inf (then the
+    caller takes the general path, with its warnings)."""
+    from .cpu.backend import CpuKernels
+    from .planning import PhiloxRows
+    if plan.mode == ids.SR:
+        k0, k1 = seed_key(seed)
+        rb = PhiloxRows(plan.ph, k0, k1, int(stream), 0xFF, plan.pstride)
+    else:
+        rb = np.zeros((1, 1), np.uint8)
+    if not A.size:
+        return np.empty(A.shape, np.float32)
+    _, _, fv, (amax, has_nan) = CpuKernels.mx(A, rb, plan.mode == ids.SR, plan.mode, 8, plan.flavor, plan.elem, True)
+    if has_nan or not np.isfinite(amax):
+        return None
+    return fv
 
 
 def fp8_blockwise_values(A, plan: OperandPlan):

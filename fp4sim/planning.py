@@ -34,6 +34,7 @@ modes, flavours, scale modes) are those of :mod:`fp4sim.ids`.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -483,7 +484,18 @@ def rht_args(xs, d, signs, axis, out):
     K = xs.shape[axis]
     if K % d:
         raise ValueError(f"axis {axis} has length {K}, not a multiple of d={d}; pad it or choose another d")
-    return axis, K, np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d)), out == "bf16"
+    if isinstance(signs, (str, int, np.integer)) and not isinstance(signs, bool):
+        sh = _signed_hadamard(int(d), signs if isinstance(signs, str) else int(signs))
+    else:
+        sh = np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d))
+    return axis, K, sh, out == "bf16"
+
+
+@functools.lru_cache(maxsize=256)
+def _signed_hadamard(d, signs):
+    """diag(s) @ H_d (float64) for a named or seeded sign vector, built once per (d, signs): training calls the
+    RHT with the same few of them every step (the kernels only read it)."""
+    return np.ascontiguousarray(rht_signs(d, signs)[:, None] * hadamard_matrix(d))
 
 
 def run_rht(kern, x, d=16, signs="te", axis=-1, out="bf16", memory="C"):

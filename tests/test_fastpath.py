@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fp4sim as fs
+import fp4sim.ids
 from fp4sim import emulate, fastpath
 from fp4sim.cpu.elements import e2m1_rne, e2m1_value
 from fp4sim.cpu.fast import e2m1_rne_value, e4m3_rne_value
@@ -152,6 +153,30 @@ def test_fp8_blockwise_values_equal_dequantize_of_quantize(block, axis, shape):
     assert _same(got, want if axis == 1 else want.T)
     x[1, 1] = np.inf
     assert fastpath.fp8_blockwise_values(fastpath.a_form(x, axis), plan) is None
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("scale_mode", ["rceil", "floor", "even"])
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_mx_values_equal_dequantize_of_quantize(scheme, scale_mode, rounding, axis):
+    """The MX kernel called directly (no planning layer) gives dequantize(quantize(x)): every element format,
+    scale modes, SR with the same Philox bits, along either axis, a blocked length that is not a multiple of
+    32; NaN or Inf goes to the general path."""
+    rng = np.random.default_rng(hash((scheme, scale_mode, rounding, axis)) % 2**32)
+    x = _operand(rng, (64, 80))
+    op = Operand(scheme, None, rounding)
+    plan = fastpath.operand_plan(op, x.shape, axis)
+    assert plan.kind == "mx"
+    sch = fs.get_scheme(scheme, scale_mode=scale_mode)
+    kw = dict(seed=99, stream=5) if rounding == "sr" else {}
+    want = fs.dequantize(fs.quantize(x, sch, axis=axis, rounding=rounding, **kw))
+    plan = fastpath.OperandPlan("mx", fp4sim.ids.SCALE_MODE_IDS[scale_mode], 1, plan.mode, plan.ph,
+                                plan.pstride, plan.elem)
+    got = fastpath.mx_values(fastpath.a_form(x, axis), plan, 99, 5)
+    assert _same(got, want if axis == 1 else want.T)
+    x[2, 3] = np.nan
+    assert fastpath.mx_values(fastpath.a_form(x, axis), plan, 99, 5) is None
 
 
 def test_bf16_values_equal_the_bf16_encoder():
