@@ -22,7 +22,8 @@ from .figures import FIGURES
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 
 
-def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None) -> dict:
+def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None,
+         scheduler: str | None = None) -> dict:
     from .runner import run_all, set_threads
     out.mkdir(parents=True, exist_ok=True)
     given = seeds
@@ -36,6 +37,10 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
             summary = ablations.make(fig, runs, logs, out, {c.key(): out / "runs" / c.key() for _, _, c in runs})
         else:
             summary = figures.make_training_figure(fig, runs, logs, out)
+    elif fig == "scaling":
+        from . import scaling
+        set_threads(threads)
+        summary = scaling.make(out, quick, given, quiet=quiet, scheduler=scheduler)
     elif fig in figures.TEACHER:
         from . import teacher
         set_threads(threads)
@@ -61,6 +66,8 @@ def main(argv=None) -> int:
                                               f"--quick {figures.QUICK_SEEDS})")
     ap.add_argument("--threads", type=int, help="torch and Numba threads (default: all cores, at most 2)")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--scheduler", help="scaling: address of an existing Dask scheduler; each (format, seed) runs "
+                                        "there as one job, resuming from its checkpoints under --out/runs")
     ap.add_argument("what", nargs="*", help="with replot: the training figures to redraw from their CSV "
                                             "(default: every one whose CSV is in --out)")
     a = ap.parse_args(argv)
@@ -104,8 +111,17 @@ def main(argv=None) -> int:
     if a.threads is not None and a.threads < 1:
         print(f"paper_repro: --threads {a.threads}: give at least 1", file=sys.stderr)
         return 2
+    if a.scheduler and names != ["scaling"]:
+        print("paper_repro: --scheduler applies to scaling only", file=sys.stderr)
+        return 2
     for n in names:
-        make(n, a.quick, a.out, a.seeds, a.quiet, a.threads)
+        try:
+            make(n, a.quick, a.out, a.seeds, a.quiet, a.threads, a.scheduler)
+        except ValueError as e:
+            if not a.scheduler:
+                raise
+            print(f"paper_repro: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

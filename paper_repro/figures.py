@@ -307,6 +307,8 @@ FIGURES = {
     "fig9": Figure("fig9", "ablation: which blocks stay BF16, with each layer's Wgrad GEMM error logged", True),
     "fig14": Figure("fig14", "ablation: NVFP4 on weights only (16x16, 1x16 two ways) or activations only", True),
     "fig13": Figure("fig13", "ablation: RHT sign vectors: TE's, one from the seed, one per transform, none", True),
+    "scaling": Figure("scaling", "the FP4 gap to BF16 against tokens per parameter (D/N 0.5-50), WSD cooldowns "
+                      "branched from one trunk per format and seed", False),
     "teacher_formats": Figure("teacher_formats", "teacher-student regression (precision-limited): BF16, FP8, "
                               "MXFP8, MXFP4, NVFP4, NVFP4 + 4over6, paired by seed; gradient SNR", False),
     "teacher_recipe": Figure("teacher_recipe", "teacher-student regression: the NVFP4 recipe's parts (SR, RHT, 2D "

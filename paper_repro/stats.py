@@ -60,3 +60,23 @@ def token_multiplier_over_seeds(mults, losses_by_seed, targets_by_seed) -> dict:
     se = float(vals[ok].std(ddof=1) / math.sqrt(ok.sum())) if ok.sum() > 1 else math.nan
     return {**main, "per_seed": [float(v) for v in vals], "per_seed_status": [p["status"] for p in per],
             "stderr": se}
+
+
+def effective_data(ref_tokens, ref_losses, loss, tokens):
+    """The share of ``tokens`` with which the reference (BF16) reaches ``loss``: the reference's loss against its
+    budgets (``ref_tokens`` increasing, ``ref_losses`` their final losses) interpolated linearly in log tokens at
+    the first pair of neighbouring budgets that brackets ``loss``, divided by ``tokens``. None where the reference
+    never reaches the loss (above its best: more data than the sweep has) or is already below it at its smallest
+    budget (less than the sweep measures), or the loss is not finite."""
+    t = np.asarray(ref_tokens, np.float64)
+    y = np.asarray(ref_losses, np.float64)
+    if t.ndim != 1 or t.shape != y.shape or len(t) < 2 or np.any(np.diff(t) <= 0):
+        raise ValueError("ref_tokens must be increasing and match ref_losses (at least two budgets)")
+    L = float(loss)
+    if not math.isfinite(L) or not np.isfinite(y).all():
+        return None
+    for i in range(len(t) - 1):
+        if y[i] >= L >= y[i + 1] and y[i] > y[i + 1]:
+            f = (y[i] - L) / (y[i] - y[i + 1])
+            return float(math.exp(math.log(t[i]) + f * (math.log(t[i + 1]) - math.log(t[i]))) / float(tokens))
+    return None

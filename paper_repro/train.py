@@ -55,6 +55,7 @@ class RunConfig:
     keep_first: int = 0
     operands: tuple = ()
     log_wgrad_error: bool = False
+    eval_tokens: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -63,6 +64,9 @@ class RunConfig:
         object.__setattr__(self, "phases", tuple(Phase(*p) if not isinstance(p, Phase) else p for p in self.phases))
         object.__setattr__(self, "operands", tuple((op, sch, tuple(b) if b else None, rnd)
                                                    for op, sch, b, rnd in self.operands))
+        object.__setattr__(self, "eval_tokens", tuple(int(t) for t in self.eval_tokens))
+        if any(t < 1 for t in self.eval_tokens):
+            raise ValueError(f"eval_tokens={self.eval_tokens}: token counts of at least 1")
         last = 1
         for ph in self.phases:
             at = ph.step(self.tokens // (self.batch * self.model.ctx))
@@ -85,6 +89,7 @@ class RunConfig:
         d = dataclasses.asdict(self)
         d["phases"] = [list(dataclasses.astuple(p)) for p in self.phases]
         d["operands"] = [list(o) for o in self.operands]
+        d["eval_tokens"] = list(self.eval_tokens)
         for k, v in OPTIONAL.items():       # at their defaults these fields are left out, so runs configured
             if d[k] == v:                   # before they existed keep their keys (a hash of this JSON)
                 del d[k]
@@ -112,10 +117,34 @@ class RunConfig:
                            self.keep_first, self.operands if preset is None else ())
 
     def eval_steps(self) -> list[int]:
+        """The steps after which the run evaluates: ``eval_points`` spread over the run, or, with ``eval_tokens``,
+        the steps those token counts fall in (a grid shared by runs of different lengths) and the last step."""
+        if self.eval_tokens:
+            tps = self.batch * self.model.ctx
+            return sorted({t // tps for t in self.eval_tokens if 1 <= t // tps <= self.steps} | {self.steps})
         return sorted({max(1, round(self.steps * (i + 1) / self.eval_points)) for i in range(self.eval_points)})
 
+    def decay_step(self) -> int:
+        """The first step of the learning-rate decay (:func:`wsd_lr`)."""
+        return self.steps - int(round(self.decay_frac * self.steps))
 
-OPTIONAL = {"phases": [], "keep_first": 0, "operands": [], "log_wgrad_error": False}
+    def prefix_json(self) -> str | None:
+        """What determines the run up to its decay, for runs that evaluate on a shared ``eval_tokens`` grid and
+        have no phases: the configuration without its length (runs that differ only in ``tokens`` are one run
+        until the shorter one's decay starts: the same warmup and constant rate, batches, evaluations and SR
+        call counts). None for other runs."""
+        if not self.eval_tokens or self.phases:
+            return None
+        d = json.loads(self.to_json())
+        del d["tokens"]
+        return json.dumps(d, sort_keys=True)
+
+    def prefix_key(self) -> str | None:
+        j = self.prefix_json()
+        return None if j is None else "prefix-" + hashlib.sha1(j.encode()).hexdigest()[:10]
+
+
+OPTIONAL = {"phases": [], "keep_first": 0, "operands": [], "log_wgrad_error": False, "eval_tokens": []}
 
 
 def make_recipe(preset, switches, keep_last, seed, accumulate, keep_first=0, operands=()):
@@ -265,9 +294,13 @@ def _atomic_write(path: Path, payload: bytes):
 
 
 def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_every: int | None = None,
-          progress=None, stop_after: int | None = None) -> list[dict]:
+          progress=None, stop_after: int | None = None, snapshot_steps=()) -> list[dict]:
     """Train (or resume, or just read) the run; return its log rows.
 
+    snapshot_steps: steps before which to save the run's state for shorter runs of the same prefix
+    (:meth:`RunConfig.prefix_key`; only steps up to this run's own decay). A run with a prefix starts from the
+    snapshot at its decay step where one exists (a cooldown branched from a longer trunk), which gives the same
+    numbers, bit for bit, as training it from the start.
     ckpt_seconds / ckpt_every: checkpoint after this much wall time or every this many steps (and at the end);
     progress(step_tokens, loss): called after every step, and once before the first with ``loss=None`` and the
     tokens already behind the run (resumed from its checkpoint or a branch point's snapshot), which this call
@@ -294,6 +327,10 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     ckpt = run_dir / "ckpt.pt"
     phase_at = [ph.step(cfg.steps) for ph in cfg.phases]
     snap = (run_dir.parent / cfg.parent().key() / f"snap-{phase_at[0]}.pt") if cfg.phases else None
+    prefix = cfg.prefix_json()
+    prefix_dir = run_dir.parent / cfg.prefix_key() if prefix is not None else None
+    trunk_snap = prefix_dir / f"snap-{cfg.decay_step()}.pt" if prefix is not None else None
+    snapshot_steps = {s for s in snapshot_steps if 0 < s <= cfg.decay_step()} if prefix is not None else set()
 
     def load(path, want_config):
         nonlocal step, rows, acc, hist
@@ -316,6 +353,8 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         load(ckpt, cfg.to_json())
     elif snap is not None and snap.is_file():           # a sibling branch already trained the shared prefix
         load(snap, cfg.parent().to_json())
+    elif trunk_snap is not None and trunk_snap.is_file():   # a longer run passed this run's decay step
+        load(trunk_snap, prefix)
     if progress is not None and step:
         progress(step * cfg.batch * cfg.model.ctx, None)
     for ph, at in zip(cfg.phases, phase_at):            # phases already passed (a resumed run; the one at this
@@ -344,6 +383,9 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     last_ckpt, done_here = time.monotonic(), 0
     diverged = None
     while step < cfg.steps:
+        if step in snapshot_steps and not (prefix_dir / f"snap-{step}.pt").is_file():
+            prefix_dir.mkdir(parents=True, exist_ok=True)
+            _atomic_write(prefix_dir / f"snap-{step}.pt", state(prefix))
         if step in phase_at:
             if step == phase_at[0] and not snap.is_file():    # the branch point, shared with sibling branches
                 snap.parent.mkdir(parents=True, exist_ok=True)

@@ -538,3 +538,100 @@ def test_loss_panels_include_every_evaluation():
     lo, hi = ax.get_ylim()
     assert lo < 2.0 and hi > 3.6
     plt.close(f)
+
+
+# ------------------------------------------------------------------------------------------- scaling sweep
+def _grid_cfgs(budgets_steps, preset="nvfp4_paper"):
+    """Tiny runs of several lengths on one evaluation grid (each budget's decay start and end)."""
+    tps = TINY.batch * TINY.model.ctx
+    cs = [replace(TINY, preset=preset, tokens=s * tps, eval_points=1) for s in budgets_steps]
+    grid = sorted({t for c in cs for t in (c.decay_step() * tps, c.tokens)})
+    return [replace(c, eval_tokens=tuple(grid)) for c in cs], tps
+
+
+def test_a_cooldown_branched_from_a_trunk_is_the_independent_run_bit_for_bit(tmp_path):
+    """A 10-step budget continued from the snapshot a 25-step trunk left at its decay step writes the same log,
+    byte for byte, as the 10-step run trained from the start (the SR call counts, the evaluations on the shared
+    grid and the optimizer state included); it trains only its cooldown; its learning rates are WSD's."""
+    (short, trunk), tps = _grid_cfgs([10, 25])
+    assert short.prefix_key() == trunk.prefix_key() and short.key() != trunk.key()
+    train(trunk, tmp_path / "runs" / trunk.key(), snapshot_steps=[short.decay_step()])
+    assert (tmp_path / "runs" / short.prefix_key() / f"snap-{short.decay_step()}.pt").is_file()
+    calls = []
+    branched = train(short, tmp_path / "runs" / short.key(), progress=lambda n, loss: calls.append((n, loss)))
+    assert calls[0] == (short.decay_step() * tps, None)
+    assert len(calls) == 1 + short.steps - short.decay_step()       # the cooldown's steps only
+    alone = train(short, tmp_path / "alone" / short.key())
+    assert branched == alone
+    assert (tmp_path / "runs" / short.key() / "log.csv").read_bytes() == \
+        (tmp_path / "alone" / short.key() / "log.csv").read_bytes()
+    for r in branched:                                               # rows at the grid's steps: WSD's rate
+        assert r["lr"] == wsd_lr(r["step"] - 1, short.steps, short.lr, short.warmup, short.decay_frac)
+    assert [r["step"] for r in branched] == short.eval_steps()
+    assert [r["lr"] for r in branched][-1] < short.lr and short.decay_step() == 8
+
+
+def test_prefix_sharing_needs_a_shared_grid_and_no_phases():
+    (short, _), _ = _grid_cfgs([10, 25])
+    assert replace(short, eval_tokens=()).prefix_key() is None
+    assert replace(short, phases=((0.5, "bf16"),)).prefix_key() is None
+    assert replace(short, seed=1).prefix_key() != short.prefix_key()
+    assert RunConfig.from_json(short.to_json()) == short
+    assert "eval_tokens" not in json.loads(TINY.to_json())          # older runs keep their keys
+    with pytest.raises(ValueError, match="eval_tokens"):
+        replace(short, eval_tokens=(0,))
+
+
+def test_effective_data_on_a_synthetic_curve():
+    """BF16's loss falls linearly in log tokens; a format whose loss at T is BF16's at T/2 has effective data
+    0.5 (exactly, the interpolation is linear in log tokens); outside BF16's range there is no answer."""
+    T = np.array([1e3, 2e3, 4e3, 8e3, 16e3])
+    bf = 3.0 - 0.2 * np.log(T)
+    for t in (2e3, 4e3, 8e3, 16e3):
+        assert stats.effective_data(T, bf, 3.0 - 0.2 * math.log(t / 2), t) == pytest.approx(0.5, rel=1e-12)
+    assert stats.effective_data(T, bf, 3.0 - 0.2 * math.log(6e3), 8e3) == pytest.approx(0.75, rel=1e-12)
+    assert stats.effective_data(T, bf, bf[-1] - 0.01, 16e3) is None           # better than BF16's best
+    assert stats.effective_data(T, bf, bf[0] + 0.01, 1e3) is None             # worse than BF16's smallest
+    assert stats.effective_data(T, bf, math.nan, 1e3) is None
+    with pytest.raises(ValueError, match="increasing"):
+        stats.effective_data(T[::-1], bf, 2.0, 1e3)
+
+
+def test_scaling_quick_summary_is_recomputed_from_its_csv(tmp_path):
+    """scaling --quick: a tiny trunk and two branches per format and seed; scaling.json's points (the paired
+    gap to BF16 and its standard error, n, D/N, effective data) recomputed from scaling.csv."""
+    from paper_repro import scaling
+    r = _run(["scaling", "--quick", "--out", str(tmp_path), "--quiet"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summ = json.load(open(tmp_path / "scaling.json"))
+    rows = list(csv.DictReader(open(tmp_path / "scaling.csv")))
+    assert set(rows[0]) == set(scaling.COLUMNS)
+    loss = {(r["format"], int(r["seed"]), int(r["tokens"])): float(r["val_loss"]) for r in rows}
+    toks = sorted({t for _, _, t in loss})
+    assert toks == summ["tokens"] and len(toks) == len(scaling.QUICK_STEPS)
+    params = summ["params"]
+    assert params == sum(p.numel() for p in GPT(scaling.QUICK.model).parameters())
+    assert len(summ["points"]) == len(toks) * (len(scaling.QUICK_RECIPES) - 1)
+    for p in summ["points"]:
+        assert set(p) == {"format", "tokens_per_param", "tokens", "params", "effect", "stderr", "n",
+                          "effective_data"}
+        d = np.array([loss[(p["format"], s, p["tokens"])] - loss[("bf16", s, p["tokens"])]
+                      for s in range(scaling.QUICK_SEEDS)])
+        assert p["n"] == scaling.QUICK_SEEDS and p["effect"] == pytest.approx(d.mean(), abs=1e-12)
+        assert p["stderr"] == pytest.approx(d.std(ddof=1) / math.sqrt(len(d)), abs=1e-12)
+        assert p["tokens_per_param"] == pytest.approx(p["tokens"] / params)
+        bf = [np.mean([loss[("bf16", s, t)] for s in range(scaling.QUICK_SEEDS)]) for t in toks]
+        mean = np.mean([loss[(p["format"], s, p["tokens"])] for s in range(scaling.QUICK_SEEDS)])
+        want = stats.effective_data(toks, bf, mean, p["tokens"])
+        assert (p["effective_data"] is None) == (want is None)
+        if want is not None:
+            assert p["effective_data"] == pytest.approx(want, rel=1e-9)
+    assert any(d.name.startswith("prefix-") for d in (tmp_path / "runs").iterdir())   # the branches branched
+
+
+def test_scaling_scheduler_that_does_not_answer_is_a_clear_error(tmp_path):
+    r = _run(["scaling", "--quick", "--out", str(tmp_path), "--scheduler", "tcp://127.0.0.1:9", "--quiet"],
+             timeout=120)
+    assert r.returncode == 2 and "no Dask scheduler answered" in r.stderr
+    r = _run(["fig2", "--quick", "--out", str(tmp_path), "--scheduler", "tcp://127.0.0.1:9"], timeout=60)
+    assert r.returncode == 2 and "scaling only" in r.stderr
