@@ -29,14 +29,13 @@ gradient): :func:`shared_values` says when, and the second GEMM reads the first'
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import ids
-from .planning import NVFP4_DEQUANT_AMAX_LIMIT, nvfp4_constants_rows
+from .planning import NVFP4_DEQUANT_AMAX_LIMIT, nvfp4_constants_rows, philox_layout
 from .rng import seed_key
 from .formats import E4M3
 from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor, get_scheme
@@ -86,15 +85,13 @@ def operand_plan(op, shape: tuple, axis: int) -> OperandPlan:
         return OperandPlan("bf16")
     if (isinstance(sch, NVFP4) and sch.flavor in ("te", "paper") and not sch.four_over_six and not sch.row_scaled
             and sch.per_tensor_scale):
-        stride = math.prod(shape[axis + 1:])
-        ph = 1 if stride == 1 else (2 if stride % 16 == 0 else None)
+        ph, stride = philox_layout(shape, axis)
         if sr and ph is None:
             return OperandPlan("general")
         return OperandPlan("nvfp4", ids.FLAVOR_IDS[sch.flavor], sch.block[0], ids.SR if sr else ids.RNE, ph,
                            stride)
     if isinstance(sch, MX):
-        stride = math.prod(shape[axis + 1:])
-        ph = 1 if stride == 1 else (2 if stride % 16 == 0 else None)
+        ph, stride = philox_layout(shape, axis)
         if sr and ph is None:
             return OperandPlan("general")
         return OperandPlan("mx", ids.SCALE_MODE_IDS[sch.scale_mode], 1, ids.SR if sr else ids.RNE, ph, stride,
@@ -119,14 +116,8 @@ def shared_values(op) -> bool:
     return False
 
 
-_RNE_ARGS = None
-
-
-def _rne_args():
-    global _RNE_ARGS
-    if _RNE_ARGS is None:
-        _RNE_ARGS = (np.zeros((1, 1), np.uint8), 0, np.uint64(0), np.uint64(0), np.uint64(0), np.uint8(0xFF), 1)
-    return _RNE_ARGS
+# the fused kernel's random-byte arguments when it rounds to nearest (no bytes read)
+_RNE_ARGS = (np.zeros((1, 1), np.uint8), 0, np.uint64(0), np.uint64(0), np.uint64(0), np.uint8(0xFF), 1)
 
 
 def a_form(a, axis):
@@ -157,7 +148,7 @@ def nvfp4_values(A, plan: OperandPlan, seed=None, stream=0):
         sra = (np.zeros((1, 1), np.uint8), plan.ph, np.uint64(k0), np.uint64(k1), np.uint64(stream),
                np.uint8(0xFF), plan.pstride)
     else:
-        sra = _rne_args()
+        sra = _RNE_ARGS
     out = np.empty(A.shape, np.float32)
     if A.size:
         R = A.shape[0]

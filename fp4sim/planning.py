@@ -102,12 +102,19 @@ def philox_rows(sr: SRPlan, shape, axis: int):
     the block axis's stride is not 1 or a multiple of 16 (then the byte array is generated and moved)."""
     if sr.kind != ids.SR_PHILOX:
         return None
-    stride = math.prod(shape[axis + 1:])
-    if stride != 1 and stride % 16:
+    layout, stride = philox_layout(shape, axis)
+    if layout is None:
         return None
     from .rng import seed_key
     k0, k1 = seed_key(sr.seed)
-    return PhiloxRows(1 if stride == 1 else 2, k0, k1, sr.stream, (1 << sr.nsr) - 1, stride)
+    return PhiloxRows(layout, k0, k1, sr.stream, (1 << sr.nsr) - 1, stride)
+
+
+def philox_layout(shape, axis: int):
+    """(layout, stride) of the in-kernel Philox bits of an input of ``shape`` blocked along ``axis``: layout 1
+    (the block axis's stride is 1), 2 (a multiple of 16) or None (not generated in the kernel)."""
+    stride = math.prod(shape[axis + 1:])
+    return (1 if stride == 1 else (2 if stride % 16 == 0 else None)), stride
 
 
 def plan_sr(n: int, shape, rounding: str, rbits, seed, sr_bits, stream, rbits_mapping) -> SRPlan:
