@@ -23,7 +23,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 
 
 def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None,
-         scheduler: str | None = None) -> dict:
+         scheduler: str | None = None, short: bool = False) -> dict:
     from .runner import run_all, set_threads
     out.mkdir(parents=True, exist_ok=True)
     given = seeds
@@ -31,7 +31,7 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
     t0 = time.perf_counter()
     if FIGURES[fig].trains:
         set_threads(threads)
-        runs = figures.runs_for(fig, quick, seeds)
+        runs = figures.runs_for(fig, quick, seeds, short)
         logs = run_all([c for _, _, c in runs], out, quiet=quiet)
         if fig in ablations.ABLATIONS:
             summary = ablations.make(fig, runs, logs, out, {c.key(): out / "runs" / c.key() for _, _, c in runs})
@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--scheduler", help="scaling: address of an existing Dask scheduler; each (format, seed) runs "
                                         "there as one job, resuming from its checkpoints under --out/runs")
+    ap.add_argument("--short", action="store_true",
+                    help="fig2, fig6a, fig6b: the earlier 0.75M-parameter runs at D/N 0.5 (358,400 tokens) instead "
+                         "of the scaling sweep's largest budget (D/N 50); figures/dn0.5/ holds what they gave")
     ap.add_argument("what", nargs="*", help="with replot: the training figures to redraw from their CSV "
                                             "(default: every one whose CSV is in --out)")
     a = ap.parse_args(argv)
@@ -111,12 +114,15 @@ def main(argv=None) -> int:
     if a.threads is not None and a.threads < 1:
         print(f"paper_repro: --threads {a.threads}: give at least 1", file=sys.stderr)
         return 2
+    if a.short and (a.quick or not set(names) & set(figures.SCALED)):
+        print(f"paper_repro: --short applies to {', '.join(figures.SCALED)} in full mode only", file=sys.stderr)
+        return 2
     if a.scheduler and names != ["scaling"]:
         print("paper_repro: --scheduler applies to scaling only", file=sys.stderr)
         return 2
     for n in names:
         try:
-            make(n, a.quick, a.out, a.seeds, a.quiet, a.threads, a.scheduler)
+            make(n, a.quick, a.out, a.seeds, a.quiet, a.threads, a.scheduler, a.short)
         except ValueError as e:
             if not a.scheduler:
                 raise

@@ -31,8 +31,22 @@ COLORS = {"bf16": "k", "nvfp4_paper": "tab:green", "fp8_blockwise": "tab:blue", 
 
 
 
+SCALED = ("fig2", "fig6a", "fig6b")      # full mode: at the scaling sweep's largest D/N (``short``: FULL above)
+SCALED_MULTS = (0.4, 1.0, 1.25, 1.36, 1.5)   # 0.4x and 1.0x are the sweep's D/N 20 and 50 runs
+
+
 def base(quick: bool) -> RunConfig:
     return QUICK if quick else FULL
+
+
+def at_scale(fig: str, quick: bool, short: bool) -> bool:
+    """Whether ``fig`` trains at the scaling sweep's largest D/N (fig2, fig6a, fig6b in full mode unless
+    ``short``: the earlier 0.75M-parameter runs at D/N 0.5)."""
+    return fig in SCALED and not quick and not short
+
+
+def mults(fig: str, quick: bool, short: bool) -> tuple:
+    return SCALED_MULTS if at_scale(fig, quick, short) else MULTS
 
 
 def _tok(cfg: RunConfig, mult: float) -> int:
@@ -41,21 +55,33 @@ def _tok(cfg: RunConfig, mult: float) -> int:
 
 
 # ------------------------------------------------------------------------------------------- run sets
-def runs_for(fig: str, quick: bool, seeds: int) -> list[tuple[str, float, RunConfig]]:
-    """(run label, token multiplier, config) of every training run a figure needs."""
+def runs_for(fig: str, quick: bool, seeds: int, short: bool = False) -> list[tuple[str, float, RunConfig]]:
+    """(run label, token multiplier, config) of every training run a figure needs. fig2 / fig6a / fig6b in full
+    mode are the scaling sweep's runs at its largest budget (:func:`at_scale`), and fig6b's MXFP4 runs at other
+    multiples of that budget share the sweep's trunk (the same prefix: cooldowns of one longer run)."""
     from . import ablations
     b = base(quick)
     if fig in ablations.ABLATIONS:
         return ablations.runs_for(fig, b, seeds)
+    scaled = at_scale(fig, quick, short)
+    if scaled:
+        from . import scaling
+
+        def cfg(p, s):
+            return scaling.largest(p, s)
+    else:
+        def cfg(p, s):
+            return replace(b, preset=p, seed=s)
     out = []
     presets = {"fig2": ("bf16", "nvfp4_paper", "fp8_blockwise"), "fig6a": ("bf16", "nvfp4_paper", "mxfp4_paper"),
                "fig6b": ("nvfp4_paper",)}.get(fig, ())
     for s in range(seeds):
         for p in presets:
-            out.append((p, 1.0, replace(b, preset=p, seed=s)))
+            out.append((p, 1.0, cfg(p, s)))
         if fig == "fig6b":
-            for m in MULTS:
-                out.append((f"mxfp4_paper_x{m:g}", m, replace(b, preset="mxfp4_paper", seed=s, tokens=_tok(b, m))))
+            m0 = cfg("mxfp4_paper", s)
+            for m in mults(fig, quick, short):
+                out.append((f"mxfp4_paper_x{m:g}", m, replace(m0, tokens=_tok(m0, m))))
     return out
 
 
@@ -82,6 +108,9 @@ def _loss_and_rel(fig, runs, logs, labels, out: Path, title):
             summary["runs"][lab].update(final_rel_diff_pct_mean=float(rm), final_rel_diff_pct_std=float(rs),
                                         final_loss_gap_vs_bf16_mean=float(dm), final_loss_gap_vs_bf16_std=float(ds))
     a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)")
+    if tb[-1] > 20 * tb[0]:                 # an evaluation grid over decades (the sweep's runs)
+        a0.set_xscale("log")
+        a1.set_xscale("log")
     plotting.title(a0, f"{title} (mean over {summary['seeds']} seeds)")
     plotting.ylim_all(a0, *shown)
     a1.axhline(0, color="k", lw=0.8)
@@ -97,47 +126,65 @@ def _loss_and_rel(fig, runs, logs, labels, out: Path, title):
     return summary
 
 
+def scale_of(runs) -> dict:
+    """params, tokens and tokens_per_param of a figure's reference runs (multiplier 1.0; N counts every
+    parameter, embedding and head included)."""
+    from .model import GPT
+    ref = [c for _, m, c in runs if m == 1.0]
+    params = sum(p.numel() for p in GPT(ref[0].model).parameters())
+    tokens = ref[0].tokens
+    return {"params": params, "tokens": tokens, "tokens_per_param": tokens / params}
+
+
 def make_training_figure(fig, runs, logs, out: Path) -> dict:
     out = Path(out)
     rows = plotting.training_rows(fig, runs, logs)
     plotting.write_csv(out / f"{fig}.csv", plotting.TRAIN_COLUMNS, rows)
+    sc = scale_of(runs)
+    tag = f"D/N {sc['tokens_per_param']:.3g}"
     if fig == "fig2":
         summary = _loss_and_rel(fig, runs, logs, ("bf16", "nvfp4_paper", "fp8_blockwise"), out,
-                                "NVFP4 vs BF16 and FP8 (validation loss)")
+                                f"NVFP4 vs BF16 and FP8, {tag}")
     elif fig == "fig6a":
         summary = _loss_and_rel(fig, runs, logs, ("bf16", "nvfp4_paper", "mxfp4_paper"), out,
-                                "NVFP4 vs MXFP4, same BF16 layers")
+                                f"NVFP4 vs MXFP4, same BF16 layers, {tag}")
         r = summary["runs"]
         gap = np.array(r["mxfp4_paper"]["final_val_loss_per_seed"]) - np.array(r["nvfp4_paper"]["final_val_loss_per_seed"])
         gm, gs = stats.mean_std(gap)
         summary["mxfp4_minus_nvfp4_final"] = {"mean": float(gm), "std": float(gs), "per_seed": [float(g) for g in gap]}
     else:
-        summary = _fig6b(runs, logs, out)
+        summary = _fig6b(runs, logs, out, tag)
+    summary = {**sc, **summary}
     plotting.write_json(out / f"{fig}.json", summary)
     return summary
 
 
-def _fig6b(runs, logs, out: Path) -> dict:
+def _fig6b(runs, logs, out: Path, tag: str = "") -> dict:
     plt = plotting.pyplot()
     seeds = sorted({c.seed for _, _, c in runs})
+    ms = sorted({m for lab, m, c in runs if lab.startswith("mxfp4_paper_x")})
     tn, Yn = plotting.curves(runs, logs, "nvfp4_paper")
     finals = np.array([[logs[c.key()][-1]["val_loss"] for s in seeds for lab, m, c in runs
-                        if lab == f"mxfp4_paper_x{mm:g}" and c.seed == s] for mm in MULTS]).T   # (seeds, mults)
-    res = stats.token_multiplier_over_seeds(MULTS, finals, Yn[:, -1])
+                        if lab == f"mxfp4_paper_x{mm:g}" and c.seed == s] for mm in ms]).T   # (seeds, mults)
+    n_tok = next(c.tokens for lab, _, c in runs if lab == "nvfp4_paper")
+    ratio = [next(c.tokens for lab, m, c in runs if lab == f"mxfp4_paper_x{mm:g}") / n_tok for mm in ms]
+    res = stats.token_multiplier_over_seeds(ratio, finals, Yn[:, -1])     # the exact token ratios (whole steps)
     f, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.6))
     plotting.lines(a0, tn, Yn, COLORS["nvfp4_paper"], f"NVFP4, {1.0:.2f}x tokens", err=False)
     cmap = plt.get_cmap("Reds")
     shown = [Yn]
-    for i, m in enumerate(MULTS):
+    for i, m in enumerate(ms):
         t, Y = plotting.curves(runs, logs, f"mxfp4_paper_x{m:g}")
-        plotting.lines(a0, t, Y, cmap(0.4 + 0.6 * i / (len(MULTS) - 1)), f"MXFP4, {m:.2f}x tokens", err=False)
+        plotting.lines(a0, t, Y, cmap(0.4 + 0.6 * i / (len(ms) - 1)), f"MXFP4, {m:.2f}x tokens", err=False)
         shown.append(Y)
     a0.set(xlabel="training tokens", ylabel="validation loss (nats/char)")
-    plotting.title(a0, f"MXFP4 with more tokens (mean over {len(seeds)} seeds)")
+    plotting.title(a0, f"MXFP4 with more tokens, NVFP4 at {tag} (mean over {len(seeds)} seeds)")
+    if tn[-1] > 20 * tn[0]:
+        a0.set_xscale("log")
     plotting.ylim_all(a0, *shown)
     fm, fs = stats.mean_std(finals)
     se = fs / math.sqrt(len(seeds))
-    a1.errorbar(MULTS, fm, yerr=se, color="tab:red", marker="o", capsize=3, label="MXFP4 final loss (± 1 s.e.)")
+    a1.errorbar(ratio, fm, yerr=se, color="tab:red", marker="o", capsize=3, label="MXFP4 final loss (± 1 s.e.)")
     nm, ns = stats.mean_std(Yn[:, -1])
     nse = ns / math.sqrt(len(seeds))
     a1.axhline(nm, color="tab:green", label=f"NVFP4 final loss at {1.0:.2f}x (± 1 s.e.)")
@@ -147,20 +194,20 @@ def _fig6b(runs, logs, out: Path) -> dict:
                    label=f"match at {res['value']:.2f}x ± {res['stderr']:.2f} (paper: 1.36x)")
         plotting.title(a1, "the token multiplier at which MXFP4 matches NVFP4's final loss")
     elif res["status"] == "at_or_below_min":
-        plotting.title(a1, f"MXFP4 reaches NVFP4's final loss already at {MULTS[0]:.2f}x (paper: 1.36x)")
+        plotting.title(a1, f"MXFP4 reaches NVFP4's final loss already at {ms[0]:.2f}x (paper: 1.36x)")
     else:
         ext = res["extrapolated"]
-        plotting.title(a1, f"MXFP4 does not reach NVFP4's final loss by {MULTS[-1]:.2f}x"
+        plotting.title(a1, f"MXFP4 does not reach NVFP4's final loss by {ms[-1]:.2f}x"
                + (f" (straight-line extrapolation: {ext:.2f}x)" if math.isfinite(ext) else "") + " (paper: 1.36x)")
     a1.set(xlabel="MXFP4 tokens / NVFP4 tokens", ylabel="final validation loss")
-    a1.set_xticks(MULTS, [f"{m:.2f}x" for m in MULTS])
+    a1.set_xticks(ratio, [f"{m:.2f}x" for m in ms])
     for a in (a0, a1):
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
     f.tight_layout()
     f.savefig(out / "fig6b.png", dpi=130)
     plt.close(f)
-    return {"seeds": len(seeds), "mults": list(MULTS), "mxfp4_final_mean": [float(v) for v in fm],
+    return {"seeds": len(seeds), "mults": list(ms), "token_ratios": ratio, "mxfp4_final_mean": [float(v) for v in fm],
             "mxfp4_final_std": [float(v) for v in fs], "nvfp4_final_mean": float(nm), "nvfp4_final_std": float(ns),
             "token_multiplier": res}
 
@@ -296,7 +343,7 @@ FIGURES = {
     "fig2": Figure("fig2", "validation loss: NVFP4 (paper recipe) vs BF16 and FP8 blockwise, relative difference",
                    True),
     "fig6a": Figure("fig6a", "relative difference from BF16: NVFP4 vs MXFP4 (RHT d=32), same BF16 layers", True),
-    "fig6b": Figure("fig6b", "MXFP4 on 1.0x-1.5x of NVFP4's tokens: the multiplier that matches NVFP4's loss", True),
+    "fig6b": Figure("fig6b", "MXFP4 on 0.4x-1.5x of NVFP4's tokens (--short: 1.0x-1.5x): the multiplier that matches NVFP4's loss", True),
     "fig4": Figure("fig4", "ablation: the full recipe branched at 34% into no SR / no RHT / no 2D / no BF16 blocks",
                    True),
     "fig7": Figure("fig7", "ablation: switching forward / backward / both to BF16 at 82% (and both at 99%)", True),

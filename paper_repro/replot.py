@@ -34,7 +34,11 @@ def runs_from_csv(fig: str, out: Path, quick: bool = False):
     seeds = sorted({int(r["seed"]) for r in rows})
     if seeds != list(range(len(seeds))):
         raise ValueError(f"{path}: seeds {seeds}; a figure's runs use seeds 0..n-1")
-    runs = figures.runs_for(fig, quick, len(seeds))
+    # fig2 / fig6a / fig6b in full mode: at the sweep's scale, or the earlier short runs (--short), told apart
+    # by the length of their runs
+    short = not quick and fig in figures.SCALED and \
+        max(int(r["tokens"]) for r in rows) <= figures._tok(figures.FULL, max(figures.MULTS))
+    runs = figures.runs_for(fig, quick, len(seeds), short)
     by = {}
     for r in rows:
         d = {k: _num(r[k]) for k in ("step", "tokens", "lr", "train_loss", "val_loss")}

@@ -37,19 +37,57 @@ def token_bar(total: int, quiet: bool):
     return bar, progress
 
 
+def chains(cfgs: list[RunConfig]) -> list[list[RunConfig]]:
+    """The configs (duplicates dropped) grouped into chains of runs that share a prefix
+    (:meth:`RunConfig.prefix_key`: the same run up to the shorter one's decay), each in increasing length; a run
+    without a prefix is a chain of its own. The chains keep the order of their first config."""
+    out, by = [], {}
+    for c in {c.key(): c for c in cfgs}.values():
+        k = c.prefix_key()
+        if k is None:
+            out.append([c])
+        elif k in by:
+            by[k].append(c)
+        else:
+            by[k] = [c]
+            out.append(by[k])
+    for ch in out:
+        ch.sort(key=lambda c: c.tokens)
+    return out
+
+
+def train_chain(chain: list[RunConfig], runs: Path, progress=None, ckpt_seconds: float = 120.0,
+                describe=None) -> dict:
+    """Train a chain (:func:`chains`): the longest run first, leaving a snapshot at every shorter run's decay
+    step, then the shorter ones from their snapshots (each a cooldown). {config key: log rows}."""
+    runs = Path(runs)
+    trunk, out = chain[-1], {}
+    for c in [trunk, *chain[:-1]]:
+        if describe is not None:
+            describe(c)
+        snaps = [s.decay_step() for s in chain[:-1]] if c is trunk else ()
+        out[c.key()] = train(c, runs / c.key(), ckpt_seconds=ckpt_seconds, progress=progress,
+                             snapshot_steps=snaps)
+    return out
+
+
 def run_all(cfgs: list[RunConfig], out: Path, *, quiet: bool = False, ckpt_seconds: float = 120.0) -> dict:
-    """{config key: log rows} for every config, training the ones not finished yet."""
+    """{config key: log rows} for every config, training the ones not finished yet (runs that share a prefix as
+    one trunk and its cooldowns, :func:`train_chain`)."""
     runs = Path(out) / "runs"
     uniq = {c.key(): c for c in cfgs}
-    todo = [c for k, c in uniq.items() if not is_done(runs / k, c)]
-    bar, tick = token_bar(sum(c.steps * c.batch * c.model.ctx for c in todo), quiet)
+    todo = [k for k, c in uniq.items() if not is_done(runs / k, c)]
+    bar, tick = token_bar(sum(uniq[k].steps * uniq[k].batch * uniq[k].model.ctx for k in todo), quiet)
+
+    def describe(c):
+        if c.key() in todo:
+            ops = f" + NVFP4 {','.join(o[0] for o in c.operands)}" if c.operands else ""
+            bar.set_description(f"run {todo.index(c.key()) + 1}/{len(todo)} {c.key().rsplit('-', 1)[0]}{ops}")
+
     out_rows = {}
     try:
-        for i, (k, c) in enumerate(uniq.items()):
-            if c in todo:
-                ops = f" + NVFP4 {','.join(o[0] for o in c.operands)}" if c.operands else ""
-                bar.set_description(f"run {todo.index(c) + 1}/{len(todo)} {c.key().rsplit('-', 1)[0]}{ops}")
-            out_rows[k] = train(c, runs / k, ckpt_seconds=ckpt_seconds, progress=tick if c in todo else None)
+        for ch in chains(list(uniq.values())):
+            out_rows.update(train_chain(ch, runs, tick, ckpt_seconds, describe))
     finally:
         bar.close()
-    return out_rows
+    return {k: out_rows[k] for k in uniq}

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import plotting, stats
 from .model import GPTConfig
-from .train import RunConfig, is_done, train
+from .train import RunConfig, is_done
 
 RECIPES = ("bf16", "nvfp4_paper", "mxfp4_paper", "fp8_blockwise")
 LABELS = {"bf16": "BF16", "nvfp4_paper": "NVFP4 (paper recipe)", "mxfp4_paper": "MXFP4 (RHT d=32)",
@@ -120,13 +120,8 @@ def connect(address: str):
 def _job(chain, runs, progress=None) -> dict:
     """One (format, seed): the trunk (the longest budget) with a snapshot at every shorter budget's decay
     step, then the shorter budgets from their snapshots."""
-    runs = Path(runs)
-    trunk = chain[-1]
-    out = {trunk.key(): train(trunk, runs / trunk.key(), progress=progress,
-                              snapshot_steps=[c.decay_step() for c in chain[:-1]])}
-    for c in chain[:-1]:
-        out[c.key()] = train(c, runs / c.key(), progress=progress)
-    return out
+    from .runner import train_chain
+    return train_chain(chain, Path(runs), progress)
 
 
 def summarize(cfgs: dict, logs: dict, params: int) -> dict:
@@ -210,3 +205,11 @@ def _plot(summary, out: Path):
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=120)
     plt.close(fig)
+
+
+def largest(preset: str, seed: int) -> RunConfig:
+    """The full sweep's run of ``preset`` and ``seed`` at its largest budget (what fig2, fig6a and fig6b train
+    in full mode)."""
+    if preset not in RECIPES:
+        raise ValueError(f"preset {preset!r}: the sweep trains {', '.join(RECIPES)}")
+    return configs(False, seed + 1)[(preset, seed)][-1]

@@ -293,13 +293,26 @@ def _atomic_write(path: Path, payload: bytes):
     os.replace(tmp, path)
 
 
+def _latest_snapshot(prefix_dir: Path, upto: int) -> Path | None:
+    """The snapshot of a shared prefix with the largest step at or before ``upto``, or None."""
+    if not prefix_dir.is_dir():
+        return None
+    got = []
+    for p in prefix_dir.glob("snap-*.pt"):
+        s = p.stem[len("snap-"):]
+        if s.isdigit() and 0 < int(s) <= upto:
+            got.append((int(s), p))
+    return max(got)[1] if got else None
+
+
 def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_every: int | None = None,
           progress=None, stop_after: int | None = None, snapshot_steps=()) -> list[dict]:
     """Train (or resume, or just read) the run; return its log rows.
 
     snapshot_steps: steps before which to save the run's state for shorter runs of the same prefix
     (:meth:`RunConfig.prefix_key`; only steps up to this run's own decay). A run with a prefix starts from the
-    snapshot at its decay step where one exists (a cooldown branched from a longer trunk), which gives the same
+    latest snapshot of that prefix at or before its decay step: its own decay step's (a cooldown branched from a
+    longer trunk) or an earlier one (a trunk longer than any before it, extending a sweep), which gives the same
     numbers, bit for bit, as training it from the start.
     ckpt_seconds / ckpt_every: checkpoint after this much wall time or every this many steps (and at the end);
     progress(step_tokens, loss): called after every step, and once before the first with ``loss=None`` and the
@@ -329,7 +342,7 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     snap = (run_dir.parent / cfg.parent().key() / f"snap-{phase_at[0]}.pt") if cfg.phases else None
     prefix = cfg.prefix_json()
     prefix_dir = run_dir.parent / cfg.prefix_key() if prefix is not None else None
-    trunk_snap = prefix_dir / f"snap-{cfg.decay_step()}.pt" if prefix is not None else None
+    trunk_snap = _latest_snapshot(prefix_dir, cfg.decay_step()) if prefix is not None else None
     snapshot_steps = {s for s in snapshot_steps if 0 < s <= cfg.decay_step()} if prefix is not None else set()
 
     def load(path, want_config):
@@ -353,8 +366,8 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         load(ckpt, cfg.to_json())
     elif snap is not None and snap.is_file():           # a sibling branch already trained the shared prefix
         load(snap, cfg.parent().to_json())
-    elif trunk_snap is not None and trunk_snap.is_file():   # a longer run passed this run's decay step
-        load(trunk_snap, prefix)
+    elif trunk_snap is not None:    # a run of the same prefix passed this run's decay step (a cooldown branch),
+        load(trunk_snap, prefix)    # or an earlier one (a longer trunk extending a sweep)
     if progress is not None and step:
         progress(step * cfg.batch * cfg.model.ctx, None)
     for ph, at in zip(cfg.phases, phase_at):            # phases already passed (a resumed run; the one at this

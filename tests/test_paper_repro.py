@@ -69,6 +69,12 @@ def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
             assert ln.endswith(f"| {summ['variants'][v.label]['verdict']} |")
             d = [last[(v.label, s)][1] - last[(vs, s)][1] for s in range(figures.QUICK_SEEDS)]
             assert summ["variants"][v.label]["effect"] == pytest.approx(np.mean(d), rel=1e-9, abs=1e-12)
+    if fig in figures.SCALED:   # the scale the figure was trained at
+        summ = json.load(open(tmp_path / f"{fig}.json"))
+        cfg = figures.QUICK
+        n = sum(p.numel() for p in GPT(cfg.model).parameters())
+        assert (summ["params"], summ["tokens"]) == (n, cfg.tokens)
+        assert summ["tokens_per_param"] == pytest.approx(cfg.tokens / n, rel=1e-12)
     if fig == "fig12":          # every RHT size's Wgrad error on the branch point's tensors
         w = list(csv.DictReader(open(tmp_path / "fig12_wgrad_error.csv")))
         per = {(r["variant"], int(r["seed"]), r["layer"]): float(r["rel_error"]) for r in w}
@@ -635,3 +641,61 @@ def test_scaling_scheduler_that_does_not_answer_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "no Dask scheduler answered" in r.stderr
     r = _run(["fig2", "--quick", "--out", str(tmp_path), "--scheduler", "tcp://127.0.0.1:9"], timeout=60)
     assert r.returncode == 2 and "scaling only" in r.stderr
+
+
+def test_a_longer_trunk_starts_from_the_latest_snapshot_and_is_the_independent_run(tmp_path):
+    """Extending a sweep: a 40-step run of the same prefix as a finished 25-step trunk starts from the latest
+    snapshot that trunk left (at the 10-step budget's decay step, not its own), trains only the rest, and writes
+    the log of the 40-step run trained from the start, byte for byte."""
+    (short, trunk, longer), tps = _grid_cfgs([10, 25, 40])
+    train(trunk, tmp_path / "runs" / trunk.key(), snapshot_steps=[short.decay_step()])
+    calls = []
+    got = train(longer, tmp_path / "runs" / longer.key(), progress=lambda n, loss: calls.append((n, loss)))
+    assert calls[0] == (short.decay_step() * tps, None)
+    assert len(calls) == 1 + longer.steps - short.decay_step()
+    alone = train(longer, tmp_path / "alone" / longer.key())
+    assert got == alone
+    assert (tmp_path / "runs" / longer.key() / "log.csv").read_bytes() == \
+        (tmp_path / "alone" / longer.key() / "log.csv").read_bytes()
+
+
+def test_run_all_trains_a_shared_prefix_as_one_trunk_and_its_cooldowns(tmp_path):
+    """run_all on runs of one prefix (given shortest first) trains the longest as the trunk and the others as
+    cooldowns from its snapshots, with the numbers of independent runs; chains keep runs without a prefix apart."""
+    from paper_repro.runner import chains, run_all
+    cs, tps = _grid_cfgs([10, 16])
+    other = replace(TINY, seed=1)
+    assert [[c.key() for c in ch] for ch in chains([cs[1], other, cs[0], cs[1]])] == \
+        [[cs[0].key(), cs[1].key()], [other.key()]]
+    logs = run_all(cs, tmp_path, quiet=True)
+    assert list(logs) == [c.key() for c in cs]
+    assert (tmp_path / "runs" / cs[0].prefix_key() / f"snap-{cs[0].decay_step()}.pt").is_file()
+    assert logs[cs[0].key()] == train(cs[0], tmp_path / "alone" / cs[0].key())
+
+
+def test_the_scaled_figures_are_the_sweeps_runs_at_its_largest_budget():
+    """fig2 / fig6a / fig6b in full mode train the scaling sweep's D/N-50 runs (the same keys, so the sweep's
+    finished runs are reused) and fig6b's MXFP4 multiples share that trunk's prefix; --short gives the earlier
+    0.75M-parameter runs; quick mode is unchanged."""
+    from paper_repro import scaling
+    sweep = scaling.configs(False, 3)
+    for fig, presets in (("fig2", ("bf16", "nvfp4_paper", "fp8_blockwise")),
+                         ("fig6a", ("bf16", "nvfp4_paper", "mxfp4_paper"))):
+        runs = figures.runs_for(fig, False, 3)
+        assert [c.key() for _, _, c in runs] == [sweep[(p, s)][-1].key() for s in range(3) for p in presets]
+        n = sum(p.numel() for p in GPT(runs[0][2].model).parameters())
+        assert runs[0][2].tokens / n >= 50 - 1e-3
+    runs = figures.runs_for("fig6b", False, 3)
+    mx = {(m, c.seed): c for lab, m, c in runs if lab.startswith("mxfp4_paper_x")}
+    assert sorted({m for m, _ in mx}) == list(figures.SCALED_MULTS)
+    tok = {c.tokens for c in sweep[("mxfp4_paper", 0)]}
+    for s in range(3):
+        assert mx[(1.0, s)].key() == sweep[("mxfp4_paper", s)][-1].key()
+        assert mx[(0.4, s)].key() in {c.key() for c in sweep[("mxfp4_paper", s)]}     # the D/N 20 run
+        assert len({c.prefix_key() for (m, ss), c in mx.items() if ss == s}) == 1
+    assert {mx[(m, 0)].tokens for m in (1.25, 1.36, 1.5)}.isdisjoint(tok)
+    short = figures.runs_for("fig2", False, 3, short=True)
+    assert [c.key() for _, _, c in short][:3] == [replace(figures.FULL, preset=p, seed=0).key()
+                                                   for p in ("bf16", "nvfp4_paper", "fp8_blockwise")]
+    assert figures.runs_for("fig2", True, 2) == figures.runs_for("fig2", True, 2, short=True)
+    assert _run(["fig2", "--quick", "--short"], timeout=60).returncode == 2
