@@ -23,6 +23,7 @@ from . import fastpath
 from ._xp import xp_of
 from .gemm import gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
+from .schemes import NVFP4
 from .training import OPERANDS, Operand, Recipe
 
 __all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "quantize_operand", "Values", "serves"]
@@ -202,7 +203,10 @@ def _matmul(qa, qb, recipe, a_axis, b_axis):
     that upcasts each quantized operand to its float32 values and multiplies in float32."""
     fa, fb = _family(qa), _family(qb)
     if fa is not None and fa == fb:
-        return gemm(qa, qb, accumulate=recipe.accumulate)
+        acc, grid = recipe.accumulate, recipe.accumulate_grid
+        if acc not in ("exact", "te_reference", "fast") and not isinstance(qa.scheme, NVFP4):
+            acc, grid = "exact", None         # an NVFP4 accumulation model; other formats take their exact rule
+        return gemm(qa, qb, accumulate=acc, grid=grid)
     return _upcast_matmul(qa, qb, a_axis, b_axis)
 
 

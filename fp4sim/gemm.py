@@ -22,7 +22,30 @@ Rules (``accumulate="exact"``, the default):
   per-tensor applies ``fl(s_a · s_b)`` once at the end instead.
 - BF16 × BF16: the whole inner product in float64, rounded once to float32.
 
-K not a multiple of the block: the zero padding contributes nothing. ``accumulate="fast"`` dequantizes both
+K not a multiple of the block: the zero padding contributes nothing.
+
+Accumulation models (``accumulate=``). The rules above are ``"te_reference"`` (``"exact"`` is its alias): what
+TransformerEngine's reference computes, not necessarily what a tensor core returns. For NVFP4 × NVFP4 three
+more models are defined, all on the products of the decoded operands (E2M1 value × decoded E4M3 block scale on
+each side, without the FP32 tensor scales; every such product, and every sum of them, is exact on the lattice
+of 2^-20), with alpha applied last as above, ``y = fl(alpha · c)``:
+
+- ``"exact_sum"``: the exact dot product, rounded once to float32.
+- ``"k64_rtz"``: the dot product split along K, in physical order, into groups of 64 products; each group's
+  exact sum rounded once to nearest-even; the partials added in order with float32 additions rounded toward
+  zero (``c = RTZ(c + p_j)`` from ``c = 0``). ``grid=1024`` then rounds ``c`` to the nearest multiple of 1/1024
+  (ties to even; IEEE's roundToIntegral of ``1024 c``, so a negative ``c`` that rounds to 0 gives -0) before
+  alpha. This is the model that Hu, Luschi and Balanca (Graphcore, 2026: "UE5M3 FP4 Block
+  Scaling for Stable Language Model Pretraining", Sec. 4 and App. B) fitted to the native Blackwell NVFP4 GEMM
+  through TransformerEngine: an empirical model of one hardware and software stack, not a specification.
+- ``"k64_rne"``: the same groups, added with nearest-even additions.
+- probes for other group widths: ``"k16_rtz"``, ``"k32_rtz"``, ``"k128_rtz"`` and the ``_rne`` forms.
+
+These models are NVFP4-only: the report measured NVFP4, and MXFP4's power-of-two scales span a range no
+integer lattice of fixed width holds, so fp4sim defines no MXFP4 hardware model (MXFP4 takes ``te_reference``
+and ``fast``). A block scale that is NaN makes every output it touches NaN, as in the reference.
+
+``accumulate="fast"`` dequantizes both
 operands and does one float32 BLAS matmul: faster, but it rounds differently (the scales are folded into the
 values first and the sum order is BLAS's), so it is not bit-exact with the tensor core; the difference is of
 the order of float32 rounding of the sum.
@@ -38,7 +61,7 @@ from .planning import POW2_DEC
 from .qtensor import QuantizedTensor
 from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "MODELS", "model_names"]
 
 f32 = np.float32
 NVFP4_ALPHA_DIV = f32(6.0 * 6.0 * 448.0 * 448.0)
@@ -93,12 +116,53 @@ def _block_scales(q, xp):
     return xp.repeat(s, sch.block[0], axis=0)[:rows].astype(np.float32)
 
 
-def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
+GROUPS = (16, 32, 64, 128)
+MODELS = ("te_reference", "exact_sum", "k64_rtz", "k64_rne") + tuple(
+    f"k{g}_{r}" for g in GROUPS if g != 64 for r in ("rtz", "rne"))
+ALIASES = {"exact": "te_reference"}
+_E2M1_HALF = np.round(np.asarray(E2M1.values, np.float64) * 2).astype(np.int8)      # twice the E2M1 values
+_E4M3_512 = np.asarray(E4M3.values, np.float64) * 512                               # 512 x the E4M3 values
+_E4M3_NAN = np.isnan(_E4M3_512)
+_E4M3_INT = np.where(_E4M3_NAN, 0, _E4M3_512).astype(np.int64)
+
+
+def model_names() -> tuple:
+    """Every name ``accumulate`` takes: the models, their aliases and ``"fast"``."""
+    return MODELS + tuple(ALIASES) + ("fast",)
+
+
+def parse_accumulate(accumulate, grid=None, name="accumulate"):
+    """(model, grid) for an ``accumulate`` name (aliases resolved) and ``grid``; ValueError naming the choices."""
+    if not isinstance(accumulate, str) or (accumulate not in MODELS and accumulate not in ALIASES
+                                            and accumulate != "fast"):
+        raise ValueError(f"{name}={accumulate!r}: use one of {', '.join(repr(m) for m in model_names())} "
+                         "('exact' is 'te_reference', TE's reference rule; 'fast' one BLAS matmul; 'k64_rtz' the "
+                         "native Blackwell NVFP4 model)")
+    model = ALIASES.get(accumulate, accumulate)
+    if grid is not None:
+        if not model.endswith(("_rtz", "_rne")):
+            raise ValueError(f"grid={grid!r} applies to the kG_rtz / kG_rne models, not {name}={accumulate!r}")
+        if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1 or grid & (grid - 1):
+            raise ValueError(f"grid={grid!r}: a power of two (the accumulator is rounded to multiples of 1/grid; "
+                             "the Blackwell model uses 1024), or None")
+        grid = int(grid)
+    return model, grid
+
+
+def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", grid: int | None = None, *,
+         backend=None):
     """``A · Bᵀ`` (float32, shape (rows of A, rows of B)) from two quantized matrices; see the module docstring
-    for the exact rule of each scheme. NumPy or CuPy operands (both on the same side)."""
+    for the exact rule of each scheme and the accumulation models (``accumulate``: ``"te_reference"`` /
+    ``"exact"``, ``"exact_sum"``, ``"k64_rtz"``, ``"k64_rne"``, the group-width probes, ``"fast"``; ``grid``:
+    None or 1024 for the kG models). NumPy or CuPy operands (both on the same side). ``backend``: a CUDA backend
+    (:mod:`fp4sim.gpu.backend`) whose kernels run the NVFP4 models — by default CuPy's for CuPy operands and
+    Numba's for NumPy ones; the tests pass the host build of the CUDA source."""
+    kernels = None
+    if backend is not None:
+        from .gpu import ops
+        kernels = ops.kernels(backend)
     qa, qb = _check(qa, "qa"), _check(qb, "qb")
-    if accumulate not in ("exact", "fast"):
-        raise ValueError(f"accumulate={accumulate!r}: use 'exact' (the tensor core's rule) or 'fast' (one BLAS matmul)")
+    model, grid = parse_accumulate(accumulate, grid)
     ka, kb = _kind(qa.scheme), _kind(qb.scheme)
     if ka != kb:
         raise ValueError(f"qa is {qa.scheme.name} and qb is {qb.scheme.name}: a block-scaled GEMM takes two operands "
@@ -107,6 +171,11 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
         raise ValueError(f"the dot-product lengths differ: qa has K={qa.K} (axis {qa.axis} of {qa.shape}), qb has "
                          f"K={qb.K} (axis {qb.axis} of {qb.shape})")
     xp = xp_of(qa.codes, qb.codes)
+    if model not in ("te_reference", "fast"):
+        if ka != "nvfp4":
+            raise ValueError(f"accumulate={accumulate!r} is an NVFP4 accumulation model; {qa.scheme.name} operands "
+                             "take 'te_reference' (or 'exact') and 'fast'")
+        return _nvfp4_model(qa, qb, model, grid, xp, kernels)
     if accumulate == "fast":
         from .quantize import dequantize
         a = dequantize(qa)
@@ -118,6 +187,50 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact"):
         y = _e2m1_exact_cpu(qa, qb, 16 if ka == "nvfp4" else 32)
         return _nvfp4_alpha(qa, qb, xp) * y if ka == "nvfp4" else y
     return _blockwise(qa, qb, ka, xp)
+
+
+def _lattice(q, xp):
+    """An NVFP4 operand on the integer lattice: (twice the E2M1 values (rows, Kp) int8, 512 x the block scales
+    (rows, Kp/16) int64, rows whose scales hold a NaN (bool))."""
+    rows = q.lead[0]
+    sb = q.scales_per_row()
+    nblk = sb.shape[1]
+    tab = _E2M1_HALF if xp is np else xp.asarray(_E2M1_HALF)
+    v = tab[unpack_fp4(q.codes.reshape(rows, -1))]
+    if v.shape[1] != nblk * 16:
+        v = _pad(v.astype(np.float32), nblk * 16, xp).astype(np.int8)
+    ti, tn = (_E4M3_INT, _E4M3_NAN) if xp is np else (xp.asarray(_E4M3_INT), xp.asarray(_E4M3_NAN))
+    return xp.ascontiguousarray(v), xp.ascontiguousarray(ti[sb]), tn[sb].any(axis=1)
+
+
+def _nvfp4_model(qa, qb, model, grid, xp, kernels=None):
+    """exact_sum / kG_rne / kG_rtz (module docstring): the accumulator from the integer-lattice kernels (Numba on
+    the CPU, CUDA for CuPy operands or the given kernels), then NaN rows / columns, then alpha."""
+    from . import ids
+    A, SA, na = _lattice(qa, xp)
+    B, SB, nb_ = _lattice(qb, xp)
+    if A.shape[1] != B.shape[1]:
+        raise ValueError(f"qa and qb have {A.shape[1]} and {B.shape[1]} padded K elements")
+    if A.shape[1] >= 1 << 20 and model == "exact_sum":
+        raise ValueError(f"K={qa.K}: exact_sum holds the dot product in an int64 on the 2^-20 lattice, which "
+                         "needs K < 2^20")
+    if model == "exact_sum":
+        mode, group = ids.ACC_EXACT, 16
+    else:
+        g, r = model[1:].split("_")
+        mode, group = (ids.ACC_RTZ if r == "rtz" else ids.ACC_RNE), int(g)
+    if kernels is None and xp is np:
+        from .cpu.gemm_models import nvfp4_models
+        c = nvfp4_models(A, B, SA, SB, group, mode, grid or 0)
+    else:
+        if kernels is None:
+            from .gpu import ops
+            kernels = ops.kernels(ops.backend())
+        c = kernels.nvfp4_gemm_models(A, B, SA, SB, group, mode, grid or 0)
+    if bool(na.any()) or bool(nb_.any()):
+        c[na, :] = np.nan
+        c[:, nb_] = np.nan
+    return _nvfp4_alpha(qa, qb, xp) * c
 
 
 def _blockwise(qa, qb, ka, xp):

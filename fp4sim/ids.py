@@ -24,10 +24,14 @@ DQ_NVFP4, DQ_MX, DQ_FP8_BLOCKWISE, DQ_FP8_TENSOR = 0, 1, 2, 3
 # stochastic-rounding bit sources of the CPU element kernel
 SR_NONE, SR_GIVEN, SR_PHILOX = 0, 1, 2
 
+# accumulation modes of the NVFP4 GEMM model kernels (fp4sim.gemm's exact_sum, kG_rne, kG_rtz)
+ACC_EXACT, ACC_RNE, ACC_RTZ = 0, 1, 2
+
 _EXPORT = {"MODE_RNE": RNE, "MODE_RZ": RZ, "MODE_RU": RU, "MODE_RD": RD, "MODE_SR": SR,
            "FL_TE": TE, "FL_PAPER": PAPER, "FL_TORCHAO": TORCHAO, "FL_MODELOPT": MODELOPT,
            "SM_RCEIL": RCEIL, "SM_FLOOR": FLOOR, "SM_CEIL": CEIL, "SM_EVEN": EVEN,
-           "DQ_NVFP4": DQ_NVFP4, "DQ_MX": DQ_MX, "DQ_FP8_BLOCKWISE": DQ_FP8_BLOCKWISE, "DQ_FP8_TENSOR": DQ_FP8_TENSOR}
+           "DQ_NVFP4": DQ_NVFP4, "DQ_MX": DQ_MX, "DQ_FP8_BLOCKWISE": DQ_FP8_BLOCKWISE, "DQ_FP8_TENSOR": DQ_FP8_TENSOR,
+           "ACC_EXACT": ACC_EXACT, "ACC_RNE": ACC_RNE, "ACC_RTZ": ACC_RTZ}
 
 
 def cuda_defines() -> str:

@@ -118,7 +118,11 @@ class Recipe:
     wgrad_x_reuse_fprop : simulation-only: Wgrad uses the activation exactly as quantized for Fprop (along K), not
         re-quantized along the tokens (Fig. 14's "same dim" case for 1x16 activations); needs a Wgrad GEMM
         without an RHT (the Fprop copy is not rotated).
-    accumulate : ``"exact"`` (the tensor core's rule, :func:`fp4sim.gemm`) or ``"fast"`` (dequantize + BLAS).
+    accumulate : the GEMMs' accumulation model, any name :func:`fp4sim.gemm` takes: ``"exact"`` / ``"te_reference"``
+        (TE's reference rule), ``"fast"`` (dequantize + BLAS), or an NVFP4 model such as ``"k64_rtz"`` (the native
+        Blackwell model) — those apply to the NVFP4 x NVFP4 GEMMs; every other GEMM of the run (BF16 kept layers,
+        MX, FP8) then uses its exact rule.
+    accumulate_grid : ``grid`` of the kG models (None, or 1024: the accumulator rounded to multiples of 1/1024).
     seed : the Philox key of stochastic rounding and of ``"fixed"`` / ``"per_transform"`` RHT signs.
     on_nonfinite : what :class:`fp4sim.torch.QuantLinear` does when an operand it quantizes holds NaN or Inf. The
         bits stay the hardware's either way (E2M1 encodes NaN as +6 under CUDA's satfinite rule, so a NaN does
@@ -141,6 +145,7 @@ class Recipe:
     dgrad_w_reuse_fprop: bool = False
     wgrad_x_reuse_fprop: bool = False
     accumulate: str = "exact"
+    accumulate_grid: int | None = None
     seed: int = 0
     on_nonfinite: str = "warn"
     name: str = "custom"
@@ -152,8 +157,8 @@ class Recipe:
                 raise TypeError(f"Recipe.{op} must be an Operand, not {type(getattr(self, op)).__name__}")
         if self.rht_dtype not in ("bf16", "fp32"):
             raise ValueError(f"rht_dtype={self.rht_dtype!r}: use 'bf16' or 'fp32'")
-        if self.accumulate not in ("exact", "fast"):
-            raise ValueError(f"accumulate={self.accumulate!r}: use 'exact' or 'fast'")
+        from .gemm import parse_accumulate
+        parse_accumulate(self.accumulate, self.accumulate_grid)     # ValueError naming the choices
         if self.on_nonfinite not in ("warn", "raise", "ignore"):
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use 'warn', 'raise' or 'ignore'")
         if self.high_precision not in (None, "bf16"):
@@ -198,7 +203,8 @@ class Recipe:
         """The recipe a kept layer runs under."""
         if self.high_precision is None:
             return Recipe.preset("none", seed=self.seed, on_nonfinite=self.on_nonfinite)
-        return Recipe.preset("bf16", seed=self.seed, accumulate=self.accumulate, on_nonfinite=self.on_nonfinite)
+        return Recipe.preset("bf16", seed=self.seed, accumulate=self.accumulate,
+                             accumulate_grid=self.accumulate_grid, on_nonfinite=self.on_nonfinite)
 
     def table(self) -> str:
         """The six operands as a Markdown table (the paper's Fig. 5)."""

@@ -219,3 +219,28 @@ def test_lattice_ties_and_sr_thresholds_on_the_fast_paths(dev):
         want = fs.quantize(x, "nvfp4", rounding="sr", rbits=rb, global_amax=2688.0)
         got = ops.quantize(dev.be, dev.dev(x), "nvfp4", rounding="sr", rbits=dev.dev(rb), global_amax=2688.0)
         assert np.array_equal(dev.host(got.codes), want.codes), shift
+
+
+@pytest.mark.parametrize("model,grid", [("exact_sum", None), ("k64_rtz", None), ("k64_rtz", 1024), ("k64_rne", None),
+                                        ("k32_rtz", None), ("k128_rne", 1024), ("k16_rtz", None)])
+def test_nvfp4_gemm_models(dev, model, grid):
+    """fp4sim.gemm's NVFP4 accumulation models by the CUDA kernel (nvfp4_gemm_models: CUDA's own __fadd_rz /
+    __fadd_rn and int64 -> float conversion; on the host, the CPU's IEEE additions under that rounding mode)
+    against the Numba kernels, bit for bit: block amaxes over 16 binades (so the rules differ), a partial last
+    group, 16x16 weights, small values for the grid."""
+    rng = np.random.default_rng(7)
+
+    def spread(R, K, scale=1.0):
+        s = np.exp2(rng.uniform(-8, 8, (R, -(-K // 16)))).repeat(16, 1)[:, :K]
+        return (rng.standard_normal((R, K)) * s * scale).astype(np.float32)
+
+    for (M, N, K, wblock, scale) in ((33, 17, 208, (1, 16), 1.0), (8, 40, 256, (16, 16), 1.0),
+                                     (12, 9, 320, (1, 16), 1e-3)):
+        a, b = spread(M, K, scale), spread(N, K, scale)
+        kw = {"global_amax": np.float32(2688.0)} if scale != 1.0 else {}
+        qa, qb = fs.quantize(a, "nvfp4", **kw), fs.quantize(b, "nvfp4", block=wblock, **kw)
+        want = fs.gemm(qa, qb, accumulate=model, grid=grid)
+        ga = ops.quantize(dev.be, dev.dev(a), "nvfp4", **kw)
+        gb = ops.quantize(dev.be, dev.dev(b), "nvfp4", block=wblock, **kw)
+        got = dev.host(fs.gemm(ga, gb, accumulate=model, grid=grid, backend=dev.be))
+        same_bits(got, want)

@@ -557,3 +557,41 @@ extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cs
     }
     out[t] = d2f_bits(elem_vals[c] * fac);
 }
+
+// ------------------------------------------------------------------------------------------ NVFP4 GEMM models
+// fp4sim.gemm's exact_sum / kG_rne / kG_rtz (fp4sim/cpu/gemm_models.py has the same rule for the CPU): one thread
+// per output element. A (M, Kp), B (N, Kp): twice the E2M1 values; SA (M, Kp/16), SB (N, Kp/16): 512 x the E4M3
+// block scales, so every product is an integer in units of 2^-20 and sums of them are exact int64s. Groups of
+// gb 16-element blocks in physical K order; each group's exact sum is rounded once to float32 (the int64 ->
+// float conversion rounds to nearest-even) and added to the accumulator with a float32 addition rounded to
+// nearest-even (ACC_RNE) or toward zero (ACC_RTZ); ACC_EXACT rounds the whole exact sum once. grid > 0: the
+// accumulator rounded to the nearest multiple of 1/grid (ties to even). out: the accumulator, before alpha.
+extern "C" __global__ void nvfp4_gemm_models(const signed char* A, const signed char* B, const i64* SA,
+                                             const i64* SB, i64 M, i64 N, i64 Kp, int gb, int mode, int grid,
+                                             float* out) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= M * N) return;
+    i64 i = t / N, j = t % N, nblk = Kp / 16;
+    const signed char* a = A + i * Kp;
+    const signed char* b = B + j * Kp;
+    const float unit = 9.5367431640625e-07f;  // 2^-20
+    float acc = 0.0f;
+    i64 tot = 0, g = 0;
+    for (i64 blk = 0; blk < nblk; ++blk) {
+        i64 d = 0;
+        for (int k = 0; k < 16; ++k) d += (i64)a[blk * 16 + k] * (i64)b[blk * 16 + k];
+        g += d * (SA[i * nblk + blk] * SB[j * nblk + blk]);
+        if ((blk + 1) % gb == 0 || blk == nblk - 1) {
+            if (mode == ACC_EXACT) {
+                tot += g;
+            } else {
+                float p = (float)g * unit;
+                acc = mode == ACC_RNE ? __fadd_rn(acc, p) : __fadd_rz(acc, p);
+            }
+            g = 0;
+        }
+    }
+    if (mode == ACC_EXACT) acc = (float)tot * unit;
+    if (grid > 0) acc = rintf(acc * (float)grid) / (float)grid;
+    out[t] = acc;
+}

@@ -183,6 +183,17 @@ class GpuKernels:
                        self.table(POW2_DEC), out)
         return out.view(np.float32)
 
+    def nvfp4_gemm_models(self, A, B, SA, SB, group, mode, grid):
+        """The accumulator (M, N) float32 of fp4sim.gemm's NVFP4 models (``_nvfp4_model``) for integer operands."""
+        xp = self.xp
+        M, Kp = A.shape
+        N = B.shape[0]
+        out = xp.empty((M, N), np.float32)
+        self.be.launch("nvfp4_gemm_models", M * N, xp.ascontiguousarray(A), xp.ascontiguousarray(B),
+                       xp.ascontiguousarray(SA, dtype=np.int64), xp.ascontiguousarray(SB, dtype=np.int64), i64(M),
+                       i64(N), i64(Kp), i32(group // 16), i32(mode), i32(grid), out)
+        return out
+
     def rht(self, x2, d, sh, scale, to_bf16):
         y = self.xp.empty(x2.shape, np.uint32)
         self.be.launch("rht", x2.size, x2, i64(x2.shape[0]), i64(x2.shape[1]), i32(d), self.xp.asarray(sh),

@@ -2,6 +2,7 @@
 // nothing, thread and block indices become globals that the launcher loops over, and the few intrinsics the
 // kernels use get exact host equivalents. Kernels that need no cooperation between threads run unchanged.
 #pragma once
+#include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +33,16 @@ inline u32 atomicMax(u32* p, u32 v) { u32 o = *p; if (v > o) *p = v; return o; }
 using std::fabs; using std::isinf;
 inline float fabsf(float v) { return std::fabs(v); }
 inline float nextafterf(float a, float b) { return std::nextafter(a, b); }
+using std::rintf;
+// float32 additions with a named rounding: the host's own IEEE addition under that rounding mode
+inline float __fadd_rn(float a, float b) { volatile float x = a, y = b; volatile float s = x + y; return s; }
+inline float __fadd_rz(float a, float b) {
+    volatile float x = a, y = b;
+    std::fesetround(FE_TOWARDZERO);
+    volatile float s = x + y;
+    std::fesetround(FE_TONEAREST);
+    return s;
+}
 
 // Runs the kernel with the CPU's flush-to-zero and denormals-are-zero modes on, as CuPy compiles kernels
 // with --ftz=true: a kernel whose float32 arithmetic met a subnormal would then differ from the Numba result.

@@ -55,3 +55,7 @@ HOST(dequantize_blocks)(i64 th, const u8* codes, int packed, i64 cstride, const 
     host_launch(dequantize_blocks, th, codes, packed, cstride, sbytes, sfloat, R, K, bk, tile, kind, flavor, dq0, dq1,
                 dq0v, dq1v, per_row, elem_vals, e4m3_vals, pow2_dec, out);
 }
+HOST(nvfp4_gemm_models)(i64 th, const signed char* A, const signed char* B, const i64* SA, const i64* SB, i64 M,
+                        i64 N, i64 Kp, int gb, int mode, int grid, float* out) {
+    host_launch(nvfp4_gemm_models, th, A, B, SA, SB, M, N, Kp, gb, mode, grid, out);
+}
