@@ -70,28 +70,31 @@ def alpha(qa, qb):
     return (ga * gb) / div
 
 
+def cell(a, b, model, grid=None) -> float:
+    """The accumulator (before alpha) of one dot product of decoded rows under a model, from the rule."""
+    prods = [x * y for x, y in zip(a, b)]
+    if model == "exact_sum":
+        return round32(sum(prods, Fraction(0)), "rne")
+    if model == "te_reference":
+        model = "k16_rne"                       # exact per 16-element block, nearest-even sums in block order
+    g, rule = int(model[1:].split("_")[0]), model.split("_")[1]
+    acc = 0.0
+    for k in range(0, len(prods), g):
+        p = round32(sum(prods[k:k + g], Fraction(0)), "rne")
+        acc = round32(Fraction(acc) + Fraction(p), rule)
+    if grid:
+        # round(): ties to even; IEEE's roundToIntegral keeps the sign of a negative value that rounds to 0
+        acc = float(np.copysign(round32(Fraction(round(Fraction(acc) * grid), grid), "rne"), acc))
+    return acc
+
+
 def oracle(qa, qb, model, grid=None):
     A, na = decoded(qa)
     B, nb = decoded(qb)
     c = np.zeros((len(A), len(B)), np.float32)
     for i, a in enumerate(A):
         for j, b in enumerate(B):
-            if na[i] or nb[j]:
-                c[i, j] = np.nan
-                continue
-            prods = [x * y for x, y in zip(a, b)]
-            if model == "exact_sum":
-                c[i, j] = round32(sum(prods, Fraction(0)), "rne")
-                continue
-            g, rule = int(model[1:].split("_")[0]), model.split("_")[1]
-            acc = 0.0
-            for k in range(0, len(prods), g):
-                p = round32(sum(prods[k:k + g], Fraction(0)), "rne")
-                acc = round32(Fraction(acc) + Fraction(p), rule)
-            if grid:
-                # round(): ties to even; IEEE's roundToIntegral keeps the sign of a negative value that rounds to 0
-                acc = np.copysign(round32(Fraction(round(Fraction(acc) * grid), grid), "rne"), acc)
-            c[i, j] = acc
+            c[i, j] = np.nan if na[i] or nb[j] else cell(a, b, model, grid)
     return alpha(qa, qb) * c
 
 

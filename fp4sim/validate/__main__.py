@@ -2,6 +2,10 @@
 
 Exit status: 0 exact (or, for stochastic rounding without the kernel's bits, statistically consistent),
 1 mismatch, 2 bad input.
+
+``python -m fp4sim.validate gemm ...`` names the accumulation model that reproduces a GEMM kernel's output, and
+``python -m fp4sim.validate gemm-witnesses --out DIR`` writes operand sets that tell the models apart (each
+with its own --help).
 """
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ from .core import CLI_NAMES, compare
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("gemm", "gemm-witnesses"):
+        from .gemm_cli import gemm_main, witnesses_main
+        return (gemm_main if argv[0] == "gemm" else witnesses_main)(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m fp4sim.validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", required=True, help=f"one of {', '.join(SCHEMES)}")

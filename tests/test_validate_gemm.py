@@ -1,0 +1,184 @@
+"""fp4sim.validate.compare_gemm and the gemm / gemm-witnesses command lines: each accumulation model named from
+its own output (float32 and bfloat16), a perturbed output matched by none, the witness set separating every
+pair of models (each separating cell recomputed by the rational oracle of test_gemm_models), the device
+round trip through files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from fp4sim.validate import compare_gemm
+from fp4sim.validate.gemm import CANDIDATES, gemm_operand, model_outputs, read_witness
+from test_gemm_models import alpha, cell, decoded, spread
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fp4sim.validate", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def witnesses(tmp_path_factory):
+    d = tmp_path_factory.mktemp("witnesses")
+    r = _cli("gemm-witnesses", "--out", d)
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def operands():
+    # B small against its tensor amax: small block scales, accumulators with bits below 1/1024 (the grid shows)
+    qa = fs.quantize(spread(20, 512), "nvfp4")
+    qb = fs.quantize(spread(16, 512, binades=4) * np.float32(1e-3), "nvfp4", block=(16, 16),
+                     global_amax=np.float32(300.0))
+    return qa, qb, model_outputs(qa, qb)
+
+
+def test_each_model_is_named_from_its_own_output(operands):
+    qa, qb, ys = operands
+    for m, y in ys.items():
+        rep = compare_gemm(qa, qb, y, expected=ys)
+        assert rep.best == m and rep.matches == [m] and rep.ok and rep.match_fraction[m] == 1.0
+        assert compare_gemm(qa, qb, y, models=[m]).best == m          # recomputed, not the stored outputs
+
+
+def test_a_perturbed_output_matches_no_model_and_the_mismatch_is_located(operands):
+    qa, qb, ys = operands
+    y = ys["k64_rtz"].copy()
+    y[7, 3] = np.nextafter(y[7, 3], np.float32(np.inf))
+    y[2, 11] = -y[2, 11]
+    rep = compare_gemm(qa, qb, y, expected=ys)
+    assert rep.best is None and not rep.ok and rep.closest == "k64_rtz"
+    assert rep.match_fraction["k64_rtz"] == pytest.approx(1 - 2 / y.size)
+    assert [(e["row"], e["col"]) for e in rep.mismatches] == [(2, 11), (7, 3)]   # the worst first
+    assert rep.mismatches[1]["ulps"] == 1 and rep.mismatches[1]["kernel"] == float(y[7, 3])
+    assert "NO MODEL MATCHES" in rep.summary() and json.loads(rep.to_json())["best"] is None
+
+
+def test_bfloat16_outputs_compare_after_rounding(operands):
+    qa, qb, ys = operands
+    rep = compare_gemm(qa, qb, ys["k64_rne"].astype(ml_dtypes.bfloat16), expected=ys)
+    assert rep.dtype == "bfloat16" and "k64_rne" in rep.matches
+    assert len(rep.matches) < len(CANDIDATES)                          # these operands still separate some
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(ys["te_reference"]).to(torch.bfloat16)
+    assert "te_reference" in compare_gemm(qa, qb, t, expected=ys).matches
+
+
+def test_bad_outputs_are_refused(operands):
+    qa, qb, ys = operands
+    with pytest.raises(ValueError, match=r"out has shape \(16, 20\).*\(20, 16\)"):
+        compare_gemm(qa, qb, ys["k64_rtz"].T.copy())
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        compare_gemm(qa, qb, ys["k64_rtz"].astype(np.float64))
+    with pytest.raises(ValueError, match="choose from"):
+        compare_gemm(qa, qb, ys["k64_rtz"], models=["k64"])
+
+
+def test_the_witnesses_separate_every_pair_of_models_checked_with_the_oracle(witnesses):
+    """Every pair of models differs somewhere on the witness set, in float32 and after rounding to bfloat16; for
+    every pair one separating cell is recomputed by the rational oracle under both models, and the stored
+    expected outputs are fp4sim's own (recomputed from the files)."""
+    man = json.loads((witnesses / "manifest.json").read_text())
+    assert man["models"] == list(CANDIDATES)
+    pairs = [(a, b) for i, a in enumerate(CANDIDATES) for b in list(CANDIDATES)[i + 1:]]
+    assert set(man["separating_cells"]) == {f"{a} | {b}" for a, b in pairs}
+    assert min(man["separating_cells"].values()) > 0 and min(man["separating_cells_bf16"].values()) > 0
+    found = {}
+    for name in man["witnesses"]:
+        qa, qb, exp = read_witness(witnesses / name)
+        fresh = model_outputs(qa, qb)
+        for m in CANDIDATES:
+            np.testing.assert_array_equal(fresh[m].view(np.uint32), exp[m].view(np.uint32))
+        al = alpha(qa, qb)
+        assert np.all(al == 1)                                          # the witnesses' alpha is 1: y = c
+        for a, b in pairs:
+            if (a, b) not in found:
+                diff = np.argwhere(exp[a].view(np.uint32) != exp[b].view(np.uint32))
+                if len(diff):
+                    found[(a, b)] = (name, qa, qb, tuple(diff[0]), exp)
+    assert set(found) == set(pairs)
+    rows = {}
+    for (a, b), (name, qa, qb, (r, c), exp) in found.items():
+        if name not in rows:
+            rows[name] = (decoded(qa)[0], decoded(qb)[0])
+        A, B = rows[name]
+        for m in (a, b):
+            acc, grid = CANDIDATES[m]
+            assert np.float32(cell(A[r], B[c], acc, grid)) == exp[m][r, c], (name, m, r, c)
+
+
+@pytest.mark.parametrize("model", ["k64_rtz", "te_reference", "k32_rne"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_device_round_trip_names_the_model(witnesses, tmp_path, model, dtype):
+    """A device that computes ``model``: its outputs (the stored expected ones, as files) are consistent with that
+    model alone, in float32 and in bfloat16; one changed cell makes the set inconsistent with it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    names = json.loads((witnesses / "manifest.json").read_text())["witnesses"]
+    for n in names:
+        y = np.load(witnesses / n / "expected" / f"{model}.npy")
+        np.save(out / f"{n}.npy", y.astype(ml_dtypes.bfloat16).view(np.uint16) if dtype == "bfloat16" else y)
+    r = _cli("gemm", "--witnesses", witnesses, "--outputs", out, "--json", tmp_path / "r.json",
+             *(["--expect", model] if dtype == "float32" else ["--out-dtype", "bfloat16"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"consistent with every witness: {model}\n" in r.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["consistent"] == [model]
+    n0 = next(iter(names))
+    y = np.load(out / f"{n0}.npy")
+    y.view(np.uint32 if y.dtype == np.float32 else np.uint16).reshape(-1)[0] ^= 1
+    np.save(out / f"{n0}.npy", y)
+    r = _cli("gemm", "--witnesses", witnesses, "--outputs", out, "--out-dtype", dtype)
+    assert r.returncode == 1 and "consistent with every witness: no model" in r.stdout
+
+
+def test_the_gemm_command_on_codes_and_on_high_precision_inputs(tmp_path):
+    a, b = spread(6, 128), spread(5, 128)
+    qa, qb = fs.quantize(a, "nvfp4"), fs.quantize(b, "nvfp4")
+    y = fs.gemm(qa, qb, accumulate="k64_rtz", grid=1024)
+    for side, q in (("a", qa), ("b", qb)):
+        np.save(tmp_path / f"{side}_codes.npy", q.codes)
+        np.save(tmp_path / f"{side}_scales.npy", q.scales)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    np.save(tmp_path / "y.npy", y)
+    common = ["--out", tmp_path / "y.npy", "--json", tmp_path / "rep.json"]
+    r = _cli("gemm", "--a-codes", tmp_path / "a_codes.npy", "--a-scales", tmp_path / "a_scales.npy", "--a-amax",
+             float(qa.global_amax), "--b-codes", tmp_path / "b_codes.npy", "--b-scales", tmp_path / "b_scales.npy",
+             "--b-amax", float(qb.global_amax), *common)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert rep["best"] == "k64_rtz_grid1024" and rep["shape"] == [6, 5]
+    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", *common, "--expect", "te_reference")
+    assert r.returncode == 1 and "MATCHES k64_rtz_grid1024" in r.stdout
+    np.save(tmp_path / "y16.npy", y.astype(ml_dtypes.bfloat16))          # read back as 2-byte void: bfloat16
+    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y16.npy", "--json",
+             tmp_path / "rep16.json")
+    assert r.returncode == 0 and json.loads((tmp_path / "rep16.json").read_text())["dtype"] == "bfloat16"
+    r = _cli("gemm", "--a-codes", tmp_path / "a_codes.npy", "--out", tmp_path / "y.npy")
+    assert r.returncode == 2 and "missing --a-scales, --a-amax" in r.stderr
+    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y.npy", "--k", "64",
+             "--expect", "k65")
+    assert r.returncode == 2 and "--expect 'k65'" in r.stderr
+
+
+def test_gemm_operand_checks_the_kernel_files():
+    q = fs.quantize(spread(4, 64), "nvfp4")
+    op = gemm_operand(q.codes, q.scales, q.global_amax)
+    np.testing.assert_array_equal(fs.gemm(op, op, accumulate="k64_rtz").view(np.uint32),
+                                  fs.gemm(q, q, accumulate="k64_rtz").view(np.uint32))
+    with pytest.raises(ValueError, match="K=80 needs 40"):
+        gemm_operand(q.codes, q.scales, q.global_amax, K=80)
+    with pytest.raises(ValueError, match="scales hold 16 bytes; 4 scale rows x 5 blocks"):
+        gemm_operand(np.zeros((4, 40), np.uint8), q.scales, q.global_amax)
+    with pytest.raises(ValueError, match="one per row"):
+        gemm_operand(q.codes, q.scales, np.ones(3, np.float32))
