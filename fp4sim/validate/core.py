@@ -136,9 +136,12 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
     rep.mismatches = _examples(q, x2, exp_c, act_c, exp_s, act_s, c_bad, max_mismatches)
     if rep.code_mismatches or rep.scale_mismatches or gmis:
         rep.verdict = "mismatch"
+        from .locate import layout_findings, where
+        rep.where = where(exp_c, act_c, exp_s, act_s, sch.block[1])
         if diagnose:
             from .diagnose import diagnose as _diag
             rep.diagnosis = _diag(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits)
+            rep.diagnosis["layout"] = layout_findings(q, codes, scales, scale_layout, exp_c, act_c, exp_s, act_s)
     return rep
 
 

@@ -26,6 +26,7 @@ class Report:
     mismatches: list = field(default_factory=list)
     scale_mismatch_examples: list = field(default_factory=list)
     diagnosis: dict = field(default_factory=dict)
+    where: dict = field(default_factory=dict)
     sr: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
 
@@ -80,7 +81,13 @@ class Report:
                 lines.append(f"    power: a shift of the overall round-up rate above {s['detectable_rate_shift']:.2g} "
                              f"(= {s['detectable_rate_shift'] * 256:.2g}/256) is detected at this size; smaller "
                              "biases (an off-by-one comparison shifts it by 1/2^n) need more elements")
+        w = self.where
+        if w.get("first_bad"):
+            lines.append(f"  where: first bad block at row {w['first_bad']['row']}, block {w['first_bad']['block']}; "
+                         f"{w['pattern']}")
         d = self.diagnosis
+        for f in d.get("layout", []):
+            lines.append(f"  layout: {f}")
         if d:
             if d.get("exact_match"):
                 lines.append(f"  diagnosis: the output matches exactly with {d['best']['label']}")
