@@ -129,11 +129,14 @@ def compare_gemm(qa: QuantizedTensor, qb: QuantizedTensor, out, *, models=None, 
     """Which accumulation model reproduces ``out``, a kernel's ``A · Bᵀ`` of the quantized operands ``qa`` (M, K)
     and ``qb`` (N, K) (both quantized along K), bit for bit.
 
-    out : the kernel's output, float32 or bfloat16 (ml_dtypes / torch), shape (M, N). A bfloat16 output is compared
-        with each model's float32 result rounded to bfloat16 (nearest-even).
-    models : the candidate names to try (default: every model of :data:`CANDIDATES` for NVFP4 operands,
+    Parameters
+    ----------
+    out : the kernel's output, float32 or bfloat16 (ml_dtypes / torch), shape (M, N). A bfloat16 output is
+        compared with each model's float32 result rounded to bfloat16 (nearest-even).
+    models : the candidate names to try (default: every model of ``CANDIDATES`` for NVFP4 operands,
         ``te_reference`` for other formats).
-    expected : {model: float32 output} already computed (e.g. a witness's stored outputs) instead of computing them.
+    expected : {model: float32 output} already computed (e.g. a witness's stored outputs), instead of computing
+        them.
     """
     o, dtype = _output(out)
     M, N = qa.lead[0], qb.lead[0]
@@ -142,6 +145,7 @@ def compare_gemm(qa: QuantizedTensor, qb: QuantizedTensor, out, *, models=None, 
     if max_mismatches < 0:
         raise ValueError(f"max_mismatches={max_mismatches}: give a count >= 0")
     ys = expected if expected is not None else model_outputs(qa, qb, models)
+    ys = {m: ys[m] for m in [m for m in CANDIDATES if m in ys] + [m for m in ys if m not in CANDIDATES]}
     frac, eq = {}, {}
     for m, y in ys.items():
         y = np.asarray(y, np.float32)

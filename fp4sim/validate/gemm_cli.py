@@ -91,8 +91,9 @@ def gemm_main(argv) -> int:
             res = check_witnesses(a.witnesses, a.outputs, a.out_dtype)
             ok = (a.expect in res["consistent"]) if a.expect else bool(res["consistent"])
             for n, rep in res["reports"].items():
-                print(f"{n}: " + rep.summary().split("\n", 1)[0].split(": ", 1)[1].split(": ", 1)[1]
-                      + (f" (also {', '.join(rep.matches[1:])})" if len(rep.matches) > 1 else ""))
+                got = f"MATCHES {rep.best}" if rep.best else (f"NO MODEL MATCHES (closest: {rep.closest}, "
+                                                              f"{100 * rep.match_fraction[rep.closest]:.2f}% identical)")
+                print(f"{n}: {got}" + (f" (also {', '.join(rep.matches[1:])})" if len(rep.matches) > 1 else ""))
             print("consistent with every witness: " + (", ".join(res["consistent"]) or "no model"))
             if a.json:
                 Path(a.json).write_text(json.dumps({"consistent": res["consistent"], "reports": {
