@@ -41,6 +41,10 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
         from . import scaling
         set_threads(threads)
         summary = scaling.make(out, quick, given, quiet=quiet, scheduler=scheduler)
+    elif fig == "gpt_snr":
+        from . import gpt_snr
+        set_threads(threads)
+        summary = gpt_snr.make(out, quick, given, quiet=quiet)
     elif fig in figures.TEACHER:
         from . import teacher
         set_threads(threads)

@@ -356,6 +356,8 @@ FIGURES = {
     "fig13": Figure("fig13", "ablation: RHT sign vectors: TE's, one from the seed, one per transform, none", True),
     "scaling": Figure("scaling", "the FP4 gap to BF16 against tokens per parameter (D/N 0.5-50), WSD cooldowns "
                       "branched from one trunk per format and seed", False),
+    "gpt_snr": Figure("gpt_snr", "per-layer weight-gradient SNR through the D/N 10 runs (BF16, NVFP4, MXFP4) "
+                      "against sqrt(3), beside the excess loss over BF16", False),
     "teacher_formats": Figure("teacher_formats", "teacher-student regression (precision-limited): BF16, FP8, "
                               "MXFP8, MXFP4, NVFP4, NVFP4 + 4over6, paired by seed; gradient SNR", False),
     "teacher_recipe": Figure("teacher_recipe", "teacher-student regression: the NVFP4 recipe's parts (SR, RHT, 2D "

@@ -36,7 +36,10 @@ class RunConfig:
     weight decay 0.1, gradient clipping at 1.0) with a warmup-stable-decay schedule: linear warmup over
     ``warmup`` steps, constant, then linear decay to zero over the last ``decay_frac`` of the steps;
     eval_points: validation evaluations spread evenly over the run (the last at the final step) on
-    ``val_windows`` fixed windows of the validation text.
+    ``val_windows`` fixed windows of the validation text. log_wgrad_error / log_fidelity: at each evaluation,
+    log every quantized layer's relative Wgrad GEMM error / every QuantLinear's weight-gradient SNR and cosine
+    against float32 (:func:`fidelity`) on the first validation batch, into ``wgrad_error.csv`` /
+    ``fidelity.csv``; neither changes the run's training.
     """
     preset: str = "nvfp4_paper"
     switches: tuple = ()
@@ -56,6 +59,7 @@ class RunConfig:
     operands: tuple = ()
     log_wgrad_error: bool = False
     eval_tokens: tuple = ()
+    log_fidelity: bool = False
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -144,7 +148,8 @@ class RunConfig:
         return None if j is None else "prefix-" + hashlib.sha1(j.encode()).hexdigest()[:10]
 
 
-OPTIONAL = {"phases": [], "keep_first": 0, "operands": [], "log_wgrad_error": False, "eval_tokens": []}
+OPTIONAL = {"phases": [], "keep_first": 0, "operands": [], "log_wgrad_error": False, "eval_tokens": [],
+            "log_fidelity": False}
 
 
 def make_recipe(preset, switches, keep_last, seed, accumulate, keep_first=0, operands=()):
@@ -247,6 +252,20 @@ def wgrad_errors(model, windows, vocab: int) -> dict:
     return {n: float(v) for n, v in rel.items() if not getattr(qlayers[n], "_fp4sim_kept", False)}
 
 
+def fidelity(model, windows, vocab: int) -> dict:
+    """Each QuantLinear's weight-gradient fidelity (fp4sim.torch.gradient_fidelity: the same forward and backward
+    pass on ``windows`` once as the model is and once in float32, kept layers included): {layer: (snr, cosine)}.
+    The model is left exactly as it was (parameters, gradients, SR call counts)."""
+    import torch.nn.functional as F
+
+    from fp4sim.torch import gradient_fidelity
+
+    def fwd_bwd():
+        F.cross_entropy(model(windows[:, :-1]).reshape(-1, vocab), windows[:, 1:].reshape(-1)).backward()
+    ds = gradient_fidelity(model, fwd_bwd)
+    return {str(n): (float(s), float(c)) for n, s, c in zip(ds.layer.values, ds.snr.values, ds.cosine.values)}
+
+
 def _fmt(v) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
@@ -265,6 +284,15 @@ def read_log(run_dir: Path) -> list[dict]:
     with open(run_dir / "log.csv", newline="") as f:
         rows = [{"step": int(r["step"]), "tokens": int(r["tokens"]), "lr": float(r["lr"]),
                  "train_loss": float(r["train_loss"]), "val_loss": float(r["val_loss"])} for r in csv.DictReader(f)]
+    f = Path(run_dir) / "fidelity.csv"
+    if f.is_file():
+        by_step = {}
+        with open(f, newline="") as fh:
+            for r in csv.DictReader(fh):
+                by_step.setdefault(int(r["step"]), {})[r["layer"]] = (float(r["snr"]), float(r["cosine"]))
+        for r in rows:
+            if r["step"] in by_step:
+                r["fidelity"] = by_step[r["step"]]
     w = Path(run_dir) / "wgrad_error.csv"
     if w.is_file():
         by_step = {}
@@ -430,6 +458,8 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
                          "train_loss": float(np.mean(acc)) if acc else math.nan, "val_loss": evaluate()})
             if cfg.log_wgrad_error:
                 rows[-1]["wgrad_error"] = wgrad_errors(model, val[:cfg.batch], cfg.model.vocab)
+            if cfg.log_fidelity:
+                rows[-1]["fidelity"] = fidelity(model, val[:cfg.batch], cfg.model.vocab)
             acc = []
         done_here += 1
         if progress is not None:
@@ -445,6 +475,10 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         lines = ["step,layer,wgrad_rel_error"] + [f"{r['step']},{n},{v!r}" for r in rows
                                                    for n, v in r.get("wgrad_error", {}).items()]
         _atomic_write(run_dir / "wgrad_error.csv", ("\n".join(lines) + "\n").encode())
+    if cfg.log_fidelity:
+        lines = ["step,layer,snr,cosine"] + [f"{r['step']},{n},{v[0]!r},{v[1]!r}" for r in rows
+                                             for n, v in r.get("fidelity", {}).items()]
+        _atomic_write(run_dir / "fidelity.csv", ("\n".join(lines) + "\n").encode())
     _atomic_write(run_dir / "log.csv", rows_to_csv(rows).encode())
     _atomic_write(run_dir / "done.json", json.dumps({"config": json.loads(cfg.to_json()),
                                                      "diverged": diverged}).encode())

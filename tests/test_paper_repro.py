@@ -699,3 +699,54 @@ def test_the_scaled_figures_are_the_sweeps_runs_at_its_largest_budget():
                                                    for p in ("bf16", "nvfp4_paper", "fp8_blockwise")]
     assert figures.runs_for("fig2", True, 2) == figures.runs_for("fig2", True, 2, short=True)
     assert _run(["fig2", "--quick", "--short"], timeout=60).returncode == 2
+
+
+def test_logging_the_gradient_fidelity_does_not_change_the_run(tmp_path):
+    """log_fidelity logs every QuantLinear's weight-gradient SNR and cosine at each evaluation (kept layers
+    included, fidelity.csv read back with the log), and the run's rows are those of the same run without it."""
+    cfg = replace(TINY, log_fidelity=True)
+    assert cfg.key() != TINY.key() and "log_fidelity" not in TINY.to_json()
+    rows = train(cfg, tmp_path / cfg.key())
+    plain = train(TINY, tmp_path / TINY.key())
+    assert [{k: r[k] for k in ("step", "train_loss", "val_loss")} for r in rows] == \
+        [{k: r[k] for k in ("step", "train_loss", "val_loss")} for r in plain]
+    from paper_repro.train import read_log
+    back = read_log(tmp_path / cfg.key())
+    assert [r["fidelity"] for r in back] == [r["fidelity"] for r in rows]
+    layers = set(rows[0]["fidelity"])
+    model = build(TINY.model, TINY.recipe(), TINY.seed)
+    from fp4sim.torch import QuantLinear
+    assert layers == {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert any(n.startswith("layers.1.") for n in layers)                   # the kept (BF16) block too
+    for r in rows:
+        for snr, cos in r["fidelity"].values():
+            assert snr > 0 and -1 <= cos <= 1
+
+
+def test_gpt_snr_quick_logs_every_layer_and_matches_the_sweeps_runs(tmp_path):
+    """gpt_snr --quick beside scaling --quick: the fidelity-logging runs give the sweep's losses bit for bit; the
+    CSV has every QuantLinear at every evaluation; the JSON's SNR medians and excess losses recomputed from it."""
+    from paper_repro import gpt_snr
+    for fig in ("scaling", "gpt_snr"):
+        r = _run([fig, "--quick", "--out", str(tmp_path), "--quiet"], timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    summ = json.load(open(tmp_path / "gpt_snr.json"))
+    assert summ["losses_equal_the_sweep_runs"] and all(summ["losses_equal_the_sweep_runs"].values())
+    rows = list(csv.DictReader(open(tmp_path / "gpt_snr.csv")))
+    cfgs = gpt_snr.configs(True, gpt_snr.QUICK_SEEDS)
+    model = build(next(iter(cfgs.values())).model, next(iter(cfgs.values())).recipe(), 0)
+    from fp4sim.torch import QuantLinear
+    layers = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    for (f, s), c in cfgs.items():
+        got = [r for r in rows if r["format"] == f and int(r["seed"]) == s]
+        assert len(got) == len(layers) * len(c.eval_steps()) and {r["layer"] for r in got} == layers
+    kept = set(summ["kept_layers"])
+    last = max(int(r["step"]) for r in rows)
+    q = [float(r["snr"]) for r in rows if r["format"] == "nvfp4_paper" and int(r["step"]) == last
+         and r["layer"] not in kept]
+    per_seed = [np.median([float(r["snr"]) for r in rows if r["format"] == "nvfp4_paper" and int(r["seed"]) == s
+                           and int(r["step"]) == last and r["layer"] not in kept]) for s in range(2)]
+    assert q and summ["final_snr_median_fp4_layers"]["nvfp4_paper"] == pytest.approx(np.median(per_seed))
+    loss = {(r["format"], int(r["seed"])): float(r["val_loss"]) for r in rows if int(r["step"]) == last}
+    ex = [loss[("nvfp4_paper", s)] - loss[("bf16", s)] for s in range(2)]
+    assert summ["final_excess_loss"]["nvfp4_paper"]["mean"] == pytest.approx(np.mean(ex), abs=1e-12)
