@@ -180,7 +180,7 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
 
 def _plot(summary, out: Path):
     plt = plotting.pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (a1, a3, a2) = plt.subplots(1, 3, figsize=(17, 4.6))
     for f in summary["curves"]:
         if f == "bf16":
             continue
@@ -195,6 +195,18 @@ def _plot(summary, out: Path):
     a1.set_ylabel("final val loss - BF16's (nats, paired by seed)")
     plotting.title(a1, "FP4 / FP8 gap to BF16 against D/N (mean ± s.e. over seeds)", width=60)
     a1.legend(fontsize=8)
+    for f in summary["curves"]:
+        if f == "bf16":
+            continue
+        pts = [p for p in summary["points"] if p["format"] == f and p["effective_data"] is not None]
+        a3.plot([p["tokens_per_param"] for p in pts], [p["effective_data"] for p in pts], marker="o", color=COLORS[f],
+                label=LABELS[f])
+    a3.axhline(1, color="k", lw=0.8)
+    a3.set_xscale("log")
+    a3.set_xlabel("tokens per parameter (D/N)")
+    a3.set_ylabel("effective data (share of the tokens BF16 needs)")
+    plotting.title(a3, "effective data: the tokens with which BF16 reaches the same loss", width=60)
+    a3.legend(fontsize=8)
     for f, c in summary["curves"].items():
         a2.plot(c["tokens"], c["val_loss_mean"], marker="o", color=COLORS[f], label=LABELS[f])
     a2.set_xscale("log")
