@@ -197,8 +197,11 @@ def _lattice(q, xp):
     nblk = sb.shape[1]
     tab = _E2M1_HALF if xp is np else xp.asarray(_E2M1_HALF)
     v = tab[unpack_fp4(q.codes.reshape(rows, -1))]
-    if v.shape[1] != nblk * 16:
-        v = _pad(v.astype(np.float32), nblk * 16, xp).astype(np.int8)
+    if v.shape[1] != nblk * 16:                      # codes narrower than the blocks: zero elements
+        w = xp.zeros((v.shape[0], nblk * 16), np.int8)
+        n = min(v.shape[1], nblk * 16)
+        w[:, :n] = v[:, :n]
+        v = w
     ti, tn = (_E4M3_INT, _E4M3_NAN) if xp is np else (xp.asarray(_E4M3_INT), xp.asarray(_E4M3_NAN))
     return xp.ascontiguousarray(v), xp.ascontiguousarray(ti[sb]), tn[sb].any(axis=1)
 
