@@ -101,3 +101,19 @@ def _torch_to_numpy(t):
     if hasattr(torch, "float8_e8m0fnu") and t.dtype == torch.float8_e8m0fnu:
         return t.view(torch.uint8).numpy()
     return t.numpy()
+
+
+def number_or_array(spec: str, per_row: bool = False, flag: str = "--global-amax"):
+    """A command-line value given as a file holding one float32 (any number of them with ``per_row``) or as a
+    number written out (the validate commands' --global-amax, --tensor-scale, --a-amax ...)."""
+    if not Path(spec).exists() and not Path(spec.rpartition(":")[0] or spec).exists():
+        try:
+            return np.float32(float(spec))
+        except ValueError:
+            raise ValueError(f"{flag} {spec!r}: neither a file nor a number") from None
+    ga = np.asarray(load_array(spec), dtype=np.float32).reshape(-1)
+    if per_row:
+        return ga
+    if ga.size != 1:
+        raise ValueError(f"{flag} {spec}: must hold one number, found {ga.size}")
+    return ga[0]

@@ -12,6 +12,7 @@ falls below sqrt(3), and whether log(L_q / L_bf16) grows faster per evaluation a
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -81,6 +82,7 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
         return [{"step": r["step"], "val_mse": r["val_loss"],
                  "snr_median": float(np.median([v[0] for n, v in r["fidelity"].items() if n not in kept]))}
                 for r in logs[cfgs[(f, s)].key()]]
+    series = functools.lru_cache(maxsize=None)(series)     # each (format, seed) computed once
     ss = list(range(seeds))
     quant = [f for f in dict.fromkeys(f for f, _ in cfgs) if f != "bf16"]
     ref = {s: series("bf16", s) for s in ss}

@@ -178,35 +178,33 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
     return summary
 
 
+def _dn_panel(ax, summary, ylabel, title, ref, value, err=None):
+    """One panel against D/N: ``value(point)`` (None: left out) of each format but BF16, a line at ``ref``."""
+    for f in summary["curves"]:
+        if f == "bf16":
+            continue
+        pts = [p for p in summary["points"] if p["format"] == f and value(p) is not None]
+        x, y = [p["tokens_per_param"] for p in pts], [value(p) for p in pts]
+        if err:
+            ax.errorbar(x, y, yerr=[err(p) for p in pts], marker="o", color=COLORS[f], label=LABELS[f], capsize=3)
+        else:
+            ax.plot(x, y, marker="o", color=COLORS[f], label=LABELS[f])
+    ax.axhline(ref, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per parameter (D/N)")
+    ax.set_ylabel(ylabel)
+    plotting.title(ax, title, width=60)
+    ax.legend(fontsize=8)
+
+
 def _plot(summary, out: Path):
     plt = plotting.pyplot()
     fig, (a1, a3, a2) = plt.subplots(1, 3, figsize=(17, 4.6))
-    for f in summary["curves"]:
-        if f == "bf16":
-            continue
-        pts = [p for p in summary["points"] if p["format"] == f]
-        x = [p["tokens_per_param"] for p in pts]
-        a1.errorbar(x, [p["effect"] for p in pts], yerr=[0 if not math.isfinite(p["stderr"]) else p["stderr"]
-                                                            for p in pts], marker="o", color=COLORS[f], label=LABELS[f],
-                    capsize=3)
-    a1.axhline(0, color="k", lw=0.8)
-    a1.set_xscale("log")
-    a1.set_xlabel("tokens per parameter (D/N)")
-    a1.set_ylabel("final val loss - BF16's (nats, paired by seed)")
-    plotting.title(a1, "FP4 / FP8 gap to BF16 against D/N (mean ± s.e. over seeds)", width=60)
-    a1.legend(fontsize=8)
-    for f in summary["curves"]:
-        if f == "bf16":
-            continue
-        pts = [p for p in summary["points"] if p["format"] == f and p["effective_data"] is not None]
-        a3.plot([p["tokens_per_param"] for p in pts], [p["effective_data"] for p in pts], marker="o", color=COLORS[f],
-                label=LABELS[f])
-    a3.axhline(1, color="k", lw=0.8)
-    a3.set_xscale("log")
-    a3.set_xlabel("tokens per parameter (D/N)")
-    a3.set_ylabel("effective data (share of the tokens BF16 needs)")
-    plotting.title(a3, "effective data: the tokens with which BF16 reaches the same loss", width=60)
-    a3.legend(fontsize=8)
+    _dn_panel(a1, summary, "final val loss - BF16's (nats, paired by seed)",
+              "FP4 / FP8 gap to BF16 against D/N (mean ± s.e. over seeds)", 0, lambda p: p["effect"],
+              lambda p: p["stderr"] if math.isfinite(p["stderr"]) else 0)
+    _dn_panel(a3, summary, "effective data (share of the tokens BF16 needs)",
+              "effective data: the tokens with which BF16 reaches the same loss", 1, lambda p: p["effective_data"])
     for f, c in summary["curves"].items():
         a2.plot(c["tokens"], c["val_loss_mean"], marker="o", color=COLORS[f], label=LABELS[f])
     a2.set_xscale("log")

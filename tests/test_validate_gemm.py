@@ -82,6 +82,9 @@ def test_bad_outputs_are_refused(operands):
         compare_gemm(qa, qb, ys["k64_rtz"].astype(np.float64))
     with pytest.raises(ValueError, match="choose from"):
         compare_gemm(qa, qb, ys["k64_rtz"], models=["k64"])
+    q0 = gemm_operand(np.zeros((0, 256), np.uint8), np.zeros((0, 32), np.uint8), np.float32(2688))
+    with pytest.raises(ValueError, match="empty output matches every model"):
+        compare_gemm(q0, qb, np.zeros((0, 16), np.float32))
 
 
 def test_the_witnesses_separate_every_pair_of_models_checked_with_the_oracle(witnesses):
@@ -166,9 +169,15 @@ def test_the_gemm_command_on_codes_and_on_high_precision_inputs(tmp_path):
     assert r.returncode == 0 and json.loads((tmp_path / "rep16.json").read_text())["dtype"] == "bfloat16"
     r = _cli("gemm", "--a-codes", tmp_path / "a_codes.npy", "--out", tmp_path / "y.npy")
     assert r.returncode == 2 and "missing --a-scales, --a-amax" in r.stderr
-    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y.npy", "--k", "64",
+    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y.npy",
              "--expect", "k65")
     assert r.returncode == 2 and "--expect 'k65'" in r.stderr
+    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y.npy", "--k", "64")
+    assert r.returncode == 2 and "--k describe(s) kernel codes" in r.stderr        # not silently ignored
+    r = _cli("gemm", "--a-codes", tmp_path / "a_codes.npy", "--a-scales", tmp_path / "a_scales.npy", "--a-amax",
+             "big", "--b-codes", tmp_path / "b_codes.npy", "--b-scales", tmp_path / "b_scales.npy", "--b-amax", "1",
+             "--out", tmp_path / "y.npy")
+    assert r.returncode == 2 and "--a-amax 'big': neither a file nor a number" in r.stderr
 
 
 def test_gemm_operand_checks_the_kernel_files():

@@ -13,9 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from ..arrays_io import check_writable, load_array
+from ..arrays_io import check_writable, load_array, number_or_array
 from ..schemes import SCHEMES, get_scheme
 from .core import CLI_NAMES, compare
 
@@ -67,8 +65,8 @@ def main(argv=None) -> int:
         scales = load_array(a.scales) if a.scales else None
         if scales is None and a.scheme != "bf16":
             raise ValueError(f"--scales is required for scheme {a.scheme}")
-        g = _global_amax(a.global_amax, a.row_scaled) if a.global_amax else None
-        ts = _global_amax(a.tensor_scale, False, "--tensor-scale") if a.tensor_scale else None
+        g = number_or_array(a.global_amax, a.row_scaled, "--global-amax") if a.global_amax else None
+        ts = number_or_array(a.tensor_scale, False, "--tensor-scale") if a.tensor_scale else None
         rbits = load_array(a.rbits) if a.rbits else None
         block = None
         if a.block:
@@ -122,22 +120,6 @@ def _check_options(a):
             raise ValueError(f"{opt} {path}: no such file")
     if a.json:
         check_writable(a.json, "--json")
-
-
-def _global_amax(spec: str, per_row: bool = False, flag: str = "--global-amax"):
-    """--global-amax / --tensor-scale: a file holding one float32 (one per row with --row-scaled), or a number
-    written out."""
-    if not Path(spec).exists() and not Path(spec.rpartition(":")[0] or spec).exists():
-        try:
-            return np.float32(float(spec))
-        except ValueError:
-            raise ValueError(f"{flag} {spec!r}: neither a file nor a number") from None
-    ga = np.asarray(load_array(spec), dtype=np.float32).reshape(-1)
-    if per_row:
-        return ga
-    if ga.size != 1:
-        raise ValueError(f"{flag} {spec}: must hold one number, found {ga.size}")
-    return ga[0]
 
 
 if __name__ == "__main__":

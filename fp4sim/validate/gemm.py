@@ -142,6 +142,9 @@ def compare_gemm(qa: QuantizedTensor, qb: QuantizedTensor, out, *, models=None, 
     M, N = qa.lead[0], qb.lead[0]
     if o.shape != (M, N):
         raise ValueError(f"out has shape {o.shape}; A . B^T of qa ({M} rows) and qb ({N} rows) is ({M}, {N})")
+    if o.size == 0:
+        raise ValueError(f"out has shape {o.shape}: an empty output matches every model; give operands with rows and "
+                         "columns")
     if max_mismatches < 0:
         raise ValueError(f"max_mismatches={max_mismatches}: give a count >= 0")
     ys = expected if expected is not None else model_outputs(qa, qb, models)
@@ -151,7 +154,7 @@ def compare_gemm(qa: QuantizedTensor, qb: QuantizedTensor, out, *, models=None, 
         y = np.asarray(y, np.float32)
         ym = y.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else y
         eq[m] = (_same(o, ym), ym)
-        frac[m] = float(eq[m][0].mean()) if o.size else 1.0
+        frac[m] = float(eq[m][0].mean())
     matches = [m for m in ys if frac[m] == 1.0]
     closest = max(ys, key=lambda m: frac[m])
     same, ym = eq[closest]

@@ -6,9 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from ..arrays_io import check_writable, load_array
+from ..arrays_io import check_writable, load_array, number_or_array
 
 GEMM_DOC = """python -m fp4sim.validate gemm: which accumulation model reproduces a GEMM kernel's output, y = A . B^T.
 
@@ -40,16 +38,6 @@ def _block(spec, flag):
         return tuple(int(v) for v in spec.lower().split("x"))
     except ValueError:
         raise ValueError(f"{flag} {spec!r}: write it as ROWSxCOLS, e.g. 16x16") from None
-
-
-def _amax(spec, flag):
-    p = Path(spec)
-    if not p.exists() and not Path(spec.rpartition(":")[0] or spec).exists():
-        try:
-            return np.float32(float(spec))
-        except ValueError:
-            raise ValueError(f"{flag} {spec!r}: neither a file nor a number") from None
-    return np.asarray(load_array(spec), np.float32).reshape(-1)
 
 
 def gemm_main(argv) -> int:
@@ -105,6 +93,11 @@ def gemm_main(argv) -> int:
         if a.a or a.b:
             if not (a.a and a.b) or a.a_codes or a.b_codes:
                 raise ValueError("give both --a and --b (high-precision inputs), or the codes, scales and amax of both")
+            extra = [f for f, v in (("--k", a.k), ("--a-scales", a.a_scales), ("--b-scales", a.b_scales),
+                                    ("--a-amax", a.a_amax), ("--b-amax", a.b_amax)) if v is not None]
+            if extra or a.scale_layout != "linear":
+                raise ValueError(f"{', '.join(extra) or '--scale-layout'} describe(s) kernel codes; with --a / --b "
+                                 "fp4sim quantizes the inputs itself (K is their last axis)")
             from ..quantize import quantize
             qa = quantize(load_array(a.a), a.scheme, block=_block(a.a_block, "--a-block"))
             qb = quantize(load_array(a.b), a.scheme, block=_block(a.b_block, "--b-block"))
@@ -113,9 +106,11 @@ def gemm_main(argv) -> int:
                     if getattr(a, f"{s}_{w}") is None]
             if need:
                 raise ValueError(f"missing {', '.join(need)} (or give --a and --b, high-precision inputs)")
-            qa = gemm_operand(load_array(a.a_codes), load_array(a.a_scales), _amax(a.a_amax, "--a-amax"), a.k,
+            qa = gemm_operand(load_array(a.a_codes), load_array(a.a_scales),
+                              number_or_array(a.a_amax, True, "--a-amax"), a.k,
                               block=_block(a.a_block, "--a-block") or (1, 16), scale_layout=a.scale_layout, name="A")
-            qb = gemm_operand(load_array(a.b_codes), load_array(a.b_scales), _amax(a.b_amax, "--b-amax"), a.k,
+            qb = gemm_operand(load_array(a.b_codes), load_array(a.b_scales),
+                              number_or_array(a.b_amax, True, "--b-amax"), a.k,
                               block=_block(a.b_block, "--b-block") or (1, 16), scale_layout=a.scale_layout, name="B")
         if qa.K != qb.K:
             raise ValueError(f"A has K={qa.K} and B K={qb.K}")
