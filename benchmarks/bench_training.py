@@ -1,11 +1,12 @@
 """Emulated training cost, as ratios measured in one run (CPU).
 
-    python benchmarks/bench_training.py [--repeat 3] [--d-model 256] [--json out.json]
+    python benchmarks/bench_training.py [--repeat 3] [--d-model 256] [--only gemm|step] [--json out.json]
     python benchmarks/bench_training.py --model paper [--presets nvfp4_paper,bf16] [--general] [--sizes 128x32,64x64]
                                         [--keep-last 0] [--accumulate fast|exact] [--json out.json]
 
-1. fp4sim.gemm (exact and fast) for M = N = K = 1024 NVFP4 / MXFP4 operands, against a float32 BLAS matmul of
-   the same shape (the quantization of the operands is not included).
+1. fp4sim.gemm (exact and fast; for NVFP4 also the hardware accumulation models k64_rtz and exact_sum) for
+   M = N = K = 1024 NVFP4 / MXFP4 operands, against a float32 BLAS matmul of the same shape (the quantization of
+   the operands is not included).
 2. One training step (forward + backward) of a small transformer (d_model, 2 blocks, 128 tokens x 4 sequences)
    under each preset, against the same model in plain torch float32.
 ``--model paper``: instead, the full optimizer step (forward, backward, AdamW) of the paper_repro GPT (4 blocks,
@@ -36,6 +37,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--json")
+    ap.add_argument("--only", choices=("gemm", "step"), help="only part 1 (gemm) or part 2 (step)")
     ap.add_argument("--model", choices=("tiny", "paper"), default="tiny")
     ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise")
     ap.add_argument("--general", action="store_true", help="also time the general path (fast path off)")
@@ -57,12 +59,12 @@ def main():
     rng = np.random.default_rng(0)
     A = rng.standard_normal((1024, 1024)).astype(np.float32)
     B = rng.standard_normal((1024, 1024)).astype(np.float32)
-    for scheme in ("nvfp4", "mxfp4"):
+    for scheme in ("nvfp4", "mxfp4") if a.only != "step" else ():
         qa, qb = fs.quantize(A, scheme), fs.quantize(B, scheme)
-        for acc in ("exact", "fast"):
+        for acc in ("exact", "k64_rtz", "exact_sum", "fast") if scheme == "nvfp4" else ("exact", "fast"):
             t_blas, t = best_alternating([lambda: A @ B.T, lambda: fs.gemm(qa, qb, accumulate=acc)], a.repeat)
             out["gemm"][f"{scheme}_{acc}"] = t / t_blas
-            print(f"gemm {scheme:6} {acc:5}: {t * 1e3:8.1f} ms = {t / t_blas:5.2f}x BLAS (float32 BLAS matmul "
+            print(f"gemm {scheme:6} {acc:9}: {t * 1e3:8.1f} ms = {t / t_blas:5.2f}x BLAS (float32 BLAS matmul "
                   f"1024^3 in alternating rounds: {t_blas * 1e3:.1f} ms)")
 
     d = a.d_model
@@ -78,7 +80,7 @@ def main():
 
     torch.manual_seed(0)
     base = step_fn(TinyGPT(d=d, heads=4))
-    for preset in ("none", "bf16", "nvfp4_paper", "mxfp4_paper", "mxfp8", "fp8_blockwise"):
+    for preset in ("none", "bf16", "nvfp4_paper", "mxfp4_paper", "mxfp8", "fp8_blockwise") if a.only != "gemm" else ():
         for acc in ("exact", "fast"):
             if preset == "none" and acc == "fast":
                 continue

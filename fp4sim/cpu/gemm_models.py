@@ -8,6 +8,11 @@ integer in units of 2^-20 of magnitude below 2^43, so a group's sum (64 products
 product (K below 2^20) are exact int64s, and one conversion to float32 rounds them once to nearest-even.
 Partials are added in physical K order with float32 additions that round to nearest-even (``kG_rne``) or toward
 zero (``kG_rtz``: the float32 sum, its exact error by TwoSum, and one step toward zero when the sum overshot).
+
+Speed: the 16-element dot products of the integer elements (before the block scales) are integers of magnitude
+at most 16 x 12 x 12 = 2,304, so a float32 matrix product computes them exactly in any summation order; they come
+from one BLAS product per K block on a chunk of rows, and only the scaling, grouping and rounding run in the
+Numba loop, per block rather than per element.
 """
 from __future__ import annotations
 
@@ -37,37 +42,37 @@ def add_rtz(a, b):
 
 
 @nb.njit(parallel=True, cache=True)
-def _models(A, B, SA, SB, gb, mode, grid, out):
-    M, Kp = A.shape
-    N = B.shape[0]
-    nblk = Kp // 16
+def _models(D, SA, SBt, gb, mode, grid, out):
+    """D (nblk, M, N) float32: the block dot products (exact integers); SA (M, nblk), SBt (nblk, N) int64."""
+    nblk, M, N = D.shape
     unit = UNIT
     for i in nb.prange(M):
+        acc = np.zeros(N, np.float32)
+        g = np.zeros(N, np.int64)
+        tot = np.zeros(N, np.int64)
+        for b in range(nblk):
+            sa = SA[i, b]
+            for j in range(N):
+                g[j] += np.int64(D[b, i, j]) * (sa * SBt[b, j])
+            if (b + 1) % gb == 0 or b == nblk - 1:
+                if mode == MODE_EXACT:
+                    for j in range(N):
+                        tot[j] += g[j]
+                elif mode == MODE_RNE:
+                    for j in range(N):
+                        acc[j] = acc[j] + np.float32(g[j]) * unit
+                else:
+                    for j in range(N):
+                        acc[j] = add_rtz(acc[j], np.float32(g[j]) * unit)
+                g[:] = 0
         for j in range(N):
-            acc = np.float32(0.0)
-            tot = np.int64(0)
-            g = np.int64(0)
-            for b in range(nblk):
-                d = np.int64(0)
-                k0 = b * 16
-                for k in range(16):
-                    d += np.int64(A[i, k0 + k]) * np.int64(B[j, k0 + k])
-                g += d * (SA[i, b] * SB[j, b])
-                if (b + 1) % gb == 0 or b == nblk - 1:
-                    if mode == MODE_EXACT:
-                        tot += g
-                    else:
-                        p = np.float32(g) * unit
-                        if mode == MODE_RNE:
-                            acc = acc + p
-                        else:
-                            acc = add_rtz(acc, p)
-                    g = 0
-            if mode == MODE_EXACT:
-                acc = np.float32(tot) * unit
+            a = np.float32(tot[j]) * unit if mode == MODE_EXACT else acc[j]
             if grid > 0:
-                acc = np.float32(np.rint(acc * np.float32(grid))) / np.float32(grid)
-            out[i, j] = acc
+                a = np.float32(np.rint(a * np.float32(grid))) / np.float32(grid)
+            out[i, j] = a
+
+
+_CHUNK = 1 << 22        # float32 block dot products held at once (16 MiB)
 
 
 def nvfp4_models(A: np.ndarray, B: np.ndarray, SA: np.ndarray, SB: np.ndarray, group: int, mode: int,
@@ -78,7 +83,16 @@ def nvfp4_models(A: np.ndarray, B: np.ndarray, SA: np.ndarray, SB: np.ndarray, g
     rounded to the nearest multiple of 1/grid (ties to even) at the end."""
     M, N = A.shape[0], B.shape[0]
     out = np.empty((M, N), np.float32)
-    if M and N:
-        _models(np.ascontiguousarray(A), np.ascontiguousarray(B), np.ascontiguousarray(SA, dtype=np.int64),
-                np.ascontiguousarray(SB, dtype=np.int64), group // 16, mode, grid, out)
+    if not (M and N):
+        return out
+    nblk = A.shape[1] // 16
+    Bt = np.ascontiguousarray(B.reshape(N, nblk, 16).astype(np.float32).transpose(1, 2, 0))   # (nblk, 16, N)
+    SA = np.ascontiguousarray(SA, dtype=np.int64)
+    SBt = np.ascontiguousarray(np.asarray(SB, dtype=np.int64).T)
+    rows = max(1, _CHUNK // max(1, nblk * N))
+    for r0 in range(0, M, rows):
+        r1 = min(M, r0 + rows)
+        Ac = np.ascontiguousarray(A[r0:r1].reshape(r1 - r0, nblk, 16).astype(np.float32).transpose(1, 0, 2))
+        D = np.matmul(Ac, Bt)                                                  # (nblk, rows, N), exact
+        _models(D, SA[r0:r1], SBt, group // 16, mode, grid, out[r0:r1])
     return out
