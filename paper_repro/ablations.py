@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from . import plotting, stats
+from .stats import verdict  # noqa: F401  (the rule lives in stats; imported from here by its users)
 from .train import RunConfig, diverged
 
 BRANCH = 0.34          # fig4 / fig12: branch from the full recipe at 34% of the run, as the paper does
@@ -164,33 +165,6 @@ def runs_for(fig: str, base: RunConfig, seeds: int) -> list[tuple[str, float, Ru
         for v in variants:
             out.append((v.label, 1.0, v.make(b)))
     return out
-
-
-def verdict(expect: str, diffs, diverged_flags) -> tuple[str, dict]:
-    """The verdict of a variant from its paired final-loss differences to the reference (see the module doc)."""
-    d = np.asarray(diffs, np.float64)
-    dv = any(diverged_flags)
-    if dv:
-        return ("reproduces (diverged)" if expect == "diverges" else "contradicts: diverged"), {"diverged": True}
-    n = len(d)
-    m = float(d.mean())
-    sd = float(d.std(ddof=1)) if n > 1 else math.nan
-    se = sd / math.sqrt(n) if n > 1 else math.nan
-    info = {"effect": m, "spread": sd, "stderr": se, "n": n}
-    if not math.isfinite(se):
-        return "one seed: no verdict", info
-    noise = f"not distinguishable from seed noise at this scale (spread {sd:.4f}, effect {m:+.4f})"
-    if expect in ("worse", "better"):
-        sign = 1 if expect == "worse" else -1
-        if sign * m > 2 * se:
-            return "reproduces", info
-        if sign * m < -2 * se:
-            return f"contradicts (effect {m:+.4f} ± {se:.4f})", info
-        return noise, info
-    if expect == "same":
-        return ("reproduces (no difference)" if abs(m) <= 2 * se else
-                f"contradicts: a difference of {m:+.4f} ± {se:.4f}"), info
-    return "reference", info
 
 
 def paired_verdict(v, final, seeds, ref, metric) -> dict:

@@ -362,8 +362,10 @@ FIGURES = {
                               "MXFP8, MXFP4, NVFP4, NVFP4 + 4over6, paired by seed; gradient SNR", False),
     "teacher_recipe": Figure("teacher_recipe", "teacher-student regression: the NVFP4 recipe's parts (SR, RHT, 2D "
                              "weights, BF16 last layer, late switch, ...), paired by seed", False),
+    "teacher_depth": Figure("teacher_depth", "residual teacher-student regression (4 blocks): BF16 last block vs "
+                            "first block, MXFP4, MXFP8 (loss spikes), per-layer gradient SNR, paired by seed", False),
 }
-TEACHER = ("teacher_formats", "teacher_recipe")
+TEACHER = ("teacher_formats", "teacher_recipe", "teacher_depth")
 PART1 = ("fig1", "appB4", "fig2", "fig6a", "fig6b")
 
 

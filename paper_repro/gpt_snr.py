@@ -7,7 +7,7 @@ sweep's grid; at every evaluation ``fp4sim.torch.gradient_fidelity`` on the firs
 QuantLinear's ``snr = ||g_ref|| / ||g_q - g_ref||`` (``g_ref``: the same step in float32; the BF16 last block and
 head included). Logging it does not change the run: each run's losses are those of the sweep's run of the same
 format, seed and budget, bit for bit (checked where that run is in DIR/runs). The claim is tested as on the
-teacher task (``teacher._snr_claim``): per seed, the first evaluation at which the median SNR of the FP4 layers
+teacher task (``stats.snr_claim``): per seed, the first evaluation at which the median SNR of the FP4 layers
 falls below sqrt(3), and whether log(L_q / L_bf16) grows faster per evaluation after it than before.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def kept_layers(cfg: RunConfig) -> set:
 
 def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool = False) -> dict:
     from .runner import run_all
-    from .teacher import _snr_claim
+    from .stats import snr_claim
     from .train import is_done, read_log
     from fp4sim.torch.linear import SNR_THRESHOLD
     out = Path(out)
@@ -86,7 +86,7 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
     ss = list(range(seeds))
     quant = [f for f in dict.fromkeys(f for f, _ in cfgs) if f != "bf16"]
     ref = {s: series("bf16", s) for s in ss}
-    claims = {f: _snr_claim({s: series(f, s) for s in ss}, ref, ss) for f in quant}
+    claims = {f: snr_claim({s: series(f, s) for s in ss}, ref, ss) for f in quant}
     params = scaling.n_params(next(iter(cfgs.values())).model)
     c0 = next(iter(cfgs.values()))
     summary = {"params": params, "tokens": c0.tokens, "tokens_per_param": c0.tokens / params, "seeds": seeds,

@@ -1,4 +1,5 @@
-"""Numbers the figures report: relative differences over seeds and the token multiplier of Fig. 6b."""
+"""Numbers the figures report: relative differences over seeds, the token multiplier of Fig. 6b, and the test of
+the sqrt(3) gradient-SNR claim."""
 from __future__ import annotations
 
 import math
@@ -80,3 +81,75 @@ def effective_data(ref_tokens, ref_losses, loss, tokens):
             f = (y[i] - L) / (y[i] - y[i + 1])
             return float(math.exp(math.log(t[i]) + f * (math.log(t[i + 1]) - math.log(t[i]))) / float(tokens))
     return None
+
+
+def snr_claim(rows_q, rows_ref, seeds):
+    """Chmiel et al.'s sqrt(3) claim on one quantized variant against BF16 (the teacher figures, gpt_snr). Per seed, the first evaluation at which
+    the median weight-gradient SNR of the quantized layers is below sqrt(3); the growth of log(MSE_q / MSE_bf16)
+    per evaluation interval after it minus before it, paired over the seeds that cross inside the run (after the
+    first evaluation and before the last). 'reproduces' when the excess loss grows faster after the crossing by
+    more than 2 s.e.; 'contradicts' when slower by more than 2 s.e. Also, over the evaluation intervals that start
+    and end below sqrt(3), the share in which the quantized run's own held-out MSE still fell (``fell_below``) and
+    the factor it fell by there (geometric mean over seeds): training that keeps helping below the threshold."""
+    from fp4sim.torch.linear import SNR_THRESHOLD
+    diffs, crossings, kinds = [], {}, {"from the first evaluation": 0, "never": 0, "only at the last evaluation": 0}
+    fell, n_below, factors = 0, 0, []
+    for s in seeds:
+        q, r = rows_q[s], rows_ref[s]
+        snr = [row.get("snr_median", math.inf) for row in q]
+        ex = np.log([a["val_mse"] / b["val_mse"] for a, b in zip(q, r)])
+        below = [k for k in range(1, len(q)) if snr[k - 1] < SNR_THRESHOLD and snr[k] < SNR_THRESHOLD]
+        n_below += len(below)
+        fell += sum(q[k]["val_mse"] < q[k - 1]["val_mse"] for k in below)
+        if below:
+            factors.append(sum(math.log(q[k - 1]["val_mse"] / q[k]["val_mse"]) for k in below))
+        i = next((k for k, v in enumerate(snr) if v < SNR_THRESHOLD), None)
+        if i is None:
+            kinds["never"] += 1
+        elif i == 0:
+            kinds["from the first evaluation"] += 1
+        elif i > len(ex) - 2:
+            kinds["only at the last evaluation"] += 1
+        else:
+            crossings[s] = q[i]["step"]
+            diffs.append(float(np.mean(np.diff(ex[i:])) - np.mean(np.diff(ex[:i + 1]))))
+    low = min(min(row.get("snr_median", math.inf) for row in rows_q[s]) for s in seeds)
+    extra = {"crossing_step": crossings, "lowest_snr_median": low, "seeds_below": kinds,
+             "intervals_below": n_below, "fell_below": fell / n_below if n_below else None,
+             "mse_fall_factor_below": math.exp(float(np.mean(factors))) if factors else None}
+    if len(diffs) < 2:
+        why = ", ".join(f"{k} in {v}" for k, v in kinds.items() if v)
+        return {"verdict": f"not tested: the median gradient SNR crossed sqrt(3) inside the run in {len(diffs)} "
+                           f"seed(s) (below it {why})", "n": len(diffs), **extra}
+    word, info = verdict("worse", diffs, [False] * len(diffs))
+    return {"verdict": word, **info, **extra}
+
+
+def verdict(expect: str, diffs, diverged_flags) -> tuple[str, dict]:
+    """The verdict of a variant from its paired final-loss differences to the reference (the ablations' rule, see
+    paper_repro/ablations.py): ``expect`` "worse" / "better": "reproduces" when the mean difference has that sign
+    beyond two standard errors, "contradicts" beyond two the other way, else not distinguishable from seed noise;
+    "same": "reproduces (no difference)" within two standard errors; "diverges": any diverged run reproduces."""
+    d = np.asarray(diffs, np.float64)
+    dv = any(diverged_flags)
+    if dv:
+        return ("reproduces (diverged)" if expect == "diverges" else "contradicts: diverged"), {"diverged": True}
+    n = len(d)
+    m = float(d.mean())
+    sd = float(d.std(ddof=1)) if n > 1 else math.nan
+    se = sd / math.sqrt(n) if n > 1 else math.nan
+    info = {"effect": m, "spread": sd, "stderr": se, "n": n}
+    if not math.isfinite(se):
+        return "one seed: no verdict", info
+    noise = f"not distinguishable from seed noise at this scale (spread {sd:.4f}, effect {m:+.4f})"
+    if expect in ("worse", "better"):
+        sign = 1 if expect == "worse" else -1
+        if sign * m > 2 * se:
+            return "reproduces", info
+        if sign * m < -2 * se:
+            return f"contradicts (effect {m:+.4f} ± {se:.4f})", info
+        return noise, info
+    if expect == "same":
+        return ("reproduces (no difference)" if abs(m) <= 2 * se else
+                f"contradicts: a difference of {m:+.4f} ± {se:.4f}"), info
+    return "reference", info

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from paper_repro import teacher as T  # noqa: E402
+from paper_repro import stats  # noqa: E402
 from paper_repro.ablations import verdict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,51 @@ def test_the_task_is_realizable_and_fixed():
     assert float(kurt[:T.N_OUTLIER].min()) > 10 and float(kurt[T.N_OUTLIER:].max()) < 3.3
     teacher = T.build(task, task.seed + 1, teacher=True)
     assert teacher.up.out_features == task.teacher_width and T.build(task, 0).up.out_features == task.width
+
+
+def test_the_residual_task_computes_its_definition_and_keeps_the_named_blocks():
+    """The residual student is inp -> 4 x (x + down(relu(up(x))) / 2) -> proj (recomputed here from its weight
+    matrices); its teacher has the task's narrower hidden width; the block names let keep_last=1 keep exactly
+    block 3 and the glob blocks.0.* exactly block 0; the output layer is quantized with quantize_head."""
+    task = T.TASKS["resmlp"]
+    xt, yt, _, _ = T.data(task)
+    assert yt.shape == (task.n_train, task.d_out) and float(yt.std()) == pytest.approx(1.0, rel=1e-5)
+    teacher = T.build(task, task.seed + 1, teacher=True)
+    assert [b.up.out_features for b in teacher.blocks] == [task.teacher_width] * task.blocks
+    m = T.build(task, 3)
+    x = xt[:5].double()
+    h = x @ m.inp.weight.double().T
+    for b in m.blocks:
+        h = h + torch.relu(h @ b.up.weight.double().T) @ b.down.weight.double().T / math.sqrt(task.blocks)
+    with torch.no_grad():
+        got = m(xt[:5]).double()
+    assert torch.allclose(got, h @ m.proj.weight.double().T, rtol=1e-4, atol=1e-5)
+    base = T.Run(task="resmlp", preset="nvfp4_paper", steps=4, batch=16, eval_points=1)
+    for run, want in ((replace(base, keep_last=1), {"blocks.3.up", "blocks.3.down"}),
+                      (replace(base, keep=("blocks.0.*",)), {"blocks.0.up", "blocks.0.down"}),
+                      (base, set())):
+        s = T.build_student(run)
+        kept = {n for n, mod in s.named_modules() if getattr(mod, "_fp4sim_kept", False)}
+        assert kept == want and s.proj.recipe.name == "nvfp4_paper"
+
+
+def test_the_loss_spike_rule_on_series_with_a_known_answer():
+    """max_loss_jump: the largest ratio of a loss to the median of the window before it (a numpy oracle over every
+    position), its first step; None for a run no longer than the window; a non-finite loss ends the scan. The
+    figure's instability summary counts the runs above the threshold and the diverged ones."""
+    rng = np.random.default_rng(0)
+    loss = list(np.exp(-np.arange(400) / 200) * (1 + 0.1 * rng.random(400)))
+    loss[250] *= 5.0
+    want = max((loss[i] / np.median(loss[i - 100:i]), i + 1) for i in range(100, 400))
+    got = T.max_loss_jump(loss, 100)
+    assert got["step"] == 251 == want[1] and got["ratio"] == pytest.approx(want[0], rel=1e-12)
+    assert T.max_loss_jump(loss[:100], 100) == {"ratio": None, "step": None}
+    assert T.max_loss_jump(loss[:200] + [math.inf] + loss[250:], 100)["step"] < 201
+    runs = [{"diverged": None, "max_loss_jump": T.max_loss_jump(loss, 100)},
+            {"diverged": None, "max_loss_jump": T.max_loss_jump(loss[:250], 100)},
+            {"diverged": "training loss nan at step 9", "max_loss_jump": {"ratio": None, "step": None}}]
+    inst = T._instability(runs)
+    assert inst["spiked"] == 1 and inst["diverged"] == 1 and inst["runs"] == 3
 
 
 def test_a_run_is_deterministic_cached_and_paired_by_seed(tmp_path):
@@ -107,6 +153,11 @@ def test_the_quick_figures_verdicts_recompute_from_their_csv(tmp_path):
             assert got["verdict"] == verdict(v.expect, d, [False] * len(d))[0]
         assert (tmp_path / f"{fig}.png").read_bytes()[:4] == b"\x89PNG"
     assert "snr_claim" in json.loads((tmp_path / "teacher_formats.json").read_text())
+    depth = json.loads((tmp_path / "teacher_depth.json").read_text())
+    assert "snr_claim" in depth and depth["task"]["kind"] == "resmlp"
+    order = [n for n, _ in depth["final_snr_by_layer"]["NVFP4 (paper recipe)"]]   # input to output
+    assert order[0] == "inp" and order[-1] == "proj" and order[1:3] == ["blocks.0.up", "blocks.0.down"]
+    assert all(v["runs"] == T.QUICK_SEEDS for v in depth["instability"].values())
 
 
 def test_the_snr_claim_rule_on_curves_with_a_known_answer():
@@ -122,9 +173,9 @@ def test_the_snr_claim_rule_on_curves_with_a_known_answer():
     ref = {s: rows([9] * 8, [1] * 8, 0) for s in range(3)}
     for ratio, want in ((flat_then_up, "reproduces"), (up_then_flat, "contradicts")):
         q = {s: rows(snr, [r * (1 + 0.01 * s * i) for i, r in enumerate(ratio)], 0) for s in range(3)}
-        got = T._snr_claim(q, ref, range(3))
+        got = stats.snr_claim(q, ref, range(3))
         assert got["verdict"].startswith(want), got
         assert got["crossing_step"] == {0: 4, 1: 4, 2: 4}
     q = {s: rows([9] * 8, flat_then_up, 0) for s in range(3)}
-    got = T._snr_claim(q, ref, range(3))
+    got = stats.snr_claim(q, ref, range(3))
     assert got["verdict"].startswith("not tested") and got["lowest_snr_median"] == 9
