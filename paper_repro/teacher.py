@@ -194,29 +194,30 @@ def build_student(run: Run):
     return convert(model, run.recipe(), quantize_head=run.quantize_head)
 
 
-JUMP_WINDOW = 100     # steps: a training loss is compared with the median of the JUMP_WINDOW steps before it
-SPIKE = 3.0           # a loss spike: a step's training loss above SPIKE x that median
+JUMP_WINDOW = 100     # steps: a value is compared with the median of the JUMP_WINDOW steps before it
+SPIKE = 3.0           # a loss spike: a jump above SPIKE x that median
 
 
-def max_loss_jump(losses, window: int = JUMP_WINDOW) -> dict:
-    """{"ratio", "step"}: the largest ratio of a training loss to the median of the ``window`` losses before it, and
-    its (1-based) step, the first where it is reached; None for both in a run no longer than the window. Losses
-    that are not finite end the scan (the run diverged there)."""
+def max_jump(series, window: int = JUMP_WINDOW) -> dict:
+    """{"ratio", "step"}: the largest ratio of a positive series' value (a training loss, or a run's training loss
+    over the reference's on the same batch) to the median of the ``window`` values before it, and its (1-based)
+    step, the first where it is reached; None for both in a series no longer than the window. A value that is not
+    finite ends the scan (the run diverged there)."""
     best = {"ratio": None, "step": None}
-    for i in range(window, len(losses)):
-        if not math.isfinite(losses[i]):
+    for i in range(window, len(series)):
+        if not math.isfinite(series[i]):
             break
-        r = losses[i] / float(np.median(losses[i - window:i]))
+        r = series[i] / float(np.median(series[i - window:i]))
         if best["ratio"] is None or r > best["ratio"]:
             best = {"ratio": r, "step": i + 1}
     return best
 
 
 def train(run: Run, cache: Path | None = None) -> dict:
-    """Train one student; returns {"rows": [{step, train_mse, val_mse, snr_median, snr_min, snr_layers}],
-    "diverged", "max_loss_jump": {"ratio", "step"}} (the largest ratio of a step's training loss to the median of
-    the JUMP_WINDOW steps before it: an instability shows as a spike). With a cache folder the result is stored
-    there as KEY.json and read back instead of training again."""
+    """Train one student; returns {"rows": [{step, train_mse, val_mse, snr_median, snr_min, snr_layers}] at the
+    evaluations, "diverged", "train_loss": every step's training loss (6 significant digits; the runs of one seed
+    see the same batches, so their ratio shows a spike of one run that the batch alone does not explain)}. With a
+    cache folder the result is stored there as KEY.json and read back instead of training again."""
     if cache is not None:
         p = Path(cache) / f"{run.key()}.json"
         if p.is_file():
@@ -269,7 +270,7 @@ def train(run: Run, cache: Path | None = None) -> dict:
         if diverged:
             break
     out = {"run": json.loads(json.dumps(asdict(run), default=list)), "rows": rows, "diverged": diverged,
-           "max_loss_jump": max_loss_jump(losses)}
+           "train_loss": [float(f"{v:.6g}") for v in losses]}
     if cache is not None:
         Path(cache).mkdir(parents=True, exist_ok=True)
         tmp = Path(cache) / f"{run.key()}.json.tmp"
@@ -405,7 +406,8 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
                     if "effect" in v:
                         v["effect_over_format_gap"] = v["effect"] / g
     by_seed = lambda lab: {s: res[(lab, s)]["rows"] for s in ss}  # noqa: E731
-    summary["instability"] = {v.label: _instability([res[(v.label, s)] for s in ss]) for v in variants}
+    summary["instability"] = {v.label: _instability([res[(v.label, s)] for s in ss], [res[(ref, s)] for s in ss])
+                              for v in variants}
     summary["final_snr_by_layer"] = {v.label: _final_snr_by_layer([res[(v.label, s)]["rows"] for s in ss])
                                      for v in variants}
     if fig in ("teacher_formats", "teacher_depth"):
@@ -416,14 +418,24 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
     return summary
 
 
-def _instability(results) -> dict:
-    """Over a variant's runs: how many diverged, how many had a loss spike (a step's training loss above SPIKE x the
-    median of the JUMP_WINDOW steps before it), and the largest such ratio of each run (None: a run shorter than
-    the window)."""
-    jumps = [r.get("max_loss_jump", {}).get("ratio") for r in results]
+def _instability(results, ref_results) -> dict:
+    """Over a variant's runs (paired by seed with the reference's): how many diverged; each run's largest jump of
+    its training loss over the median of the JUMP_WINDOW steps before it (``max_loss_jump``: a batch of outliers
+    makes every run of a seed jump at the same step, the reference too) and of its loss over the reference's on
+    the same batch (``max_excess_jump``: what the batch alone does not explain); ``spiked``: runs whose excess jump
+    is above SPIKE (None where the series are missing or no longer than the window)."""
+    raw, excess = [], []
+    for r, ref in zip(results, ref_results):
+        q, b = r.get("train_loss"), ref.get("train_loss")
+        raw.append(max_jump(q)["ratio"] if q else None)
+        if q and b and r is not ref:
+            n = min(len(q), len(b))
+            excess.append(max_jump([x / y if y > 0 else math.nan for x, y in zip(q[:n], b[:n])])["ratio"])
+        else:
+            excess.append(None)
     return {"diverged": sum(bool(r["diverged"]) for r in results),
-            "spiked": sum(j is not None and j > SPIKE for j in jumps), "spike_threshold": SPIKE,
-            "max_loss_jump": jumps, "runs": len(results)}
+            "spiked": sum(j is not None and j > SPIKE for j in excess), "spike_threshold": SPIKE,
+            "max_excess_jump": excess, "max_loss_jump": raw, "runs": len(results)}
 
 
 def _final_snr_by_layer(rows_by_seed) -> list:

@@ -68,22 +68,28 @@ def test_the_residual_task_computes_its_definition_and_keeps_the_named_blocks():
 
 
 def test_the_loss_spike_rule_on_series_with_a_known_answer():
-    """max_loss_jump: the largest ratio of a loss to the median of the window before it (a numpy oracle over every
-    position), its first step; None for a run no longer than the window; a non-finite loss ends the scan. The
-    figure's instability summary counts the runs above the threshold and the diverged ones."""
+    """max_jump: the largest ratio of a value to the median of the window before it (a numpy oracle over every
+    position), its first step; None for a series no longer than the window; a non-finite value ends the scan. The
+    instability summary divides by the reference's loss on the same steps, so a jump both runs share (a batch of
+    outliers) is not a spike and one of the variant alone is; diverged runs are counted."""
     rng = np.random.default_rng(0)
     loss = list(np.exp(-np.arange(400) / 200) * (1 + 0.1 * rng.random(400)))
     loss[250] *= 5.0
     want = max((loss[i] / np.median(loss[i - 100:i]), i + 1) for i in range(100, 400))
-    got = T.max_loss_jump(loss, 100)
+    got = T.max_jump(loss, 100)
     assert got["step"] == 251 == want[1] and got["ratio"] == pytest.approx(want[0], rel=1e-12)
-    assert T.max_loss_jump(loss[:100], 100) == {"ratio": None, "step": None}
-    assert T.max_loss_jump(loss[:200] + [math.inf] + loss[250:], 100)["step"] < 201
-    runs = [{"diverged": None, "max_loss_jump": T.max_loss_jump(loss, 100)},
-            {"diverged": None, "max_loss_jump": T.max_loss_jump(loss[:250], 100)},
-            {"diverged": "training loss nan at step 9", "max_loss_jump": {"ratio": None, "step": None}}]
-    inst = T._instability(runs)
+    assert T.max_jump(loss[:100], 100) == {"ratio": None, "step": None}
+    assert T.max_jump(loss[:200] + [math.inf] + loss[250:], 100)["step"] < 201
+    ref = {"diverged": None, "train_loss": loss}                          # the same batch spike at step 251
+    alone = list(loss)
+    alone[300] *= 4.0                                                     # a spike of the variant alone
+    runs = [{"diverged": None, "train_loss": list(loss)}, {"diverged": None, "train_loss": alone},
+            {"diverged": "training loss nan at step 9", "train_loss": loss[:8] + [math.nan]}]
+    inst = T._instability(runs, [ref, ref, ref])
+    assert inst["max_loss_jump"][0] == pytest.approx(want[0]) and inst["max_excess_jump"][0] == pytest.approx(1.0)
+    assert inst["max_excess_jump"][1] == pytest.approx(4.0) and inst["max_excess_jump"][2] is None
     assert inst["spiked"] == 1 and inst["diverged"] == 1 and inst["runs"] == 3
+    assert T._instability([ref], [ref])["max_excess_jump"] == [None]      # the reference against itself
 
 
 def test_a_run_is_deterministic_cached_and_paired_by_seed(tmp_path):
