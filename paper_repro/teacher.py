@@ -80,8 +80,8 @@ class MLP(torch.nn.Module):
 
 
 class ResBlock(torch.nn.Module):
-    """x + down(relu(up(x))) / sqrt(blocks): the branch scaled so the stream's variance grows to 2x over the
-    whole stack, not 2^blocks."""
+    """x + down(relu(up(x))) / sqrt(blocks): with the branch scaled, the stream's variance at initialisation grows
+    by about (1 + 1 / blocks)^blocks (below e) over the whole stack rather than 2^blocks."""
 
     def __init__(self, d, width, blocks, gen):
         super().__init__()
