@@ -164,6 +164,15 @@ def test_the_quick_figures_verdicts_recompute_from_their_csv(tmp_path):
     order = [n for n, _ in depth["final_snr_by_layer"]["NVFP4 (paper recipe)"]]   # input to output
     assert order[0] == "inp" and order[-1] == "proj" and order[1:3] == ["blocks.0.up", "blocks.0.down"]
     assert all(v["runs"] == T.QUICK_SEEDS for v in depth["instability"].values())
+    fin = {}                                                    # the depth CSV's final rows
+    for row in csv.DictReader(open(tmp_path / "teacher_depth.csv")):
+        fin[(row["variant"], int(row["seed"]))] = float(row["val_mse"])   # rows in step order: the last stays
+    nv = [fin[("NVFP4 (paper recipe)", s)] for s in range(T.QUICK_SEEDS)]
+    for lab in ("NVFP4 + BF16 last block", "NVFP4 + BF16 first block"):
+        d = np.array([fin[(lab, s)] for s in range(T.QUICK_SEEDS)]) - nv
+        got = depth["vs_nvfp4"][lab]
+        assert got["effect"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+        assert got["stderr"] == pytest.approx(d.std(ddof=1) / math.sqrt(len(d)), rel=1e-9, abs=1e-15)
 
 
 def test_the_snr_claim_rule_on_curves_with_a_known_answer():
