@@ -412,10 +412,10 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
         summary["vs_nvfp4"] = {}
         for v in variants:
             if v.run.get("preset") == "nvfp4_paper" and v.label != nv:
-                d = [final[v.label][s][0] - final[nv][s][0] for s in ss]
-                se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
-                summary["vs_nvfp4"][v.label] = {"effect": float(np.mean(d)), "stderr": se, "n": len(d),
-                                                "effect_over_format_gap": float(np.mean(d)) / g if g else None}
+                _, info = stats.verdict("same", [final[v.label][s][0] - final[nv][s][0] for s in ss],
+                                        [final[v.label][s][1] or final[nv][s][1] for s in ss])
+                summary["vs_nvfp4"][v.label] = {**info, "effect_over_format_gap": info["effect"] / g
+                                                if g and "effect" in info else None}
     by_seed = lambda lab: {s: res[(lab, s)]["rows"] for s in ss}  # noqa: E731
     summary["instability"] = {v.label: _instability([res[(v.label, s)] for s in ss], [res[(ref, s)] for s in ss])
                               for v in variants}
