@@ -216,3 +216,72 @@ def test_a_recipe_trains_with_an_accumulation_model():
     assert not np.array_equal(y.view(np.uint32), fs.gemm(qx, qw, accumulate="exact").view(np.uint32))
     rb = Recipe.preset("bf16", accumulate="k64_rtz")
     same_bits(emulate.fprop(x, w, rb)[0], emulate.fprop(x, w, Recipe.preset("bf16"))[0])
+
+
+def _lattice_ints(q):
+    """Twice the E2M1 values (rows, Kp) and 512 x the E4M3 block scales (rows, Kp/16) as int64, decoded from the
+    code nibbles and scale bytes by the formats' definitions (no NaN scales)."""
+    codes = q.codes.reshape(q.lead[0], -1)
+    nib = np.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int64)
+    s, e, m = nib >> 3, (nib >> 1) & 3, nib & 1
+    half = np.where(e == 0, m, (2 + m) << np.maximum(e - 1, 0))          # 2 x (1 + m/2) x 2^(e-1), or m / 2 x 2
+    half = np.where(s == 1, -half, half)
+    sb = q.scales_per_row().astype(np.int64)
+    se, sm = (sb >> 3) & 15, sb & 7
+    assert not ((se == 15) & (sm == 7)).any() and not (sb >> 7).any()
+    s512 = np.where(se == 0, sm, (8 + sm) << np.maximum(se - 1, 0))      # 512 x E4M3: m/8 x 2^-6 or (1 + m/8) x 2^(e-7)
+    return half, s512
+
+
+def test_a_gemm_larger_than_one_row_chunk_uses_each_chunks_own_rows():
+    """M x K/16 x N above the CPU kernel's chunk of 2^22 block dot products: the rows are processed in several
+    chunks, and every chunk must scale by its own rows' block scales. exact_sum over the whole matrix against a
+    NumPy int64 computation of the exact dot products (rounded once to float32), and every model on cells of
+    every chunk against the rational oracle."""
+    from fp4sim.cpu import gemm_models
+    M, N, K = 100, 384, 4096
+    rows = gemm_models._CHUNK // (K // 16 * N)
+    assert 1 < rows < M // 2                                # at least three chunks
+    a, b = spread(M, K), spread(N, K)
+    ga, gb = np.float32(np.abs(a).max()), np.float32(np.abs(b).max())
+    qa, qb = fs.quantize(a, "nvfp4", global_amax=ga), fs.quantize(b, "nvfp4", global_amax=gb)
+    A, SA = _lattice_ints(qa)
+    B, SB = _lattice_ints(qb)
+    tot = np.zeros((M, N), np.int64)
+    for j in range(K // 16):
+        blk = slice(16 * j, 16 * j + 16)
+        tot += (A[:, blk] @ B[:, blk].T) * (SA[:, j, None] * SB[None, :, j])
+    want = alpha(qa, qb) * (tot.astype(np.float32) * np.float32(2.0 ** -20))
+    same_bits(fs.gemm(qa, qb, accumulate="exact_sum"), want)
+    pick_r = [0, rows - 1, rows, 2 * rows - 1, 2 * rows, M - 1]      # both ends of every chunk
+    pick_c = [0, 191, N - 1]
+    sa = fs.quantize(a[pick_r], "nvfp4", global_amax=ga)             # 1x16 blocks: rows quantize independently
+    sb = fs.quantize(b[pick_c], "nvfp4", global_amax=gb)
+    for model in ("k64_rtz", "k32_rne", "exact_sum"):
+        y = fs.gemm(qa, qb, accumulate=model)
+        same_bits(np.ascontiguousarray(y[np.ix_(pick_r, pick_c)]), oracle(sa, sb, model))
+
+
+def test_a_nan_block_scale_in_b_makes_its_output_column_nan():
+    """As a NaN scale byte in A makes its output row NaN, one in B makes its column NaN, in every model and in
+    TE's reference rule; the other cells keep the oracle's values."""
+    a, b = spread(4, 128), spread(5, 128)
+    qa, q = fs.quantize(a, "nvfp4"), fs.quantize(b, "nvfp4")
+    sc = q.scales.copy()
+    sc[3, 5] = 0xFF                                   # -NaN in E4M3 (S.1111.111), row 3 of B
+    qb = dataclasses.replace(q, scales=sc)
+    for model in ("te_reference", "exact_sum", "k64_rtz", "k128_rne"):
+        y = fs.gemm(qa, qb, accumulate=model)
+        assert np.isnan(y[:, 3]).all() and not np.isnan(np.delete(y, 3, 1)).any(), model
+        same_bits(y, oracle(qa, qb, "k16_rne" if model == "te_reference" else model))
+    y = fs.gemm(qa, qb, accumulate="k64_rtz", grid=1024)
+    assert np.isnan(y[:, 3]).all() and not np.isnan(np.delete(y, 3, 1)).any()
+
+
+@pytest.mark.parametrize("grid", [0, -1024, 3, 1024.0, True])
+def test_a_grid_that_is_not_a_positive_power_of_two_is_refused(grid):
+    qa, qb = pair(2, 2, 64)
+    with pytest.raises(ValueError, match=rf"grid={grid!r}: a power of two"):
+        fs.gemm(qa, qb, accumulate="k64_rtz", grid=grid)
+    with pytest.raises(ValueError, match=rf"grid={grid!r}: a power of two"):
+        Recipe.preset("nvfp4_paper", accumulate="k64_rtz", accumulate_grid=grid)
