@@ -191,3 +191,117 @@ def test_gemm_operand_checks_the_kernel_files():
         gemm_operand(np.zeros((4, 40), np.uint8), q.scales, q.global_amax)
     with pytest.raises(ValueError, match="one per row"):
         gemm_operand(q.codes, q.scales, np.ones(3, np.float32))
+
+
+def test_best_is_the_first_matching_model_in_candidates_order_whatever_the_expected_order(tmp_path):
+    """Two models reproduce the output: .best is the one earlier in CANDIDATES, also when the expected outputs
+    come alphabetically (as read_witness lists a witness folder's files: k128_rne before te_reference)."""
+    qa, qb = fs.quantize(spread(6, 256), "nvfp4"), fs.quantize(spread(5, 256), "nvfp4")
+    ys = model_outputs(qa, qb)
+    y = ys["te_reference"]
+    exp = {m: (y if m in ("te_reference", "k128_rne") else ys[m]) for m in sorted(ys)}
+    assert list(exp).index("k128_rne") < list(exp).index("te_reference")
+    rep = compare_gemm(qa, qb, y, expected=exp)
+    assert rep.best == "te_reference" and rep.matches == ["te_reference", "k128_rne"]
+    d = tmp_path / "w"
+    (d / "expected").mkdir(parents=True)
+    for side, q in (("a", qa), ("b", qb)):
+        np.save(d / f"{side}_codes.npy", q.codes)
+        np.save(d / f"{side}_scales.npy", q.linear_scales())
+        np.save(d / f"{side}_amax.npy", np.asarray(q.global_amax, np.float32))
+    for m, v in exp.items():
+        np.save(d / "expected" / f"{m}.npy", v)
+    _, _, read = read_witness(d)
+    assert list(read) == sorted(read)
+    assert compare_gemm(qa, qb, y, expected=read).best == "te_reference"
+
+
+def test_ulp_distances_of_negative_bfloat16_outputs():
+    """Distances in bfloat16 ulps across and below zero: the sign is bit 15 of a bfloat16, so -1 against +1 is
+    2 x 0x3F80 ulps, -0 against the smallest positive subnormal 1, -tiny against +tiny 2, -1 against the next
+    bfloat16 below it 1."""
+    bf = ml_dtypes.bfloat16
+    tiny = float(np.uint16(1).view(bf))
+    below = float(np.uint16(0xBF81).view(bf))                 # -1.0078125
+    model = np.array([[-1.0, -0.0, -tiny, -1.0]], np.float32)
+    kernel = np.array([[1.0, tiny, tiny, below]], np.float32).astype(bf)
+    q = gemm_operand(np.zeros((1, 8), np.uint8), np.zeros((1, 1), np.uint8), np.float32(2688.0))
+    q4 = gemm_operand(np.zeros((4, 8), np.uint8), np.zeros((4, 1), np.uint8), np.float32(2688.0))
+    rep = compare_gemm(q, q4, kernel, expected={"te_reference": model})
+    got = {(e["row"], e["col"]): e["ulps"] for e in rep.mismatches}
+    assert got == {(0, 0): 2 * 0x3F80, (0, 1): 1, (0, 2): 2, (0, 3): 1}
+    f32 = compare_gemm(q, q4, np.array([[1.0, 2 ** -149, 2 ** -149, -1.0]], np.float32),
+                       expected={"te_reference": np.array([[-1.0, -0.0, -2 ** -149, -1.0]], np.float32)})
+    assert {(e["row"], e["col"]): e["ulps"] for e in f32.mismatches} == {(0, 0): 2 * 0x3F800000, (0, 1): 1,
+                                                                          (0, 2): 2}
+
+
+def test_the_manifests_bfloat16_separation_counts_are_counted_after_rounding(witnesses):
+    """Each witness's bfloat16 counts recounted here from its expected outputs rounded to bfloat16 (by
+    ml_dtypes), float32 counts from the float32 bits; the totals are the sums over the witnesses."""
+    man = json.loads((witnesses / "manifest.json").read_text())
+    total = {}
+    for name, w in man["witnesses"].items():
+        exp = {p.stem: np.load(p) for p in (witnesses / name / "expected").glob("*.npy")}
+        for key in w["separating_cells"]:
+            m1, m2 = key.split(" | ")
+            a, b = exp[m1], exp[m2]
+            n32 = int((a.view(np.uint32) != b.view(np.uint32)).sum())
+            n16 = int((a.astype(ml_dtypes.bfloat16).view(np.uint16) != b.astype(ml_dtypes.bfloat16).view(np.uint16))
+                      .sum())
+            assert (w["separating_cells"][key], w["separating_cells_bf16"][key]) == (n32, n16), (name, key)
+            t = total.setdefault(key, [0, 0])
+            t[0] += n32
+            t[1] += n16
+    assert any(v[1] < v[0] for v in total.values())            # rounding to bfloat16 merges some cells
+    assert {k: v[0] for k, v in total.items()} == man["separating_cells"]
+    assert {k: v[1] for k, v in total.items()} == man["separating_cells_bf16"]
+
+
+def test_the_gemm_command_refuses_a_scale_layout_it_cannot_apply_and_honours_it_with_codes(tmp_path):
+    """--scale-layout swizzled describes kernel scale bytes: with --a / --b (fp4sim quantizes the inputs itself)
+    it is refused, naming the flag; with --a-scales / --b-scales in cuBLAS's swizzled layout it is read as such
+    (the same verdict as the linear bytes)."""
+    from fp4sim.layout import swizzle_scales
+    a, b = spread(6, 128), spread(5, 128)
+    qa, qb = fs.quantize(a, "nvfp4"), fs.quantize(b, "nvfp4")
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    np.save(tmp_path / "y.npy", fs.gemm(qa, qb, accumulate="k64_rne"))
+    r = _cli("gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y.npy",
+             "--scale-layout", "swizzled")
+    assert r.returncode == 2 and "--scale-layout describe(s) kernel codes" in r.stderr
+    args = []
+    for side, q in (("a", qa), ("b", qb)):
+        np.save(tmp_path / f"{side}_codes.npy", q.codes)
+        np.save(tmp_path / f"{side}_sw.npy", np.asarray(swizzle_scales(q.linear_scales())))
+        args += [f"--{side}-codes", tmp_path / f"{side}_codes.npy", f"--{side}-scales", tmp_path / f"{side}_sw.npy",
+                 f"--{side}-amax", float(q.global_amax)]
+    assert np.load(tmp_path / "a_sw.npy").size != qa.linear_scales().size          # padded to 128 x 4 tiles
+    r = _cli("gemm", *args, "--scale-layout", "swizzled", "--out", tmp_path / "y.npy", "--json", tmp_path / "r.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["best"] == "k64_rne"
+    r = _cli("gemm", *args, "--out", tmp_path / "y.npy")                          # the same bytes read as linear
+    assert r.returncode == 2 and "linear layout" in r.stderr
+
+
+def test_expect_passes_for_a_model_that_matches_after_an_earlier_candidate(tmp_path):
+    """K = 64: one group of 64 products, so exact_sum, k64_* and k128_* all round the exact dot product once and
+    agree on every cell; --expect k128_rne exits 0 though .best is exact_sum, --expect of a model that does not
+    reproduce the output exits 1."""
+    g = np.random.default_rng(64)
+    a, b = [(g.standard_normal((R, 64)) * np.exp2(g.uniform(-8, 8, (R, 4))).repeat(16, 1)).astype(np.float32)
+            for R in (24, 20)]
+    qa, qb = fs.quantize(a, "nvfp4"), fs.quantize(b, "nvfp4")
+    ys = model_outputs(qa, qb)
+    y = ys["exact_sum"]
+    assert all(np.array_equal(ys[m].view(np.uint32), y.view(np.uint32)) for m in ("k64_rtz", "k64_rne", "k128_rne"))
+    assert not np.array_equal(ys["te_reference"].view(np.uint32), y.view(np.uint32))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    np.save(tmp_path / "y.npy", y)
+    base = ["gemm", "--a", tmp_path / "a.npy", "--b", tmp_path / "b.npy", "--out", tmp_path / "y.npy"]
+    r = _cli(*base, "--expect", "k128_rne")
+    assert r.returncode == 0 and "MATCHES exact_sum" in r.stdout and "k128_rne" in r.stdout, r.stdout + r.stderr
+    r = _cli(*base, "--expect", "te_reference")
+    assert r.returncode == 1
