@@ -131,3 +131,26 @@ def test_a_clean_output_has_no_findings_and_a_code_fault_names_no_layout():
     r = compare(x, c, q.scales, "nvfp4", global_amax=q.global_amax)
     assert r.verdict == "mismatch" and r.diagnosis["layout"] == []
     assert r.where["first_bad"] == {"row": 9, "block": 2} and r.where["bad_cells"] == 1
+
+
+def test_duplicate_and_zero_rows_or_blocks_are_not_reported_as_moved():
+    """Rows 0-1 all zero and rows 5 and 6 equal (a zero-padded batch, a repeated token), blocks 0-1 zero in every
+    row: a row (block) that equals its own expected row (block) is in place, so only the truly swapped rows 3 and
+    17 (blocks 2 and 5) are named, never "row 1 holds row 0" or "row 6 holds row 5"."""
+    x = _x(48, 256)
+    x[0:2] = 0
+    x[6] = x[5]
+    q = fs.quantize(x, "nvfp4")
+    codes, scales = swap_rows(q.codes, q.scales, 16)
+    r = compare(x, codes, scales, "nvfp4", global_amax=q.global_amax)
+    rows = [f for f in r.diagnosis["layout"] if f.startswith("rows permuted")]
+    assert rows == ["rows permuted: 2 of 48 rows hold another row's codes and scales (row 3 holds row 17, "
+                    "row 17 holds row 3)"], r.diagnosis["layout"]
+    xb = _x(48, 256)
+    xb[:, :32] = 0
+    qb = fs.quantize(xb, "nvfp4")
+    codes, scales = swap_blocks(qb.codes, qb.scales, 16)
+    r = compare(xb, codes, scales, "nvfp4", global_amax=qb.global_amax)
+    blocks = [f for f in r.diagnosis["layout"] if f.startswith("K blocks permuted")]
+    assert blocks == ["K blocks permuted, the same way in every row: block 2 holds block 5, block 5 holds block 2"], \
+        r.diagnosis["layout"]
