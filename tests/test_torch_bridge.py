@@ -459,3 +459,150 @@ def test_bridge_threads_limit_numba_and_blas_inside_a_pass_only(monkeypatch):
     assert threads.blas_controllers(), "threadpoolctl finds NumPy's BLAS"
     with pytest.raises(ValueError, match="threads"):
         threads.bridge_threads(-1)
+
+
+# ------------------------------------------------------------------------------------------------ audit pins
+@pytest.mark.parametrize("dtype,big", [(torch.float16, 6.0e4), (torch.bfloat16, 3.0e38)])
+def test_a_finite_half_precision_input_whose_sum_overflows_is_finite(dtype, big):
+    """Every element finite, but their sum overflows the dtype: not a non-finite operand, so a healthy run under
+    on_nonfinite='raise' goes on (and 'warn' says nothing)."""
+    x = torch.full((8, 64), big, dtype=dtype)
+    assert not torch.isfinite(x.sum()) and torch.isfinite(x).all()
+    for mode in ("raise", "warn"):
+        lin = _layer(Recipe.preset("nvfp4_paper", on_nonfinite=mode))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", message=".*overflow.*")          # the output may overflow; x is finite
+            y = lin(x.clone())
+        assert y.dtype == dtype and y.shape == (8, 32)
+
+
+def test_an_inf_operand_does_not_warn_of_nan():
+    """+Inf in the input (no NaN): the layer does not claim the input holds NaN; on_nonfinite='raise' names it
+    Inf."""
+    x = torch.from_numpy(heavy((16, 64), 8))
+    x[2, 3] = float("inf")
+    lin = _layer("nvfp4_paper")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        lin(x)
+    assert not [w for w in got if "holds NaN" in str(w.message)], [str(w.message) for w in got]
+    with pytest.raises(FloatingPointError, match="the input .* holds Inf"):
+        _layer(Recipe.preset("nvfp4_paper", on_nonfinite="raise"))(x)
+
+
+def test_kept_layers_and_the_head_honour_the_recipes_on_nonfinite():
+    """convert(model, Recipe(..., on_nonfinite='raise')): the layers it keeps in BF16 (keep_last, the head) run
+    a BF16 recipe with the same on_nonfinite, so a NaN reaching the head stops the pass there, naming it."""
+    model = convert(Net(), Recipe.preset("nvfp4_paper", keep_last=1, on_nonfinite="raise"))
+    assert model.layers[1].up._fp4sim_kept and model.head._fp4sim_kept
+    for lin in (model.layers[1].up, model.head, model.layers[0].up):
+        assert lin.recipe.on_nonfinite == lin.recipe_backward.on_nonfinite == "raise"
+    h = torch.randn(4, 32)
+    h[0, 0] = float("nan")
+    for name in ("head", "layers.1.up"):
+        with pytest.raises(FloatingPointError, match=rf"layer '{name}': the input"):
+            model.get_submodule(name)(h)
+
+
+class _Wrapped(torch.nn.Module):
+    """A Hugging Face-like wrapper: the network under ``transformer`` (head ``transformer.head``) and a second
+    under ``model`` with its head ``model.lm_head``."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = Net(head="head")
+        self.model = Net(head="lm_head")
+
+    def forward(self, idx):
+        return self.transformer(idx) + self.model(idx)
+
+
+def test_convert_keeps_a_head_under_a_wrapper_in_high_precision():
+    model = convert(_Wrapped(), "nvfp4_paper")
+    for name in ("transformer.head", "model.lm_head"):
+        lin = model.get_submodule(name)
+        assert lin._fp4sim_kept and lin.recipe.name == lin.recipe_backward.name == "bf16", name
+    for name in ("transformer.layers.0.up", "model.layers.1.down"):
+        assert model.get_submodule(name).recipe.name == "nvfp4_paper", name
+    _loss(model, _data()).backward()
+
+
+def test_convert_of_a_converted_model_sets_the_new_recipe_forward_and_backward():
+    """Documented: converting again keeps the QuantLinear modules (parameters, SR call counts) and gives each the
+    new recipe for Fprop and for Dgrad / Wgrad, with the keep rules applied anew — also after set_recipe split
+    the forward from the backward."""
+    model = convert(Net(), "nvfp4_paper")
+    _loss(model, _data()).backward()
+    set_recipe(model, "bf16", which="forward")
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    calls = {n: m._calls for n, m in mods.items()}
+    weights = {n: m.weight for n, m in mods.items()}
+    convert(model, Recipe.preset("mxfp4_paper", keep=("layers.0.*",)))
+    now = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert all(now[n] is mods[n] and now[n].weight is weights[n] and now[n]._calls == calls[n] for n in mods)
+    want = {"layers.0.up": "bf16", "layers.0.down": "bf16", "layers.1.up": "mxfp4_paper",
+            "layers.1.down": "mxfp4_paper", "head": "bf16"}
+    assert {n: (m.recipe.name, m.recipe_backward.name) for n, m in now.items()} == {n: (r, r) for n, r in want.items()}
+    assert [m.layer_index for m in now.values()] == list(range(5))
+
+
+def test_a_grid_recipe_trains_a_model_whose_kept_layers_run_bf16_gemms():
+    """Recipe(accumulate='k64_rtz', accumulate_grid=1024): the grid belongs to the NVFP4 models; the kept BF16
+    layers (the head, the last block) take their exact rule and the step runs; the head's output is the BF16
+    recipe's with the exact rule, bit for bit."""
+    rec = Recipe.preset("nvfp4_paper", keep_last=1, accumulate="k64_rtz", accumulate_grid=1024)
+    model = convert(Net(), rec)
+    _loss(model, _data()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    h = torch.randn(6, 32)
+    plain = QuantLinear(32, 32, bias=False, recipe="bf16")
+    with torch.no_grad():
+        plain.weight.copy_(model.head.weight)
+    assert torch.equal(model.head(h), plain(h))
+
+
+class _Counter(torch.nn.Module):
+    """Scales its input by a buffer it increments on every call (a stand-in for any module whose buffers change
+    what the next call computes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1
+        return x * self.n
+
+
+def test_gradient_fidelity_isolates_its_two_runs():
+    """Dropout draws the same masks in both runs (the torch RNG is reset between them), a buffer that changes on
+    every call starts both runs from its value (buffers reset between runs), a BatchNorm's running statistics
+    are as before afterwards, and the torch RNG is restored: the SNR equals one computed by hand on two copies
+    run from the same RNG state."""
+    from fp4sim.torch import gradient_fidelity
+    torch.manual_seed(11)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                              torch.nn.Dropout(0.5), _Counter(), torch.nn.Linear(64, 16))
+    model = convert(net, Recipe.preset("nvfp4_paper", seed=4), quantize_head=True)
+    model.train()
+    x, t = torch.randn(48, 32), torch.randn(48, 16)
+    loss = lambda m: torch.nn.functional.mse_loss(m(x), t).backward()  # noqa: E731
+    rng = torch.get_rng_state()
+    bufs = [b.clone() for b in model.buffers()]
+    q, ref = copy.deepcopy(model), copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, QuantLinear):
+            m.recipe = m.recipe_backward = "none"
+    torch.set_rng_state(rng)
+    loss(q)
+    torch.set_rng_state(rng)
+    loss(ref)
+    torch.set_rng_state(rng)
+    ds = gradient_fidelity(model, lambda: loss(model))
+    for n in ("0", "5"):
+        gq, gr = (c.get_submodule(n).weight.grad.double() for c in (q, ref))
+        assert float(ds.snr.sel(layer=n)) == pytest.approx(float(gr.norm() / (gq - gr).norm()), rel=1e-12), n
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, model.buffers()))
+    assert float(model[4].n) == 0 and float(q[4].n) == 1

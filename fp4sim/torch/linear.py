@@ -314,7 +314,10 @@ def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=()
     the output head: a Linear named ``lm_head``, ``output`` or ``head`` (the last part of its name), or one whose
     weight is tied to an ``nn.Embedding``, as the paper, TransformerEngine and torchao keep it. Pass
     ``quantize_head=True`` to quantize the head as well. A glob that matches no layer raises ValueError. Layer
-    indices (which key their stochastic rounding) follow the module order. Returns the model."""
+    indices (which key their stochastic rounding) follow the module order. A model converted before is converted
+    again: its QuantLinear modules stay (parameters and SR call counts too) and each takes the new recipe, or its
+    high-precision recipe where the keep rules say so, for both its forward and its backward GEMMs. Returns the
+    model."""
     recipe = _resolve(recipe)
     if isinstance(keep_high_precision, str):
         keep_high_precision = (keep_high_precision,)
