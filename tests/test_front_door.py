@@ -502,3 +502,40 @@ def test_the_fp4sim_command_lists_its_subcommands_and_runs_them(tmp_path):
     assert r.returncode == 0 and r.stdout == presets_markdown()
     r = subprocess.run([str(exe), "analyse"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown command 'analyse'" in r.stderr and "analyze" in r.stderr
+
+
+def _safetensors_file(path, header: dict, data: bytes):
+    h = json.dumps(header).encode()
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data)
+    return path
+
+
+def test_safetensors_metadata_is_no_entry_and_offsets_must_fit_shape_and_dtype(tmp_path):
+    """Every Hugging Face file carries __metadata__: it is not an entry (a one-tensor file reads without a key,
+    analyze sees one tensor). An entry whose byte offsets disagree with its shape and dtype is refused with a
+    clear error, never read (it would read another entry's bytes)."""
+    from safetensors.numpy import save_file
+    from fp4sim._safetensors import load_safetensors, safetensors_keys
+    from fp4sim.arrays_io import load_array
+    w = np.random.default_rng(4).standard_normal((32, 64)).astype(np.float32)
+    f = tmp_path / "model.safetensors"
+    save_file({"layer.weight": w}, str(f), metadata={"format": "pt"})
+    assert b"__metadata__" in f.read_bytes()[:200]
+    assert safetensors_keys(f) == ["layer.weight"]
+    assert np.array_equal(load_array(str(f)).view(np.uint32), w.view(np.uint32))
+    with pytest.raises(ValueError, match="no entry '__metadata__'"):
+        load_array(f"{f}:__metadata__")
+    r = _analyze(f, "--no-hadamard", "--json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads((tmp_path / "s.json").read_text())["tensors"]) == ["layer.weight"]
+    data = np.arange(6, dtype=np.float32).tobytes()                      # 24 bytes: a = 0..3, b = 4..5
+    bad = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]},  # 16 bytes of shape, 8 of offsets
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+           "c": {"dtype": "F32", "shape": [1], "data_offsets": [8, 16]},  # 8 bytes for one float32
+           "d": {"dtype": "F32", "shape": [2], "data_offsets": [24, 16]}}
+    g = _safetensors_file(tmp_path / "bad.safetensors", {"__metadata__": {"format": "pt"}, **bad}, data)
+    assert safetensors_keys(g) == ["a", "b", "c", "d"]
+    assert np.array_equal(load_safetensors(g, "b"), [4.0, 5.0])
+    for k in ("a", "c", "d"):
+        with pytest.raises(ValueError, match=f"entry '{k}' is truncated or corrupt"):
+            load_safetensors(g, k)
