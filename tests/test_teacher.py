@@ -194,3 +194,67 @@ def test_the_snr_claim_rule_on_curves_with_a_known_answer():
     q = {s: rows([9] * 8, flat_then_up, 0) for s in range(3)}
     got = stats.snr_claim(q, ref, range(3))
     assert got["verdict"].startswith("not tested") and got["lowest_snr_median"] == 9
+
+
+# ------------------------------------------------------------------------------------------------ audit pins
+def test_the_snr_summaries_cover_the_quantized_layers_only():
+    """A run that keeps its last layer in BF16: snr_median / snr_min are over the quantized layer (up) alone;
+    the kept layer's much higher SNR is logged per layer but enters neither."""
+    run = replace(TINY, keep=("down",))
+    rows = T.train(run)["rows"]
+    for r in rows:
+        assert set(r["snr_layers"]) == {"up", "down"}
+        assert r["snr_median"] == r["snr_min"] == r["snr_layers"]["up"]
+        assert r["snr_layers"]["down"] > r["snr_layers"]["up"]
+
+
+def _fake_result(run, val, snr, diverged=None):
+    """A run's result as train() stores it: evaluations with val_mse ``val`` at the end (NaN where diverged) and
+    every layer's SNR ``snr`` at the last evaluation."""
+    steps = run.eval_steps()
+    layers = ["inp"] + [f"blocks.{b}.{p}" for b in range(4) for p in ("up", "down")] + ["proj"]
+    rows = [{"step": s, "train_mse": 1.0, "val_mse": 1.0, "snr_median": 5.0, "snr_min": 4.0,
+             "snr_layers": {n: 5.0 for n in layers}} for s in steps]
+    rows[-1].update(val_mse=val, snr_layers={n: snr for n in layers})
+    return {"run": json.loads(json.dumps(T.asdict(run), default=list)), "rows": rows, "diverged": diverged,
+            "train_loss": [1.0] * run.steps}
+
+
+def test_teacher_depth_summary_flags_a_diverged_nvfp4_run_and_takes_geometric_means(tmp_path):
+    """teacher_depth from stored results (no training): an NVFP4 run that diverged makes the kept-block runs'
+    comparison against NVFP4 'diverged', not a number; final_snr_by_layer is the geometric mean over seeds of
+    the last evaluation's SNR (1, 4 and 16 give 4, not 7)."""
+    seeds = 3
+    cache = tmp_path / "runs" / "teacher"
+    cache.mkdir(parents=True)
+    for lab, run in T.runs_for("teacher_depth", True, seeds):
+        nv_div = lab == "NVFP4 (paper recipe)" and run.seed == 1
+        got = _fake_result(run, math.nan if nv_div else 0.01 * (1 + run.seed), 4.0 ** run.seed,
+                           "training loss nan at step 20" if nv_div else None)
+        (cache / f"{run.key()}.json").write_text(json.dumps(got))
+    summ = T.make("teacher_depth", tmp_path, quick=True, seeds=seeds)
+    for lab in ("NVFP4 + BF16 last block", "NVFP4 + BF16 first block"):
+        assert summ["vs_nvfp4"][lab].get("diverged") is True and "effect" not in summ["vs_nvfp4"][lab], lab
+    snr = summ["final_snr_by_layer"]["BF16"]
+    assert snr[0][0] == "inp" and all(v == pytest.approx(4.0, rel=1e-12) for _, v in snr)
+
+
+def test_the_snr_claim_counts_intervals_below_and_crossings_as_documented():
+    """Intervals 'below sqrt(3)' start and end below it (5, 1, 5, 1, 1, 1: two of five); the held-out MSE fell in
+    one of those two; a seed that first falls below at the last evaluation is no crossing inside the run (no
+    slope after it)."""
+    def rows(snr, mse):
+        return [{"step": 10 * (i + 1), "val_mse": m, "snr_median": s} for i, (s, m) in enumerate(zip(snr, mse))]
+    ref = {s: rows([9] * 6, [1.0] * 6) for s in range(3)}
+    q = {0: rows([5, 1, 5, 1, 1, 1], [2.0, 1.9, 1.8, 1.7, 1.8, 1.6]),      # below: (3->4) rises, (4->5) falls
+         1: rows([5, 5, 5, 5, 5, 1], [2.0] * 6),                           # first below at the last evaluation
+         2: rows([5] * 6, [2.0] * 6)}                                       # never
+    got = stats.snr_claim(q, ref, range(3))
+    assert got["intervals_below"] == 2 and got["fell_below"] == 0.5
+    assert got["mse_fall_factor_below"] == pytest.approx(math.exp(math.log(1.7 / 1.8) + math.log(1.8 / 1.6)))
+    assert got["seeds_below"] == {"from the first evaluation": 0, "never": 1, "only at the last evaluation": 1}
+    assert got["crossing_step"] == {0: 20} and got["verdict"].startswith("not tested")
+    q[2] = rows([5, 5, 1, 1, 1, 1], [2.0, 2.0, 2.0, 1.5, 1.4, 1.3])         # three falls in three intervals below
+    got = stats.snr_claim(q, ref, range(3))
+    assert got["intervals_below"] == 5 and got["fell_below"] == pytest.approx(4 / 5)
+    assert got["crossing_step"] == {0: 20, 2: 30} and got["n"] == 2
