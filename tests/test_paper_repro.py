@@ -750,3 +750,34 @@ def test_gpt_snr_quick_logs_every_layer_and_matches_the_sweeps_runs(tmp_path):
     loss = {(r["format"], int(r["seed"])): float(r["val_loss"]) for r in rows if int(r["step"]) == last}
     ex = [loss[("nvfp4_paper", s)] - loss[("bf16", s)] for s in range(2)]
     assert summ["final_excess_loss"]["nvfp4_paper"]["mean"] == pytest.approx(np.mean(ex), abs=1e-12)
+
+
+def test_a_run_that_stopped_early_does_not_enter_the_scaling_gap():
+    """scaling.summarize on stored logs: an NVFP4 run that stopped before its last step (unfinished, with a
+    finite and flattering last loss) and one whose last loss is NaN (diverged) are left out of their budget's
+    paired gap and mean curve; the other seeds' differences make the point."""
+    from paper_repro import scaling
+    seeds = 3
+    cfgs = scaling.configs(True, seeds)
+    logs, loss = {}, {}
+    for (f, s), chain in cfgs.items():
+        for j, c in enumerate(chain):
+            v = 3.0 - 0.2 * j + (0.1 if f == "nvfp4_paper" else 0.0) + 0.01 * s * (j + 1)
+            loss[(f, s, c.tokens)] = v
+            logs[c.key()] = [{"step": c.steps // 2, "val_loss": v + 1}, {"step": c.steps, "val_loss": v}]
+    big = cfgs[("nvfp4_paper", 1)][-1]
+    logs[big.key()] = logs[big.key()][:1]                        # stopped at half its steps: loss v + 1
+    logs[big.key()][0]["val_loss"] = 0.5                          # ... and flattering
+    mid = cfgs[("nvfp4_paper", 2)][1]
+    logs[mid.key()][-1]["val_loss"] = math.nan                   # diverged at its last evaluation
+    summ = scaling.summarize(cfgs, logs, 1000)
+    pts = {p["tokens"]: p for p in summ["points"]}
+    for c, gone in ((big, 1), (mid, 2)):
+        keep = [s for s in range(seeds) if s != gone]
+        d = [loss[("nvfp4_paper", s, c.tokens)] - loss[("bf16", s, c.tokens)] for s in keep]
+        assert pts[c.tokens]["n"] == 2 and pts[c.tokens]["effect"] == pytest.approx(np.mean(d), abs=1e-12)
+        j = summ["tokens"].index(c.tokens)
+        assert summ["curves"]["nvfp4_paper"]["val_loss_mean"][j] == pytest.approx(
+            np.mean([loss[("nvfp4_paper", s, c.tokens)] for s in keep]), abs=1e-12)
+    first = cfgs[("nvfp4_paper", 0)][0].tokens
+    assert pts[first]["n"] == seeds
