@@ -242,7 +242,14 @@ def fp8_tensor_scale(fmt, amax):
     return f32(min(scale, FLT_MAX))
 
 
+NAN_E2M1 = ("NaN in the input: E2M1 has no NaN, so it encodes as +6 (CUDA's satfinite rule, code 0x7) and "
+            "leaves the tensor as a finite value; find where it came from (fp4sim.validate and the torch bridge's "
+            "on_nonfinite='raise' stop at it)")
+
+
 def warn_specials(sch, amax_g, has_nan, has_inf, stacklevel=4):
+    if has_nan and isinstance(sch, (NVFP4, MX)) and sch.elem.bits == 4:
+        warnings.warn(NAN_E2M1, RuntimeWarning, stacklevel)
     if isinstance(sch, NVFP4):
         if not np.isfinite(amax_g):
             warnings.warn("the tensor (or global_amax) is not finite: NVFP4 encodes with S_enc = 1 but "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -97,20 +98,37 @@ def _run(a) -> int:
             print(f"fp4sim.analyze: nothing analysed: no tensors found under {where} (looked for "
                   f"{', '.join(SUFFIXES)} files)", file=sys.stderr)
         return 2
-    print(table(ds))
+    # the outputs first, then the table: a reader that closes the pipe early (| head) loses no result
+    done = []
     try:
         if a.out:
+            _say(a, f"writing {a.out}")
             ds.to_netcdf(a.out)
-            print(f"\nwrote {a.out}")
+            done.append(f"wrote {a.out}")
         if a.json:
             Path(a.json).write_text(json.dumps(summary(ds), indent=1))
-            print(f"wrote {a.json}")
+            done.append(f"wrote {a.json}")
         if a.figures:
+            _say(a, f"drawing the figures into {a.figures}")
             files = write_figures(ds, a.figures)
-            print(f"wrote {len(files)} figures into {a.figures}: " + ", ".join(Path(f).name for f in files))
+            done.append(f"wrote {len(files)} figures into {a.figures}: " + ", ".join(Path(f).name for f in files))
     except OSError as e:
         raise BadInput(f"writing the results: {e}") from None
+    try:
+        print(table(ds))
+        if done:
+            print("\n" + "\n".join(done))
+        sys.stdout.flush()
+    except BrokenPipeError:                 # as a Unix tool: stop printing, keep the exit status
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 1 if skipped else 0
+
+
+def _say(a, what: str):
+    """A stage after the per-tensor progress bar, on stderr (nothing with --quiet)."""
+    if not a.quiet:
+        print(f"fp4sim.analyze: {what} ...", file=sys.stderr, flush=True)
 
 
 def _connect(address):

@@ -37,7 +37,8 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     ch = chunk_size(x.size) if chunk_elems is None else chunk_elems
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {}}
+        res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {},
+               "n_nan": int(np.count_nonzero(np.isnan(x))), "n_inf": int(np.count_nonzero(np.isinf(x)))}
         amax = tensor_amax(x)
         for spec in schemes:
             if src.role in spec.roles:
@@ -90,7 +91,8 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
                                                           for s in schemes)
     sources, problems, meta = discover(paths, role_overrides)
     results, skipped = [], [{"tensor": p, "reason": r} for p, r in problems]
-    prog = _Progress(len(sources), quiet)
+    n_pairs = len(meta.get("pairs", {}))
+    prog = _Progress(len(sources) + n_pairs, quiet)        # the weight-gradient GEMMs of the pairs come last
     if dask or scheduler or client is not None:
         from dask.distributed import Client, LocalCluster, as_completed
         own = client is None
@@ -119,17 +121,19 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
             except TensorError as e:
                 skipped.append({"tensor": s.name, "reason": str(e)})
             prog.done()
-    prog.close()
     order = {s.name: i for i, s in enumerate(sources)}
     results.sort(key=lambda r: order[r["name"]])
     pairs = []
     byname = {r["name"]: r for r in results}
     for pname, (a, g) in meta.get("pairs", {}).items():
         if a in byname and g in byname:
+            prog.stage(pname, "weight-gradient GEMM")
             try:
                 pairs.append({"pair": pname, **wgrad_gemm(load(_src(sources, a)), load(_src(sources, g)))})
             except (TensorError, ValueError) as e:
                 skipped.append({"tensor": pname, "reason": f"weight-gradient GEMM: {e}"})
+        prog.done()
+    prog.close()
     return to_dataset(results, pairs, specs, skipped, meta)
 
 
@@ -163,6 +167,10 @@ def to_dataset(results, pairs, specs, skipped, meta) -> xr.Dataset:
     ds["absmax_map"].attrs["description"] = "max |x| pooled onto a 64 x 64 grid of the (rows, last axis) view"
     for v in OUTLIER_VARS:
         ds[v] = ("tensor", [float(r["outliers"][v]) for r in results])
+    for v, what in (("n_nan", "NaN"), ("n_inf", "+-Inf")):
+        ds[v] = ("tensor", np.array([r.get(v, 0) for r in results], np.int64))
+        ds[v].attrs["description"] = (f"{what} elements of the tensor (left out of every error sum; the schemes' "
+                                      "handling of them shows in lost_frac and the code histograms)")
     for v in BIAS_VARS:
         ds[v] = ("tensor", [float(r.get("bias", {}).get(v, np.nan)) for r in results])
     if results and "rht" in results[0]:
@@ -177,11 +185,14 @@ def to_dataset(results, pairs, specs, skipped, meta) -> xr.Dataset:
         for j, lab in enumerate(labels):
             if lab in r["schemes"]:
                 mse, rel = data["mse"][i, j], data["rel_mse"][i, j]
-                status[i, j] = "degenerate" if not np.isfinite(rel) else ("exact" if mse == 0 else "ok")
+                status[i, j] = ("lost" if data["lost_frac"][i, j] > 0 else "degenerate" if not np.isfinite(rel)
+                                else "exact" if mse == 0 else "ok")
     ds["status"] = (("tensor", "scheme"), status.astype(str))
-    ds["status"].attrs["description"] = ("'ok'; 'exact' (no error at all); 'degenerate' (no finite nonzero value: "
-                                         "relative errors undefined); 'not applied' (the scheme is not used for "
-                                         "this role)")
+    ds["status"].attrs["description"] = ("'ok'; 'exact' (no error at all); 'lost' (finite values come back Inf or "
+                                         "NaN, e.g. NVFP4 with an Inf tensor amax: errors unbounded, lost_frac "
+                                         "says how many); 'degenerate' (no finite nonzero value: relative errors "
+                                         "undefined); 'not applied' (the scheme is not used for this role)")
+    ds["lost_frac"].attrs["description"] = "share of the finite elements that quantize-dequantize to Inf or NaN"
     if pairs:
         ds = ds.assign_coords(pair=[p["pair"] for p in pairs])
         for v in WGRAD_VARS:

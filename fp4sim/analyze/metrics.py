@@ -18,7 +18,7 @@ from ..layout import unpack_fp4
 SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err", "underflow_frac",
                   "saturation_frac", "zero_code_frac", "frac_blocks_amax_max", "binades_per_block", "scale_std",
                   "scale_min", "scale_max", "n_scale_subnormal", "n_scale_zero", "block_err_p50", "block_err_p90",
-                  "block_err_p99", "worst1pct_block_err_share", "map_to_4_frac")
+                  "block_err_p99", "worst1pct_block_err_share", "map_to_4_frac", "lost_frac")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     x2 = as_rows(x)
     amax = tensor_amax(x2) if amax is None else np.float32(amax)
     acc = dict(sx2=0.0, se2=0.0, se=0.0, max_err=0.0, nz=0, under=0, sat=0, zero=0, n=0, bm_err=0.0, bm_n=0,
-               nblk=0, blk_max=0, binades=0.0)
+               nblk=0, blk_max=0, binades=0.0, fin=0, lost=0)
     code_hist = np.zeros(16, np.int64)
     scale_hist = np.zeros(256, np.int64)
     scale_vals, blk_errs = [], []
@@ -106,7 +106,10 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
         y = dequantize(q).astype(np.float64)
         c64 = c.astype(np.float64)
         fin = np.isfinite(c64)
-        err = np.where(fin, y - c64, 0.0)
+        lost = fin & ~np.isfinite(y)                   # a finite input that comes back Inf / NaN: no finite error
+        acc["fin"] += int(fin.sum())
+        acc["lost"] += int(lost.sum())
+        err = np.where(fin & ~lost, y - c64, 0.0)
         acc["sx2"] += float(np.sum(c64[fin] ** 2))
         acc["se2"] += float(np.sum(err ** 2))
         acc["max_err"] = max(acc["max_err"], float(np.max(np.abs(err))) if err.size else 0.0)
@@ -166,7 +169,10 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
                block_err_p50=float(np.percentile(be, 50)), block_err_p90=float(np.percentile(be, 90)),
                block_err_p99=float(np.percentile(be, 99)),
                worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0,
-               map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan)
+               map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan,
+               lost_frac=acc["lost"] / acc["fin"] if acc["fin"] else 0.0)
+    if acc["lost"]:                     # finite values the scheme turns into Inf / NaN: an unbounded error
+        out.update(mse=np.inf, rel_mse=np.inf, sqnr_db=-np.inf, max_abs_err=np.inf)
     if scale_vals:
         sv = np.concatenate(scale_vals)
         out.update(scale_std=float(np.std(sv)), scale_min=float(sv.min()), scale_max=float(sv.max()))

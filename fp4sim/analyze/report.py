@@ -12,13 +12,13 @@ def _f(v, fmt="{:.1f}"):
     return "undef." if v is None or not np.isfinite(v) else fmt.format(v)
 
 
-_MARK = {"not applied": "n/a", "exact": "exact", "degenerate": "degen."}
+_MARK = {"not applied": "n/a", "exact": "exact", "degenerate": "degen.", "lost": "lost"}
 
 
 def _cell(ds, i, j, v, fmt="{:.1f}", scale=1.0):
     """A tensor x scheme value, or what its status says instead."""
     st = str(ds.status.values[i, j]) if "status" in ds else "ok"
-    if st in ("not applied", "degenerate"):
+    if st in ("not applied", "degenerate", "lost"):
         return _MARK[st]
     if st == "exact" and v is not None and not np.isfinite(v):
         return "exact"
@@ -30,11 +30,22 @@ def table(ds: xr.Dataset) -> str:
     schemes = [str(s) for s in ds.scheme.values]
     w = max([len(str(t)) for t in ds.tensor.values] + [6])
     lines = ["SQNR (dB) by tensor and scheme (higher is better; exact = no error at all; n/a = scheme not applied "
-             "to this role; degen. = no finite nonzero value, so no relative error)",
+             "to this role; degen. = no finite nonzero value, so no relative error; lost = finite values come back "
+             "Inf or NaN)",
              f"{'tensor':{w}} {'role':10} " + " ".join(f"{s:>13}" for s in schemes)]
     for i, t in enumerate(ds.tensor.values):
         vals = " ".join(f"{_cell(ds, i, j, ds.sqnr_db.values[i, j]):>13}" for j in range(len(schemes)))
         lines.append(f"{str(t):{w}} {str(ds.role.values[i]):10} {vals}")
+    bad = [i for i in range(len(ds.tensor)) if "n_nan" in ds and (ds.n_nan.values[i] or ds.n_inf.values[i])]
+    if bad:
+        lines += ["", "Non-finite inputs (left out of the error sums; E2M1 has no Inf or NaN: CUDA's satfinite rule "
+                      "encodes NaN as +6 and Inf as +-6):"]
+        for i in bad:
+            lost = [f"{s} {100 * ds.lost_frac.values[i, j]:.1f}%" for j, s in enumerate(schemes)
+                    if str(ds.status.values[i, j]) == "lost"]
+            lines.append(f"{str(ds.tensor.values[i]):{w}} {int(ds.n_inf.values[i])} Inf, {int(ds.n_nan.values[i])} "
+                         f"NaN of {int(ds.numel.values[i])}" + (f"; finite values lost (come back Inf/NaN) under "
+                                                                f"{', '.join(lost)}" if lost else ""))
     lines += ["", "Underflow (nonzero -> 0, %) and blocks whose amax codes to +-6 (%), NVFP4 | MXFP4 rceil:"]
     j4 = schemes.index("nvfp4") if "nvfp4" in schemes else None
     jm = schemes.index("mxfp4_rceil") if "mxfp4_rceil" in schemes else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 import warnings
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import emulate, threads
+from ..planning import NAN_E2M1
 from ..training import OPERANDS, Recipe
 
 __all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
@@ -83,7 +85,16 @@ def _check_finite(layer, mode: str, which: str, t: torch.Tensor, uses):
 @contextlib.contextmanager
 def _kernel_threads():
     """Numba's and the BLAS libraries' thread counts as :func:`fp4sim.threads.bridge_threads` says, for the
-    duration of one pass."""
+    duration of one pass; fs.quantize's NaN warning is left to the layer's own (:func:`_check_finite`, which
+    names the layer and comes once)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(NAN_E2M1[:60]), category=RuntimeWarning)
+        with _threads():
+            yield
+
+
+@contextlib.contextmanager
+def _threads():
     n = threads.bridge_threads()
     if n is None:
         yield

