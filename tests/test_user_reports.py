@@ -101,3 +101,48 @@ def test_a_closed_pipe_loses_no_output(nonfinite, tmp_path, quiet):
     assert "Traceback" not in err and "Broken pipe" not in err, err
     assert json.loads(js.read_text())["tensors"]["nan_grad"]["n_nan"] == 3
     assert sorted(f.suffix for f in figs.iterdir()) and all(f.stat().st_size > 0 for f in figs.iterdir())
+
+
+def test_paper_repro_list_says_no_training_only_where_none_is_done():
+    import os
+    r = subprocess.run([sys.executable, "-m", "paper_repro", "list"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
+    for fig in ("fig1", "appB4"):
+        assert lines[fig].endswith("(no training)"), lines[fig]
+    for fig in ("scaling", "gpt_snr", "accumulation", "teacher_formats", "teacher_recipe", "teacher_depth", "fig2"):
+        assert "no training" not in lines[fig], lines[fig]
+
+
+def test_a_hugging_face_file_analyses_its_matrices_and_lists_the_rest(tmp_path):
+    """A model.safetensors as Hugging Face writes it (__metadata__, an int64 position_ids buffer, biases and
+    LayerNorm weights beside the projection matrices): the matrices are analysed, the buffer and the 1-D
+    vectors are listed as no quantization target and the exit status is 0; --include-vectors analyses the
+    vectors too. A .txt file is an unsupported type, not a torch.load error; --help names .npy."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(1)
+    t = {"embeddings.position_ids": np.arange(512, dtype=np.int64)[None],
+         "embeddings.LayerNorm.weight": np.ones(64, np.float32), "embeddings.LayerNorm.bias": np.zeros(64, np.float32),
+         "encoder.layer.0.attention.self.query.weight": rng.standard_normal((64, 64)).astype(np.float32),
+         "encoder.layer.0.attention.self.query.bias": rng.standard_normal(64).astype(np.float32),
+         "encoder.layer.0.output.dense.weight": rng.standard_normal((64, 128)).astype(np.float32)}
+    f = tmp_path / "model.safetensors"
+    save_file(t, str(f), metadata={"format": "pt"})
+    r = _analyze(f, "--no-hadamard", "--quiet", "--json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert set(s["tensors"]) == {"encoder.layer.0.attention.self.query.weight", "encoder.layer.0.output.dense.weight"}
+    assert all(v["role"] == "weight" for v in s["tensors"].values())
+    why = {k["tensor"]: k["reason"] for k in s["skipped"]}
+    assert all(k.get("ignored") for k in s["skipped"]) and set(why) == set(t) - set(s["tensors"])
+    assert "int64: an integer or boolean buffer" in why["embeddings.position_ids"]
+    assert "1-D bias or normalization weight" in why["embeddings.LayerNorm.weight"]
+    assert "not analysed, no quantization target (4):" in r.stdout and "\nskipped" not in r.stdout
+    r = _analyze(f, "--no-hadamard", "--quiet", "--include-vectors", "--json", tmp_path / "v.json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((tmp_path / "v.json").read_text())["tensors"]) == 5
+    (tmp_path / "notes.txt").write_text("not a tensor")
+    r = _analyze(tmp_path / "notes.txt", "--quiet")
+    assert r.returncode == 2 and "unsupported file type '.txt'" in r.stderr and "torch" not in r.stderr
+    assert ".npy" in _analyze("--help").stdout

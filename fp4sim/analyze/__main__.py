@@ -1,7 +1,9 @@
 """``python -m fp4sim.analyze [PATH ...]``: what NVFP4, MXFP4, FP8 and BF16 do to the tensors of a dump.
 
 With no PATH the bundled sample dump (real MiniLM weights, SmolLM2 activations and gradients) is analysed.
-Exit status: 0 every tensor analysed, 1 some skipped (listed), 2 nothing analysed or bad arguments.
+Exit status: 0 every tensor analysed, 1 some skipped (listed), 2 nothing analysed or bad arguments. Entries that
+are no quantization target (integer buffers such as position_ids; biases and normalization weights unless
+--include-vectors) are listed as not analysed and leave the status at 0.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_dump.npz"
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4sim.analyze", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("paths", nargs="*", help=".npz / .safetensors / TE .pt files or directories (default: sample)")
+    ap.add_argument("paths", nargs="*", help=".npy / .npz / .safetensors / .pt / .pth files (a tensor, a state_dict or TE's dumps) or "
+                         "directories of them (default: the bundled sample)")
     ap.add_argument("--out", help="write the xarray Dataset to this netCDF file")
     ap.add_argument("--json", help="write a JSON summary here")
     ap.add_argument("--figures", help="write PNG figures into this directory")
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--role", action="append", default=[], metavar="PATTERN=ROLE",
                     help=f"set the role of tensors matching a name or glob ({', '.join(ROLES)}); repeatable")
     ap.add_argument("--no-hadamard", action="store_true", help="skip the Hadamard-transform study")
+    ap.add_argument("--include-vectors", action="store_true",
+                    help="also analyse 1-D biases and normalization weights (skipped by default: no GEMM takes them)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding (Philox), 0 <= N < 2**64")
     ap.add_argument("--threads", type=int, help="Numba threads (default: the idle cores, from the load average)")
     ap.add_argument("--dask", action="store_true", help="analyse tensors in parallel on a local Dask cluster")
@@ -80,7 +85,8 @@ def _run(a) -> int:
     if a.scheduler:
         client = _connect(a.scheduler)
     try:
-        ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask, None, quiet=a.quiet, client=client)
+        ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask, None, quiet=a.quiet, client=client,
+                     include_vectors=a.include_vectors)
     except ValueError as e:  # a broken roles file, names that cannot be told apart
         raise BadInput(str(e)) from None
     finally:
@@ -122,7 +128,7 @@ def _run(a) -> int:
     except BrokenPipeError:                 # as a Unix tool: stop printing, keep the exit status
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    return 1 if skipped else 0
+    return 1 if any(not sk.get("ignored") for sk in skipped) else 0
 
 
 def _say(a, what: str):

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import xarray as xr
 
-from .inputs import Source, TensorError, discover, load
+from .inputs import NotATarget, Source, TensorError, discover, is_vector_param, load
 from .metrics import DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics, tensor_amax
 from .studies import RHT_SCHEMES, RHT_SIGNS, absmax_map, gradient_bias, hadamard_effect, outliers, wgrad_gemm
 
@@ -27,13 +27,17 @@ def chunk_size(numel: int) -> int:
 
 
 def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard: bool = True,
-                   chunk_elems: int | None = None, stage=None) -> dict:
+                   chunk_elems: int | None = None, stage=None, include_vectors: bool = False) -> dict:
     """Everything about one tensor (a plain dict, so it can travel back from a Dask worker). ``stage(name)``
     is called as each stage starts (for progress). Every study works in row chunks of ``chunk_elems``
-    elements (default: :func:`chunk_size`), so the extra memory stays a small multiple of the tensor."""
+    elements (default: :func:`chunk_size`), so the extra memory stays a small multiple of the tensor. A 1-D bias
+    or normalization weight raises :class:`NotATarget` unless ``include_vectors``."""
     stage = stage or (lambda name: None)
     stage("load")
     x = load(src)
+    if not include_vectors and is_vector_param(src.name, x.ndim):
+        raise NotATarget("a 1-D bias or normalization weight: no GEMM operand, so no quantization target "
+                         "(--include-vectors analyses it)")
     ch = chunk_size(x.size) if chunk_elems is None else chunk_elems
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -84,9 +88,10 @@ class _Progress:
 
 def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: bool = True, dask: bool = False,
             scheduler: str | None = None, chunk_elems: int | None = None, quiet: bool = False,
-            client=None) -> xr.Dataset:
+            client=None, include_vectors: bool = False) -> xr.Dataset:
     """Analyse every tensor under ``paths``; returns the Dataset (``ds.attrs['skipped']`` lists what was not
-    analysed and why, as JSON)."""
+    analysed and why, as JSON; entries with ``"ignored": true`` are no quantization targets — integer buffers,
+    and biases and normalization weights unless ``include_vectors`` — rather than failures)."""
     specs = DEFAULT_SCHEMES if schemes is None else tuple(SCHEMES_BY_LABEL[s] if isinstance(s, str) else s
                                                           for s in schemes)
     sources, problems, meta = discover(paths, role_overrides)
@@ -100,14 +105,14 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
             client = Client(scheduler, timeout=10) if scheduler else Client(
                 LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None))
         try:
-            futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, pure=False): s
-                    for s in sources}
+            futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, None, include_vectors,
+                                  pure=False): s for s in sources}
             for f in as_completed(futs):
                 s = futs[f]
                 try:
                     results.append(f.result())
                 except TensorError as e:
-                    skipped.append({"tensor": s.name, "reason": str(e)})
+                    skipped.append(_skip(s.name, e))
                 prog.stage(s.name, "analysed on the cluster")
                 prog.done()
         finally:
@@ -117,9 +122,10 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
         for s in sources:
             try:
                 results.append(analyze_tensor(s, specs, seed, hadamard, chunk_elems,
-                                              stage=lambda what, s=s: prog.stage(s.name, what)))
+                                              stage=lambda what, s=s: prog.stage(s.name, what),
+                                              include_vectors=include_vectors))
             except TensorError as e:
-                skipped.append({"tensor": s.name, "reason": str(e)})
+                skipped.append(_skip(s.name, e))
             prog.done()
     order = {s.name: i for i, s in enumerate(sources)}
     results.sort(key=lambda r: order[r["name"]])
@@ -135,6 +141,13 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
         prog.done()
     prog.close()
     return to_dataset(results, pairs, specs, skipped, meta)
+
+
+def _skip(name, e) -> dict:
+    d = {"tensor": name, "reason": str(e)}
+    if isinstance(e, NotATarget):
+        d["ignored"] = True
+    return d
 
 
 def _src(sources, name):

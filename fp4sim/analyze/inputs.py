@@ -37,6 +37,20 @@ class TensorError(ValueError):
     """A tensor that cannot be analysed (the run goes on without it)."""
 
 
+class NotATarget(TensorError):
+    """An entry that is no quantization target: an integer or boolean buffer (``position_ids``, masks, codes) or,
+    unless asked for, a bias or normalization weight (a 1-D vector that no GEMM takes). Listed with its reason,
+    but not counted as a failure (the exit status stays 0)."""
+
+
+_VECTOR = re.compile(r"(^|[._])(bias|norm|layernorm|rmsnorm|ln(_?\d+|_f)?|ln)([._]|$)|norm[._]?weight$|_norm$")
+
+
+def is_vector_param(name: str, ndim: int) -> bool:
+    """A 1-D bias or normalization weight (``*.bias``, ``*norm*.weight``, ``ln_1.weight``, ...), by its name."""
+    return ndim == 1 and bool(_VECTOR.search(name.lower()))
+
+
 @dataclass(frozen=True)
 class Source:
     """Where one tensor lives: a file and the key inside it."""
@@ -153,6 +167,9 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
         if p.is_dir():
             side = _sidecar(p)
             files += [(f, p, side) for f in sorted(p.rglob("*")) if f.is_file() and f.suffix.lower() in SUFFIXES]
+        elif p.exists() and p.suffix.lower() not in SUFFIXES:
+            problems.append((str(p), f"unsupported file type {p.suffix or '(no suffix)'!r}: fp4sim reads "
+                                     f"{', '.join(SUFFIXES)} files"))
         elif p.exists():
             files.append((p, None, {}))
         else:
@@ -246,6 +263,9 @@ def load(src: Source) -> np.ndarray:
     if a.dtype.kind == "V" and a.dtype.itemsize == 2 and a.dtype != np.dtype(ml_dtypes.bfloat16):
         raise TensorError(f"has the raw 2-byte dtype {a.dtype}: NumPy files do not keep bfloat16 (ml_dtypes) "
                           "types; save bfloat16 tensors as .safetensors (which keeps them), or as float32")
+    if a.dtype.kind in "biu":
+        raise NotATarget(f"has dtype {a.dtype}: an integer or boolean buffer (indices, a mask), not a tensor to "
+                         "quantize")
     if a.dtype not in _OK_DTYPES:
         raise TensorError(f"has dtype {a.dtype}; fp4sim analyses float32, float16, bfloat16 (or float64) tensors")
     if a.ndim == 0:
@@ -266,6 +286,9 @@ def _load_pt(path: Path, key):
     t = obj.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if not t.is_floating_point() and not t.is_complex():
+        raise NotATarget(f"has dtype {t.dtype}: an integer or boolean buffer (indices, a mask), not a tensor to "
+                         "quantize")
     if not t.is_floating_point():
         raise TensorError(f"has dtype {t.dtype}; fp4sim analyses float32, float16, bfloat16 (or float64) tensors")
     return t.numpy()

@@ -89,8 +89,13 @@ def table(ds: xr.Dataset) -> str:
             lines.append(f"{str(p):{w}} {ds.wgrad_bias_rne.values[k]:+.3e} | {ds.wgrad_bias_sr.values[k]:+.3e} | "
                          f"{ds.wgrad_rel_err_rne.values[k]:.4f} | {ds.wgrad_rel_err_sr_one_seed.values[k]:.4f} | {rh}")
     sk = json.loads(ds.attrs.get("skipped", "[]"))
-    if sk:
-        lines += ["", f"skipped {len(sk)}:"] + [f"  {s['tensor']}: {s['reason']}" for s in sk]
+    bad = [s for s in sk if not s.get("ignored")]
+    if bad:
+        lines += ["", f"skipped {len(bad)}:"] + [f"  {s['tensor']}: {s['reason']}" for s in bad]
+    ign = [s for s in sk if s.get("ignored")]
+    if ign:
+        lines += ["", f"not analysed, no quantization target ({len(ign)}):"] + [f"  {s['tensor']}: {s['reason']}"
+                                                                               for s in ign]
     return "\n".join(lines)
 
 
