@@ -29,7 +29,7 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
     given = seeds
     seeds = seeds or (figures.QUICK_SEEDS if quick else figures.FULL_SEEDS)
     t0 = time.perf_counter()
-    if FIGURES[fig].trains:
+    if FIGURES[fig].generic:
         set_threads(threads)
         runs = figures.runs_for(fig, quick, seeds, short)
         logs = run_all([c for _, _, c in runs], out, quiet=quiet)
@@ -45,6 +45,10 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
         from . import gpt_snr
         set_threads(threads)
         summary = gpt_snr.make(out, quick, given, quiet=quiet)
+    elif fig == "accumulation":
+        from . import accumulation
+        set_threads(threads)
+        summary = accumulation.make(out, quick, given, quiet=quiet)
     elif fig in figures.TEACHER:
         from . import teacher
         set_threads(threads)
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
         ap.error(f"unexpected arguments {a.what} after {a.fig!r} (only replot takes figure names)")
     if a.fig == "replot":
         from .replot import replot
-        trained = [f for f, v in FIGURES.items() if v.trains]
+        trained = [f for f, v in FIGURES.items() if v.generic]
         names = a.what or [f for f in trained if (a.out / f"{f}.csv").is_file()]
         if not names:
             print(f"paper_repro: no training figure's CSV in {a.out} to redraw", file=sys.stderr)

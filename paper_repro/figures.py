@@ -332,38 +332,51 @@ def appb4(out: Path, quick: bool = False) -> dict:
 
 @dataclass(frozen=True)
 class Figure:
+    """A figure of ``python -m paper_repro``. ``route``: "none" (made from tensors, no training), "runs" (its runs
+    come from :func:`runs_for` and the shared training-figure / ablation code) or "own" (trains through its own
+    module: scaling, gpt_snr, accumulation, the teacher figures)."""
     name: str
     what: str
-    trains: bool
+    route: str
+
+    @property
+    def trains(self) -> bool:
+        """Whether making the figure trains models (by either route)."""
+        return self.route != "none"
+
+    @property
+    def generic(self) -> bool:
+        """Whether its runs come from :func:`runs_for` (and it redraws with ``replot``)."""
+        return self.route == "runs"
 
 
 FIGURES = {
-    "fig1": Figure("fig1", "an NVFP4 block with its E2M1 codes, E4M3 block scale and FP32 tensor scale", False),
-    "appB4": Figure("appB4", "MXFP4's lost binade (amax 3.01 decodes to 3) and code usage on a real tensor", False),
-    "fig2": Figure("fig2", "validation loss: NVFP4 (paper recipe) vs BF16 and FP8 blockwise, relative difference",
-                   True),
-    "fig6a": Figure("fig6a", "relative difference from BF16: NVFP4 vs MXFP4 (RHT d=32), same BF16 layers", True),
-    "fig6b": Figure("fig6b", "MXFP4 on 0.4x-1.5x of NVFP4's tokens (--short: 1.0x-1.5x): the multiplier that matches NVFP4's loss", True),
-    "fig4": Figure("fig4", "ablation: the full recipe branched at 34% into no SR / no RHT / no 2D / no BF16 blocks",
-                   True),
-    "fig7": Figure("fig7", "ablation: switching forward / backward / both to BF16 at 82% (and both at 99%)", True),
-    "fig8": Figure("fig8", "ablation: the recipe built up one part at a time, in two orders", True),
-    "fig10": Figure("fig10", "ablation: SR on gradients / all backward operands / activations / weights", True),
-    "fig11": Figure("fig11", "ablation: RHT on Wgrad / also Fprop / also Dgrad / none", True),
-    "fig12": Figure("fig12", "ablation: RHT size d in {2, 4, 16, 128}, branched from d=16 at 34%", True),
-    "fig9": Figure("fig9", "ablation: which blocks stay BF16, with each layer's Wgrad GEMM error logged", True),
-    "fig14": Figure("fig14", "ablation: NVFP4 on weights only (16x16, 1x16 two ways) or activations only", True),
-    "fig13": Figure("fig13", "ablation: RHT sign vectors: TE's, one from the seed, one per transform, none", True),
+    "fig1": Figure("fig1", "an NVFP4 block with its E2M1 codes, E4M3 block scale and FP32 tensor scale", "none"),
+    "appB4": Figure("appB4", "MXFP4's lost binade (amax 3.01 decodes to 3) and code usage on a real tensor", "none"),
+    "fig2": Figure("fig2", "validation loss: NVFP4 (paper recipe) vs BF16 and FP8 blockwise, relative difference", "runs"),
+    "fig6a": Figure("fig6a", "relative difference from BF16: NVFP4 vs MXFP4 (RHT d=32), same BF16 layers", "runs"),
+    "fig6b": Figure("fig6b", "MXFP4 on 0.4x-1.5x of NVFP4's tokens (--short: 1.0x-1.5x): the multiplier that matches NVFP4's loss", "runs"),
+    "fig4": Figure("fig4", "ablation: the full recipe branched at 34% into no SR / no RHT / no 2D / no BF16 blocks", "runs"),
+    "fig7": Figure("fig7", "ablation: switching forward / backward / both to BF16 at 82% (and both at 99%)", "runs"),
+    "fig8": Figure("fig8", "ablation: the recipe built up one part at a time, in two orders", "runs"),
+    "fig10": Figure("fig10", "ablation: SR on gradients / all backward operands / activations / weights", "runs"),
+    "fig11": Figure("fig11", "ablation: RHT on Wgrad / also Fprop / also Dgrad / none", "runs"),
+    "fig12": Figure("fig12", "ablation: RHT size d in {2, 4, 16, 128}, branched from d=16 at 34%", "runs"),
+    "fig9": Figure("fig9", "ablation: which blocks stay BF16, with each layer's Wgrad GEMM error logged", "runs"),
+    "fig14": Figure("fig14", "ablation: NVFP4 on weights only (16x16, 1x16 two ways) or activations only", "runs"),
+    "fig13": Figure("fig13", "ablation: RHT sign vectors: TE's, one from the seed, one per transform, none", "runs"),
     "scaling": Figure("scaling", "the FP4 gap to BF16 against tokens per parameter (D/N 0.5-50), WSD cooldowns "
-                      "branched from one trunk per format and seed", False),
+                      "branched from one trunk per format and seed", "own"),
     "gpt_snr": Figure("gpt_snr", "per-layer weight-gradient SNR through the D/N 10 runs (BF16, NVFP4, MXFP4) "
-                      "against sqrt(3), beside the excess loss over BF16", False),
+                      "against sqrt(3), beside the excess loss over BF16", "own"),
+    "accumulation": Figure("accumulation", "the final loss of NVFP4 D/N 10 runs under each GEMM accumulation model "
+                           "(exact, exact_sum, k64_rtz, fast), paired by seed, against NVFP4's gap to BF16", "own"),
     "teacher_formats": Figure("teacher_formats", "teacher-student regression (precision-limited): BF16, FP8, "
-                              "MXFP8, MXFP4, NVFP4, NVFP4 + 4over6, paired by seed; gradient SNR", False),
+                              "MXFP8, MXFP4, NVFP4, NVFP4 + 4over6, paired by seed; gradient SNR", "own"),
     "teacher_recipe": Figure("teacher_recipe", "teacher-student regression: the NVFP4 recipe's parts (SR, RHT, 2D "
-                             "weights, BF16 last layer, late switch, ...), paired by seed", False),
+                             "weights, BF16 last layer, late switch, ...), paired by seed", "own"),
     "teacher_depth": Figure("teacher_depth", "residual teacher-student regression (4 blocks): BF16 last block vs "
-                            "first block, MXFP4, MXFP8 (loss spikes), per-layer gradient SNR, paired by seed", False),
+                            "first block, MXFP4, MXFP8 (loss spikes), per-layer gradient SNR, paired by seed", "own"),
 }
 TEACHER = ("teacher_formats", "teacher_recipe", "teacher_depth")
 PART1 = ("fig1", "appB4", "fig2", "fig6a", "fig6b")
@@ -380,7 +393,7 @@ def check_outputs(fig: str, out: Path, quick: bool, seeds: int):
         rows = list(csv.DictReader(f))
     if not rows:
         raise RuntimeError(f"{fig}: {fig}.csv has no rows")
-    if FIGURES[fig].trains:
+    if FIGURES[fig].generic:
         from .train import diverged
         runs = runs_for(fig, quick, seeds)
         want = sum(len(c.eval_steps()) for _, _, c in runs if not diverged(out / "runs" / c.key()))

@@ -59,8 +59,8 @@ def runs_from_csv(fig: str, out: Path, quick: bool = False):
 
 def replot(fig: str, out: Path, quick: bool = False) -> dict:
     """Redraw DIR/FIG.png (and rewrite FIG.csv / FIG.json) from DIR/FIG.csv."""
-    if fig not in figures.FIGURES or not figures.FIGURES[fig].trains:
-        trained = [f for f, v in figures.FIGURES.items() if v.trains]
+    if fig not in figures.FIGURES or not figures.FIGURES[fig].generic:
+        trained = [f for f, v in figures.FIGURES.items() if v.generic]
         raise ValueError(f"replot {fig!r}: only training figures are redrawn from their CSV ({', '.join(trained)})")
     out = Path(out)
     runs, logs, diverged = runs_from_csv(fig, out, quick)

@@ -44,7 +44,7 @@ def test_quick_mode_writes_and_checks_its_outputs(tmp_path, fig):
         assert (tmp_path / f"{fig}.{ext}").stat().st_size > 0
     assert (tmp_path / f"{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = list(csv.DictReader(open(tmp_path / f"{fig}.csv")))
-    if figures.FIGURES[fig].trains:
+    if figures.FIGURES[fig].generic:
         runs = figures.runs_for(fig, True, figures.QUICK_SEEDS)
         assert len(rows) == sum(len(c.eval_steps()) for _, _, c in runs)
         extra = ("wgrad_rel_error_mean",) if fig in ablations.ABLATIONS else ()
