@@ -57,6 +57,8 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
         summary = getattr(figures, fig.lower())(out, quick)
     if quick:
         figures.check_outputs(fig, out, quick, seeds)
+        from .plotting import mark_quick
+        mark_quick(out / f"{fig}.png", out / f"{fig}.json")
     if not quiet:
         print(f"{fig}: wrote {out / (fig + '.png')}, {fig}.csv, {fig}.json in {time.perf_counter() - t0:.0f} s")
     return summary

@@ -80,14 +80,12 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
     plotting.write_csv(out / "accumulation.csv", COLUMNS, rows)
     c0 = cfgs[(REFERENCE, 0)]
     summary = summarize(final, list(range(seeds)), scaling.n_params(c0.model), c0.tokens)
-    if quick:
-        summary["quick"] = "a smoke test of the pipeline (a tiny model for a few steps), not a measurement"
     plotting.write_json(out / "accumulation.json", summary)
-    _plot(summary, out, quick)
+    _plot(summary, out)
     return summary
 
 
-def _plot(summary, out: Path, quick: bool):
+def _plot(summary, out: Path):
     plt = plotting.pyplot()
     f, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.6))
     ms = summary["models"]
@@ -100,8 +98,7 @@ def _plot(summary, out: Path, quick: bool):
     a0.set_xticks(range(len(MODELS)), MODELS)
     a0.set(xlabel="accumulation model (NVFP4, paper recipe)", ylabel="final validation loss (nats/char)")
     a0.legend(fontsize=8, loc="upper right")
-    tag = " [--quick: smoke test]" if quick else ""
-    plotting.title(a0, f"final loss per seed (dots) and mean ± s.e., D/N {summary['tokens_per_param']:.3g}{tag}",
+    plotting.title(a0, f"final loss per seed (dots) and mean ± s.e., D/N {summary['tokens_per_param']:.3g}",
                    width=62)
     others = [m for m in MODELS if m != REFERENCE]
     for i, m in enumerate(others):
@@ -115,7 +112,7 @@ def _plot(summary, out: Path, quick: bool):
         a1.legend(fontsize=8, loc="upper right")
     a1.set_xticks(range(len(others)), others)
     a1.set(xlabel="accumulation model", ylabel=f"final loss - {REFERENCE}'s (nats, paired by seed)")
-    plotting.title(a1, f"difference to TE's reference rule (mean ± s.e.); NVFP4 - BF16 = {gap:+.4f} nats{tag}",
+    plotting.title(a1, f"difference to TE's reference rule (mean ± s.e.); NVFP4 - BF16 = {gap:+.4f} nats",
                    width=62)
     f.tight_layout()
     f.savefig(out / "accumulation.png", dpi=120)

@@ -12,7 +12,7 @@ from . import stats
 from .train import COLUMNS
 
 __all__ = ["TRAIN_COLUMNS", "write_csv", "write_json", "pyplot", "curves", "training_rows", "band", "lines",
-           "ylim_all", "title"]
+           "ylim_all", "title", "mark_quick", "QUICK_NOTE"]
 
 TRAIN_COLUMNS = ("figure", "run", "seed", "step", "tokens", "lr", "train_loss", "val_loss", "rel_diff_pct",
                  "token_multiplier")
@@ -29,6 +29,29 @@ def write_csv(path: Path, columns, rows):
 
 def write_json(path: Path, obj):
     path.write_text(json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
+
+
+QUICK_NOTE = "--quick: a smoke test of the pipeline (a tiny model, a few steps), not a measurement"
+
+
+def mark_quick(png: Path, js: Path):
+    """Mark a --quick figure as the smoke test it is: a red line above the picture and ``"quick"`` in its JSON."""
+    d = json.loads(js.read_text())
+    if isinstance(d, dict):
+        d["quick"] = QUICK_NOTE
+        write_json(js, d)
+    plt = pyplot()
+    img = plt.imread(str(png))
+    h, w = img.shape[:2]
+    band = 30
+    f = plt.figure(figsize=(w / 100, (h + band) / 100), dpi=100)
+    ax = f.add_axes((0, 0, 1, h / (h + band)))
+    ax.imshow(img, interpolation="none")
+    ax.set_axis_off()
+    f.text(0.5, 1 - band / 2 / (h + band), QUICK_NOTE, color="#c00000", ha="center", va="center", fontsize=11,
+           weight="bold")
+    f.savefig(str(png), dpi=100)
+    plt.close(f)
 
 
 def pyplot():

@@ -146,3 +146,21 @@ def test_a_hugging_face_file_analyses_its_matrices_and_lists_the_rest(tmp_path):
     r = _analyze(tmp_path / "notes.txt", "--quiet")
     assert r.returncode == 2 and "unsupported file type '.txt'" in r.stderr and "torch" not in r.stderr
     assert ".npy" in _analyze("--help").stdout
+
+
+def test_a_quick_figure_says_it_is_a_smoke_test(tmp_path):
+    """--quick outputs carry the mark in their JSON and a red line above the picture (none without --quick)."""
+    import os
+    import matplotlib.pyplot as plt
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "paper_repro", "fig1", "--quick", "--out", str(tmp_path), "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "smoke test" in json.loads((tmp_path / "fig1.json").read_text())["quick"]
+    img = plt.imread(str(tmp_path / "fig1.png"))
+    top = img[:30, :, :3]
+    assert ((top[..., 0] > 0.6) & (top[..., 1] < 0.3) & (top[..., 2] < 0.3)).sum() > 50      # red text
+    full = tmp_path / "full"
+    r = subprocess.run([sys.executable, "-m", "paper_repro", "fig1", "--out", str(full), "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0 and "quick" not in json.loads((full / "fig1.json").read_text())
