@@ -164,3 +164,70 @@ def test_a_quick_figure_says_it_is_a_smoke_test(tmp_path):
     r = subprocess.run([sys.executable, "-m", "paper_repro", "fig1", "--out", str(full), "--quiet"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0 and "quick" not in json.loads((full / "fig1.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """A dump of 14 tensors in which every gradient (stochastically rounded) has a lower NVFP4 SQNR than every
+    weight and activation: 8 gradients, 3 weights, 3 activations (two of them paired with a gradient)."""
+    from fp4sim.analyze.core import analyze
+    d = tmp_path_factory.mktemp("many")
+    rng = np.random.default_rng(6)
+    t = {f"l{i}.grad_output": (rng.standard_normal((64, 64)) * 1e-3).astype(np.float32) for i in range(8)}
+    t.update({f"w{i}.weight": rng.standard_normal((64, 64)).astype(np.float32) for i in range(3)})
+    t.update({f"l{i}.input": rng.standard_normal((64, 64)).astype(np.float32) for i in range(3)})
+    np.savez(d / "dump.npz", **t)
+    return analyze([str(d / "dump.npz")], hadamard=False, quiet=True)
+
+
+def test_the_report_opens_with_a_summary_by_role_and_the_worst_of_each(many):
+    from fp4sim.analyze.report import table
+    ds = many
+    text = table(ds)
+    head = text.split("\n\nSQNR (dB) by tensor")[0].splitlines()
+    assert head[0].startswith("Summary by role")
+    schemes = [str(s) for s in ds.scheme.values]
+    for r in ("weight", "activation", "gradient"):
+        idx = [i for i, x in enumerate(ds.role.values) if x == r]
+        row = next(ln for ln in head if ln.startswith(r)).split()
+        assert int(row[1]) == len(idx)
+        for j, s in enumerate(schemes):
+            st = [str(ds.status.values[i, j]) for i in idx]
+            want = "n/a" if all(x == "not applied" for x in st) else f"{np.median(ds.sqnr_db.values[idx, j]):.1f}"
+            assert row[2 + j] == want, (r, s)
+        sq = {str(ds.tensor.values[i]): float(ds.sqnr_db.values[i, schemes.index("nvfp4")]) for i in idx}
+        worst = sorted(sq, key=sq.get)[:5]
+        line = next(ln for ln in head if ln.startswith(f"  {r}: "))
+        assert [p.split(" (")[0] for p in line[len(f"  {r}: "):].split(", ")] == worst
+    assert max(ds.sqnr_db.sel(scheme="nvfp4").values[ds.role.values == "gradient"]) < \
+        min(ds.sqnr_db.sel(scheme="nvfp4").values[ds.role.values != "gradient"])
+
+
+def test_the_heat_map_ranks_within_each_role(many, tmp_path):
+    """With room for 6 of 14 tensors, the heat map shows the two worst of each role (not the 6 worst gradients,
+    which are worse than every weight and activation here)."""
+    from fp4sim.analyze.figures import _worst_per_role, write_figures
+    ds = many
+    j4 = [str(s) for s in ds.scheme.values].index("nvfp4")
+    idx, groups = _worst_per_role(ds, j4, 6)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    assert [str(ds.role.values[g[0]]) for g in groups] == ["weight", "activation", "gradient"]
+    for g in groups:
+        r = ds.role.values[g[0]]
+        others = [i for i, x in enumerate(ds.role.values) if x == r and i not in g]
+        assert max(ds.sqnr_db.values[g, j4]) <= min(ds.sqnr_db.values[others, j4])
+    assert _worst_per_role(ds, j4, 40)[0] and len(_worst_per_role(ds, j4, 40)[0]) == 14
+    files = write_figures(ds, tmp_path, top=6)
+    assert (tmp_path / "error_by_scheme.png") in files
+
+
+def test_the_wgrad_rows_give_both_sr_errors(many):
+    """The table's weight-gradient rows carry the one-seed SR error (what a step sees) and the error of the
+    seed-averaged output, as the figure does, each equal to the Dataset's value."""
+    from fp4sim.analyze.report import table
+    ds = many
+    lines = [ln for ln in table(ds).splitlines() if ln.startswith("l0 ")]
+    assert len(lines) == 1
+    cells = [c.strip() for c in lines[0][3:].split("|")]
+    assert cells[3] == f"{float(ds.wgrad_rel_err_sr_one_seed.sel(pair='l0')):.4f}"
+    assert cells[4] == f"{float(ds.wgrad_rel_err_sr_mean.sel(pair='l0')):.4f}"

@@ -40,6 +40,30 @@ def _pick(values, top, largest=True):
     return [int(i) for i in order[:top] if np.isfinite(v[i])]
 
 
+def _worst_per_role(ds, j, top):
+    """(indices, groups): per role (weights, activations, gradients, in that order), the tensors with the lowest
+    SQNR under scheme ``j``, ``top`` in all, shared out evenly over the roles present (a role with fewer tensors
+    leaves its share to the others)."""
+    roles = [r for r in ("weight", "activation", "gradient") if r in set(map(str, ds.role.values))]
+    roles += sorted(set(map(str, ds.role.values)) - set(roles))
+    members = {r: [i for i, x in enumerate(ds.role.values) if str(x) == r] for r in roles}
+    sq = ds.sqnr_db.values[:, j].astype(float)
+    ranked = {}
+    for r in roles:
+        m = members[r]
+        key = np.where(np.isfinite(sq[m]), sq[m], np.inf)       # lost (-inf) first, exact / n/a (nan) last
+        key = np.where(np.isneginf(sq[m]), -np.inf, key)
+        ranked[r] = [m[k] for k in np.argsort(key, kind="stable")]
+    share, left = {r: 0 for r in roles}, min(top, sum(len(v) for v in ranked.values()))
+    while left:
+        for r in roles:
+            if left and share[r] < len(ranked[r]):
+                share[r] += 1
+                left -= 1
+    groups = [ranked[r][:share[r]] for r in roles if share[r]]
+    return [i for g in groups for i in g], groups
+
+
 def _title(ax, text, n_shown, n_all, what):
     more = f" ({n_shown} of {n_all} tensors: the {what}; all in tensors.csv)" if n_shown < n_all else ""
     ax.set_title(text + more, fontsize=10, loc="left")
@@ -75,9 +99,10 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
     if n == 0:
         return files
 
-    # 1. SQNR heat map: tensors (worst NVFP4 first) x schemes
+    # 1. SQNR heat map: tensors (the worst by NVFP4 SQNR within each role, so the weights and activations of a
+    # dump show beside its stochastically rounded gradients) x schemes
     j4 = schemes.index("nvfp4") if "nvfp4" in schemes else 0
-    idx = _pick(-ds.sqnr_db.values[:, j4], top) or list(range(min(n, top)))
+    idx, groups = _worst_per_role(ds, j4, top)
     vals = ds.sqnr_db.values[idx].astype(float)
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(schemes) + 4), _height(len(idx))))
     shown = np.where(np.isfinite(vals), vals, np.nan)
@@ -85,13 +110,16 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
     for a in range(len(idx)):
         for b in range(len(schemes)):
             st = str(ds.status.values[idx[a], b]) if "status" in ds else "ok"
-            txt = {"not applied": "n/a", "exact": "exact", "degenerate": "degen."}.get(st, f"{vals[a, b]:.1f}")
+            txt = {"not applied": "n/a", "exact": "exact", "degenerate": "degen.", "lost": "lost"}.get(
+                st, f"{vals[a, b]:.1f}")
             ax.text(b, a, txt, ha="center", va="center", fontsize=7,
                     color="white" if np.isfinite(shown[a, b]) and shown[a, b] < np.nanmean(shown) else "black")
     ax.set_xticks(range(len(schemes)), schemes, rotation=30, ha="right", fontsize=8)
-    ax.set_yticks(range(len(idx)), [names[i] for i in idx], fontsize=7)
+    ax.set_yticks(range(len(idx)), [f"{names[i]} [{ds.role.values[i]}]" for i in idx], fontsize=7)
+    for g0 in np.cumsum([len(g) for g in groups])[:-1]:
+        ax.axhline(g0 - 0.5, color="white", lw=2)
     fig.colorbar(im, ax=ax, label="SQNR (dB), higher is better", fraction=0.04, pad=0.02)
-    _title(ax, "Quantization error by scheme", len(idx), n, "lowest NVFP4 SQNR")
+    _title(ax, "Quantization error by scheme", len(idx), n, "lowest NVFP4 SQNR of each role")
     files.append(_save(fig, out / "error_by_scheme.png"))
 
     # 2. scale histograms: median and 10-90% band over tensors, the widest-spread tensors drawn alone
@@ -131,16 +159,19 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
     # 3. outlier maps of the four most heavy-tailed tensors
     top4 = _pick(ds.kurtosis.values, 4)
     if top4:
-        fig, axes = plt.subplots(1, len(top4), figsize=(3.6 * len(top4), 4.0), squeeze=False)
+        fig, axes = plt.subplots(1, len(top4), figsize=(4.4 * len(top4), 4.6), squeeze=False,
+                                 layout="constrained")
         for ax, i in zip(axes[0], top4):
             m = ds.absmax_map.values[i]
             with np.errstate(divide="ignore"):
                 im = ax.imshow(np.log10(m), aspect="auto", cmap="magma", interpolation="nearest")
-            ax.set_title("\n".join(textwrap.wrap(names[i], 34)) + f"\nkurtosis {ds.kurtosis.values[i]:.0f}",
+            ax.set_title("\n".join(textwrap.wrap(names[i], 30)) + f"\nkurtosis {ds.kurtosis.values[i]:.0f}",
                          fontsize=7)
             ax.set_xlabel("feature (last axis), pooled", fontsize=8)
             ax.set_ylabel("row, pooled", fontsize=8)
-            fig.colorbar(im, ax=ax, label="log10 max|x|")
+            cb = fig.colorbar(im, ax=ax, shrink=0.9)
+            cb.set_label("log10 max|x|", fontsize=8)
+            cb.ax.tick_params(labelsize=7)
         fig.suptitle("Outlier maps: the most heavy-tailed tensors (64 x 64 max-pooled |x|)", fontsize=10)
         files.append(_save(fig, out / "outlier_maps.png"))
 
@@ -184,9 +215,9 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
         gi = [g[k] for k in _pick(np.abs(ds.grad_shrink_rne.values[g]), top)] or g[:top]
         pairs = "pair" in ds.coords
         npair = min(ds.sizes.get("pair", 0), top) if pairs else 0
-        hs = [max(2.6, _height(len(gi)))] + ([max(2.2, _height(npair))] if pairs else [])
-        fig, axes = plt.subplots(len(hs), 1, figsize=(10, sum(hs) + 1.2 * len(hs)), squeeze=False,
-                                 gridspec_kw={"height_ratios": hs, "hspace": 0.55})
+        hs = [max(2.0, _height(len(gi)))] + ([max(2.0, _height(npair))] if pairs else [])
+        fig, axes = plt.subplots(len(hs), 1, figsize=(10, sum(hs) + 0.6 * len(hs)), squeeze=False,
+                                 gridspec_kw={"height_ratios": hs}, layout="constrained")
         ax = axes[0][0]
         y = np.arange(len(gi))
         for k, (v, lab) in enumerate((("grad_shrink_rne", "RNE"), ("grad_shrink_sr", "SR, one seed"),
@@ -203,12 +234,15 @@ def write_figures(ds: xr.Dataset, outdir, top: int = TOP) -> list[Path]:
             p = [str(v) for v in ds.pair.values]
             pi = _pick(ds.wgrad_rel_err_rne.values, top)
             yp = np.arange(len(pi))
-            ax.barh(yp - 0.2, ds.wgrad_rel_err_rne.values[pi], 0.4, label="RNE")
-            ax.barh(yp + 0.2, ds.wgrad_rel_err_sr_mean.values[pi], 0.4, label="SR, mean of seeds")
+            for k, (v, lab) in enumerate((("wgrad_rel_err_rne", "RNE"),
+                                          ("wgrad_rel_err_sr_one_seed", "SR, one seed (what a step sees)"),
+                                          ("wgrad_rel_err_sr_mean", "SR, output averaged over 8 seeds"))):
+                ax.barh(yp + (k - 1) * 0.27, ds[v].values[pi], 0.27, label=lab)
             ax.set_yticks(yp, [p[i] for i in pi], fontsize=7)
             ax.invert_yaxis()
-            ax.set_xlabel("||W_q - W|| / ||W||")
-            ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT)", fontsize=10, loc="left")
+            ax.set_xlabel("||dW_q - dW|| / ||dW||, dW = G^T X the weight gradient")
+            ax.set_title("Weight-gradient GEMM G^T X in NVFP4 (16-pt RHT): relative error", fontsize=10,
+                         loc="left")
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         files.append(_save(fig, out / "sr_bias.png"))
     return files

@@ -25,11 +25,47 @@ def _cell(ds, i, j, v, fmt="{:.1f}", scale=1.0):
     return _f(v * scale if v is not None else v, fmt)
 
 
+WORST = 5      # tensors named per role in the summary
+
+
+def by_role(ds: xr.Dataset, worst: int = WORST) -> list[str]:
+    """The summary a many-tensor report opens with: per role, the median SQNR of each scheme over its tensors
+    and the role's ``worst`` tensors by NVFP4 SQNR (lost first; exact and not-applied cells left out)."""
+    schemes = [str(s) for s in ds.scheme.values]
+    roles = [r for r in ("weight", "activation", "gradient") if r in set(map(str, ds.role.values))]
+    lines = ["Summary by role: median SQNR (dB) over the role's tensors (n/a: not applied to the role)",
+             f"{'role':10} {'tensors':>7} " + " ".join(f"{s:>13}" for s in schemes)]
+    j4 = schemes.index("nvfp4") if "nvfp4" in schemes else 0
+    worst_lines = []
+    for r in roles:
+        idx = [i for i, x in enumerate(ds.role.values) if str(x) == r]
+        cells = []
+        for j in range(len(schemes)):
+            st = [str(ds.status.values[i, j]) for i in idx]
+            v = np.array([ds.sqnr_db.values[i, j] for i, s_ in zip(idx, st) if s_ in ("ok", "exact")], float)
+            lost = st.count("lost")
+            med = np.median(v) if v.size else np.nan            # exact cells count as +inf
+            c = ("exact" if np.isposinf(med) else f"{med:.1f}" if v.size else "lost" if lost else "n/a")
+            cells.append(c + (f", {lost} lost" if lost and c != "lost" else ""))
+        lines.append(f"{r:10} {len(idx):>7} " + " ".join(f"{c:>13}" for c in cells))
+        sq = np.array([ds.sqnr_db.values[i, j4] for i in idx], float)
+        order = [idx[k] for k in np.argsort(np.where(np.isnan(sq), np.inf, sq), kind="stable")
+                 if np.isfinite(sq[k]) or np.isneginf(sq[k])][:worst]
+        if order:
+            worst_lines.append(f"  {r}: " + ", ".join(
+                f"{ds.tensor.values[i]} ({_cell(ds, i, j4, ds.sqnr_db.values[i, j4])})" for i in order))
+    if worst_lines:
+        lines += [f"Worst by {schemes[j4]} SQNR, per role (up to {worst}):"] + worst_lines
+    return lines
+
+
 def table(ds: xr.Dataset) -> str:
-    """Readable summary: SQNR (dB) per tensor x scheme, then outliers, RHT, bias and Wgrad results."""
+    """Readable summary: per role, the median SQNR and the worst tensors; then SQNR (dB) per tensor x scheme
+    (dump order), outliers, RHT, bias and Wgrad results."""
     schemes = [str(s) for s in ds.scheme.values]
     w = max([len(str(t)) for t in ds.tensor.values] + [6])
-    lines = ["SQNR (dB) by tensor and scheme (higher is better; exact = no error at all; n/a = scheme not applied "
+    lines = by_role(ds) + [""] if len(ds.tensor) > 1 else []
+    lines += ["SQNR (dB) by tensor and scheme (higher is better; exact = no error at all; n/a = scheme not applied "
              "to this role; degen. = no finite nonzero value, so no relative error; lost = finite values come back "
              "Inf or NaN)",
              f"{'tensor':{w}} {'role':10} " + " ".join(f"{s:>13}" for s in schemes)]
@@ -80,14 +116,15 @@ def table(ds: xr.Dataset) -> str:
                          f"{_f(ds.grad_shrink_rne.values[i], '{:+.2e}')} | "
                          f"{_f(ds.grad_shrink_sr_expected.values[i], '{:+.2e}')}")
     if "pair" in ds.coords:
-        lines += ["", "Weight-gradient GEMM G^T X in NVFP4 (16-point RHT along tokens where their count is a multiple "
-                      "of 16), vs exact: bias RNE | bias SR (mean of seeds) | rel. error RNE | rel. error SR (1 seed)"
-                      " | RHT"]
+        lines += ["", "Weight-gradient GEMM dW = G^T X in NVFP4 (16-point RHT along tokens where their count is a "
+                      "multiple of 16), vs exact: bias RNE | bias SR (mean of 8 seeds) | rel. error RNE | rel. error "
+                      "SR, one seed (what a step sees) | rel. error SR, output averaged over 8 seeds | RHT"]
         for k, p in enumerate(ds.pair.values):
             on = bool(ds.wgrad_rht.values[k]) if "wgrad_rht" in ds else True
             rh = "on" if on else f"off ({int(ds.wgrad_tokens.values[k])} tokens, not a multiple of 16)"
             lines.append(f"{str(p):{w}} {ds.wgrad_bias_rne.values[k]:+.3e} | {ds.wgrad_bias_sr.values[k]:+.3e} | "
-                         f"{ds.wgrad_rel_err_rne.values[k]:.4f} | {ds.wgrad_rel_err_sr_one_seed.values[k]:.4f} | {rh}")
+                         f"{ds.wgrad_rel_err_rne.values[k]:.4f} | {ds.wgrad_rel_err_sr_one_seed.values[k]:.4f} | "
+                         f"{ds.wgrad_rel_err_sr_mean.values[k]:.4f} | {rh}")
     sk = json.loads(ds.attrs.get("skipped", "[]"))
     bad = [s for s in sk if not s.get("ignored")]
     if bad:
