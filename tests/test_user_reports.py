@@ -231,3 +231,72 @@ def test_the_wgrad_rows_give_both_sr_errors(many):
     cells = [c.strip() for c in lines[0][3:].split("|")]
     assert cells[3] == f"{float(ds.wgrad_rel_err_sr_one_seed.sel(pair='l0')):.4f}"
     assert cells[4] == f"{float(ds.wgrad_rel_err_sr_mean.sel(pair='l0')):.4f}"
+
+
+# ------------------------------------------------------------------------------------------------ validate gemm
+def _gemm_pair(M, N, K, seed):
+    g = np.random.default_rng(seed)
+    mk = lambda R: (g.standard_normal((R, K)) * np.exp2(g.uniform(-8, 8, (R, K // 16))).repeat(16, 1))  # noqa: E731
+    return fs.quantize(mk(M).astype(np.float32), "nvfp4"), fs.quantize(mk(N).astype(np.float32), "nvfp4")
+
+
+def test_compare_gemm_names_a_transposed_output_and_truncated_bfloat16():
+    import ml_dtypes
+    from fp4sim.validate import compare_gemm
+    from fp4sim.validate.gemm import model_outputs
+    qa, qb = _gemm_pair(12, 12, 512, 1)
+    ys = model_outputs(qa, qb)
+    y = ys["k64_rtz"]
+    rep = compare_gemm(qa, qb, np.ascontiguousarray(y.T), expected=ys)
+    assert rep.best is None and rep.faults and rep.faults[0].startswith("transposed: out.T reproduces k64_rtz")
+    assert "fault: transposed" in rep.summary()
+    qa2, _ = _gemm_pair(7, 12, 512, 2)
+    with pytest.raises(ValueError, match=r"out has shape \(12, 7\).*transposed output, B \. A\^T — out\.T "
+                                         r"reproduces k64_rne"):
+        compare_gemm(qa2, qb, np.ascontiguousarray(fs.gemm(qa2, qb, accumulate="k64_rne").T))
+    trunc = (y.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    rne = y.astype(ml_dtypes.bfloat16)
+    assert (trunc.view(np.uint16) != rne.view(np.uint16)).any()
+    rep = compare_gemm(qa, qb, trunc, expected=ys)
+    got = [f for f in rep.faults if f.startswith("bfloat16 truncated: the output is the float32 result of ")]
+    assert rep.best is None and got and "k64_rtz" in got[0].split(" with ")[0]
+    assert not compare_gemm(qa, qb, rne, expected=ys).faults
+
+
+def test_compare_gemm_says_when_the_operands_cannot_tell_the_models_apart():
+    """K = 16: one block, one product sum, every model without the 1/1024 grid gives the same outputs; an output
+    off in one cell matches every such model in the same share, which the report says."""
+    from fp4sim.validate import compare_gemm
+    from fp4sim.validate.gemm import CANDIDATES
+    qa, qb = _gemm_pair(6, 5, 16, 3)
+    y = fs.gemm(qa, qb).copy()
+    y[2, 3] = np.nextafter(y[2, 3], np.float32(np.inf))
+    rep = compare_gemm(qa, qb, y, models=[m for m in CANDIDATES if m != "k64_rtz_grid1024"])
+    assert rep.best is None and len(set(rep.match_fraction.values())) == 1
+    assert any("cannot tell the models apart" in n for n in rep.notes)
+    qa, qb = _gemm_pair(6, 5, 512, 3)
+    y = fs.gemm(qa, qb, accumulate="k64_rtz").copy()
+    y[2, 3] = -y[2, 3]
+    assert not any("cannot tell" in n for n in compare_gemm(qa, qb, y).notes)
+
+
+def test_a_witness_that_all_models_match_is_listed_as_consistent_with_all(tmp_path):
+    from fp4sim.validate.gemm import model_outputs
+    qa, qb = _gemm_pair(4, 3, 16, 4)
+    w = tmp_path / "w" / "tiny"
+    (w / "expected").mkdir(parents=True)
+    for side, q in (("a", qa), ("b", qb)):
+        np.save(w / f"{side}_codes.npy", q.codes)
+        np.save(w / f"{side}_scales.npy", q.linear_scales())
+        np.save(w / f"{side}_amax.npy", np.asarray(q.global_amax, np.float32))
+    ys = model_outputs(qa, qb)
+    for m, y in ys.items():
+        np.save(w / "expected" / f"{m}.npy", y)
+    (tmp_path / "w" / "manifest.json").write_text(json.dumps({"witnesses": {"tiny": {}}}))
+    (tmp_path / "dev").mkdir()
+    np.save(tmp_path / "dev" / "tiny.npy", ys["te_reference"])
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "gemm", "--witnesses", str(tmp_path / "w"),
+                        "--outputs", str(tmp_path / "dev")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"tiny: consistent with all {len(ys)} models (this witness does not separate " \
+                                       "them)"

@@ -36,7 +36,8 @@ class GemmReport:
     matches: every model that does (more than one: these operands do not tell them apart — use the witnesses);
     match_fraction: {model: share of elements with identical bits}; closest: the model with the largest share;
     mismatches: the closest model's worst elements (row, col, the kernel's value, the model's, the distance in
-    units in the last place of the output dtype).
+    units in the last place of the output dtype); faults: for an output no model reproduces, the known faults
+    that do reproduce it (the transposed product B . A^T, bfloat16 bits truncated instead of rounded).
     """
     shape: tuple
     dtype: str
@@ -48,6 +49,7 @@ class GemmReport:
     mismatches: list = field(default_factory=list)
     nan_mismatches: int = 0
     notes: list = field(default_factory=list)
+    faults: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -141,7 +143,14 @@ def compare_gemm(qa: QuantizedTensor, qb: QuantizedTensor, out, *, models=None, 
     o, dtype = _output(out)
     M, N = qa.lead[0], qb.lead[0]
     if o.shape != (M, N):
-        raise ValueError(f"out has shape {o.shape}; A . B^T of qa ({M} rows) and qb ({N} rows) is ({M}, {N})")
+        hint = ""
+        if o.shape == (N, M) and o.size:
+            ys = expected if expected is not None else model_outputs(qa, qb, models)
+            hit = [m for m, y in ys.items() if _matches(o.T, y, dtype)]
+            if hit:
+                hint = (f": it is the transposed output, B . A^T — out.T reproduces {hit[0]} bit for bit (the kernel "
+                        "swapped its operands or wrote the output column-major)")
+        raise ValueError(f"out has shape {o.shape}; A . B^T of qa ({M} rows) and qb ({N} rows) is ({M}, {N})" + hint)
     if o.size == 0:
         raise ValueError(f"out has shape {o.shape}: an empty output matches every model; give operands with rows and "
                          "columns")
@@ -173,7 +182,39 @@ def compare_gemm(qa: QuantizedTensor, qb: QuantizedTensor, out, *, models=None, 
     if dtype == "bfloat16" and len(matches) > 1:
         rep.notes.append("bfloat16 outputs hide float32 differences: compare float32 outputs where the kernel can "
                          "write them")
+    if not matches:
+        _diagnose(rep, o, ys, dtype)
     return rep
+
+
+def _matches(o, y, dtype) -> bool:
+    y = np.asarray(y, np.float32)
+    return bool(_same(o, y.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else y).all())
+
+
+def _truncate_bf16(y):
+    """float32 -> bfloat16 by dropping the low 16 bits (round toward zero; NaN stays NaN)."""
+    b = (np.asarray(y, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return b.view(ml_dtypes.bfloat16)
+
+
+def _diagnose(rep, o, ys, dtype):
+    """Name the faults that explain an output no model reproduces (rep.faults, rep.notes)."""
+    M, N = o.shape
+    hit = [m for m, y in ys.items() if M == N and _matches(o.T, y, dtype)]
+    if hit:
+        rep.faults.append(f"transposed: out.T reproduces {', '.join(hit)} bit for bit (the kernel computed B . A^T, "
+                          "or wrote its output column-major)")
+    hit = [m for m, y in ys.items() if dtype == "bfloat16" and bool(_same(o, _truncate_bf16(y)).all())]
+    if hit:
+        rep.faults.append(f"bfloat16 truncated: the output is the float32 result of {', '.join(hit)} with its low 16 "
+                          "bits dropped (round toward zero), not rounded to nearest-even")
+    fr = set(rep.match_fraction.values())
+    if len(rep.match_fraction) > 1 and len(fr) == 1:
+        rep.notes.append(f"every model matches the same share of elements ({100 * fr.pop():.3f}%): these operands "
+                         "cannot tell the models apart (python -m fp4sim.validate gemm-witnesses writes operands "
+                         "that do)")
+    rep.notes += [f"fault: {f}" for f in rep.faults]
 
 
 # ------------------------------------------------------------------------------------------ kernel operands

@@ -79,9 +79,17 @@ def gemm_main(argv) -> int:
             res = check_witnesses(a.witnesses, a.outputs, a.out_dtype)
             ok = (a.expect in res["consistent"]) if a.expect else bool(res["consistent"])
             for n, rep in res["reports"].items():
-                got = f"MATCHES {rep.best}" if rep.best else (f"NO MODEL MATCHES (closest: {rep.closest}, "
-                                                              f"{100 * rep.match_fraction[rep.closest]:.2f}% identical)")
-                print(f"{n}: {got}" + (f" (also {', '.join(rep.matches[1:])})" if len(rep.matches) > 1 else ""))
+                if len(rep.matches) == len(rep.match_fraction):
+                    got = f"consistent with all {len(rep.matches)} models (this witness does not separate them)"
+                elif len(rep.matches) > len(rep.match_fraction) / 2:
+                    got = "consistent with every model but " + ", ".join(m for m in rep.match_fraction
+                                                                       if m not in rep.matches)
+                elif rep.matches:
+                    got = f"consistent with {', '.join(rep.matches)}"
+                else:
+                    got = (f"NO MODEL MATCHES (closest: {rep.closest}, {100 * rep.match_fraction[rep.closest]:.2f}% "
+                           "identical)" + "".join(f"; {f}" for f in rep.faults))
+                print(f"{n}: {got}")
             print("consistent with every witness: " + (", ".join(res["consistent"]) or "no model"))
             if a.json:
                 Path(a.json).write_text(json.dumps({"consistent": res["consistent"], "reports": {
