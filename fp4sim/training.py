@@ -272,9 +272,13 @@ class Recipe:
             for op in OPERANDS:
                 ops[op] = rep(ops[op], rounding="rne")
         if sw.get("four_over_six"):
-            for op in OPERANDS:
-                if ops[op].scheme == "nvfp4" and ops[op].rounding == "rne":
-                    ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
+            hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4" and ops[op].rounding == "rne"]
+            if not hit:
+                raise ValueError(f"four_over_six={sw['four_over_six']!r}: 4over6 applies to round-to-nearest NVFP4 "
+                                 f"operands and preset {name!r} has none (it would change nothing); use an NVFP4 "
+                                 "preset such as 'nvfp4_paper'")
+            for op in hit:
+                ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
         d_default = next((ops[op].rht for op in OPERANDS if ops[op].rht), 16)
         d = sw.get("rht_size", d_default)
         signs = sw.get("rht_signs")

@@ -300,3 +300,92 @@ def test_a_witness_that_all_models_match_is_listed_as_consistent_with_all(tmp_pa
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == f"tiny: consistent with all {len(ys)} models (this witness does not separate " \
                                        "them)"
+
+
+def test_swizzled_scales_given_as_linear_are_named_with_the_flag_to_pass(tmp_path):
+    from fp4sim.validate import compare
+    x = np.random.default_rng(8).standard_normal((128, 64)).astype(np.float32)
+    q = fs.quantize(x, "nvfp4", scale_layout="swizzled")
+    r = compare(x, q.codes, q.scales, "nvfp4", global_amax=q.global_amax)
+    assert r.verdict == "mismatch"
+    assert r.diagnosis["layout"][0] == ("the scale bytes are in the swizzled layout, not the linear one given: pass "
+                                        "scale_layout='swizzled'")
+    for name, a in (("x", x), ("c", q.codes), ("s", q.scales)):
+        np.save(tmp_path / f"{name}.npy", a)
+    cli = subprocess.run([sys.executable, "-m", "fp4sim.validate", "--scheme", "nvfp4", "--input", str(tmp_path / "x.npy"),
+                          "--codes", str(tmp_path / "c.npy"), "--scales", str(tmp_path / "s.npy")], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert cli.returncode == 1 and "pass --scale-layout swizzled" in cli.stdout, cli.stdout + cli.stderr
+    lin = fs.quantize(x, "nvfp4")
+    r = compare(x, lin.codes, lin.scales, "nvfp4", global_amax=lin.global_amax, scale_layout="swizzled")
+    assert r.diagnosis["layout"][0].endswith("pass scale_layout='linear'")
+
+
+# ------------------------------------------------------------------------------------------------ silent calls
+def test_four_over_six_on_a_preset_without_nvfp4_operands_is_refused():
+    from fp4sim.training import Recipe
+    for preset in ("mxfp4_paper", "bf16", "fp8_blockwise"):
+        with pytest.raises(ValueError, match=rf"four_over_six='mse': .*preset '{preset}' has none"):
+            Recipe.preset(preset, four_over_six="mse")
+    assert Recipe.preset("nvfp4_paper", four_over_six="mae").fprop_w.four_over_six == "mae"
+
+
+def test_gemm_witnesses_refuse_a_folder_that_holds_files(tmp_path):
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "old.npy").write_bytes(b"x")
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "gemm-witnesses", "--out", str(d)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "exists and is not an empty folder" in r.stderr
+    assert sorted(p.name for p in d.iterdir()) == ["old.npy"]
+
+
+# ------------------------------------------------------------------------------------------------ the bridge
+def test_a_wrong_input_width_names_the_layer_as_torch_would():
+    torch = pytest.importorskip("torch")
+    from fp4sim.torch import convert
+    m = convert(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), "nvfp4_paper")
+    with pytest.raises(RuntimeError, match=r"layer '0': mat1 and mat2 shapes cannot be multiplied \(6x48 and 64x32\)"):
+        m(torch.randn(2, 3, 48))
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(6x48 and 64x32\)"):
+        torch.nn.Linear(64, 32)(torch.randn(2, 3, 48))                 # torch's own words, for comparison
+
+
+def test_suggest_high_precision_orders_its_errors_worst_first():
+    torch = pytest.importorskip("torch")
+    from fp4sim.torch import convert, suggest_high_precision
+    torch.manual_seed(2)
+    m = convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(5)]), "nvfp4_paper", quantize_head=True)
+    x = torch.randn(64, 32)
+    keep, err = suggest_high_precision(m, lambda: m(x).pow(2).mean().backward(), fraction=0.4)
+    vals = list(err.values())
+    assert vals == sorted(vals, reverse=True) and list(err)[:2] == keep and len(err) == 5
+
+
+def test_dump_linear_tensors_saves_a_shared_input_once(tmp_path):
+    """q / k / v take the same tensor: it is saved once (as q's input), and the dump's __meta__ pairs k and v
+    with it, so analyze still runs the weight-gradient study of all three."""
+    torch = pytest.importorskip("torch")
+    from fp4sim.analyze.core import analyze
+    from fp4sim.torch import dump_linear_tensors
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+
+        def forward(self, h):
+            return self.o(self.q(h) * self.k(h) + self.v(h))
+
+    torch.manual_seed(0)
+    model = Attn()
+    h = torch.randn(64, 32)
+    out = dump_linear_tensors(model, lambda: model(h).pow(2).mean().backward(), tmp_path / "d.npz")
+    assert [k for k in out if k.endswith(".input")] == ["q.input", "o.input"]
+    meta = json.loads(bytes(np.load(tmp_path / "d.npz")["__meta__"]).decode())
+    assert meta["shared_inputs"] == {"k.input": "q.input", "v.input": "q.input"}
+    np.testing.assert_array_equal(out["q.input"], h.numpy())
+    ds = analyze([str(tmp_path / "d.npz")], schemes=["nvfp4"], hadamard=False, quiet=True)
+    assert set(ds.pair.values) == {"q", "k", "v", "o"}
+    g = out["k.grad_output"].astype(np.float64).T @ out["q.input"].astype(np.float64)
+    np.testing.assert_allclose(g, model.k.weight.grad.numpy(), rtol=1e-4, atol=1e-6)

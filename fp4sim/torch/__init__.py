@@ -42,8 +42,10 @@ def dump_linear_tensors(model, step, path, include: str = "*", max_rows: int | N
 
     ``NAME.weight_grad`` is the gradient of this ``step()`` alone, also when the parameters held a gradient
     from before (not zeroed): that one is set aside during the step and added back afterwards, so the model's
-    ``.grad`` ends as ``step()`` alone would leave it. Returns the dict of arrays written
-    (``np.savez_compressed``)."""
+    ``.grad`` ends as ``step()`` alone would leave it. Layers that multiply the same input tensor (q / k / v, gate /
+    up projections) share one copy: the first such layer's ``NAME.input`` is saved, and the dump's ``__meta__``
+    (JSON bytes) says which layers share it (``shared_inputs``) and pairs each of them with it for the
+    weight-gradient study (``pairs``). Returns the dict of arrays written (``np.savez_compressed``)."""
     import torch
     if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows={max_rows!r}: give a positive number of rows, or None for all")
@@ -62,9 +64,18 @@ def dump_linear_tensors(model, step, path, include: str = "*", max_rows: int | N
         if mod.weight.grad is not None:
             stale[name] = mod.weight.grad
             mod.weight.grad = None
+    seen, shared = [], {}                 # (input tensor, the layer that saved it); {layer: that layer}
+
+    def keep_input(name, t):
+        first = next((n for u, n in seen if u is t), None)
+        if first is None:
+            seen.append((t, name))
+            out[f"{name}.input"] = rows(t)
+        else:
+            shared[name] = first
+
     for name, mod in linears:
-        hooks.append(mod.register_forward_hook(
-            lambda m, inp, o, name=name: out.__setitem__(f"{name}.input", rows(inp[0]))))
+        hooks.append(mod.register_forward_hook(lambda m, inp, o, name=name: keep_input(name, inp[0])))
         hooks.append(mod.register_full_backward_hook(
             lambda m, gin, gout, name=name: out.__setitem__(f"{name}.grad_output", rows(gout[0]))))
     try:
@@ -80,6 +91,13 @@ def dump_linear_tensors(model, step, path, include: str = "*", max_rows: int | N
             if name in stale:
                 g = mod.weight.grad
                 mod.weight.grad = stale[name] if g is None else stale[name] + g
+    seen.clear()
+    if shared:
+        import json
+        meta = {"shared_inputs": {f"{n}.input": f"{f}.input" for n, f in shared.items()},
+                "pairs": {n: [f"{f}.input", f"{n}.grad_output"] for n, f in shared.items()
+                          if f"{n}.grad_output" in out}}
+        out["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **out)
     return out

@@ -264,6 +264,13 @@ class QuantLinear(torch.nn.Linear):
         if x.device != self.weight.device:
             raise ValueError(f"QuantLinear: the input is on {x.device} and the weight on {self.weight.device}; "
                              f"move one of them (x.to({str(self.weight.device)!r}) or the module .to(...))")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            rows = x[..., :1].numel() if x.dim() else 1
+            k = x.shape[-1] if x.dim() else 1
+            name = getattr(self, "_fp4sim_name", None)
+            raise RuntimeError(f"{'layer ' + repr(name) + ': ' if name else 'QuantLinear: '}mat1 and mat2 shapes cannot "
+                               f"be multiplied ({rows}x{k} and {self.in_features}x{self.out_features}): the layer "
+                               f"takes {self.in_features} input features, the input's last axis has {k}")
         if x.numel() == 0 or self.weight.numel() == 0:
             self._calls += 1                   # no rows (an MoE expert without tokens) or no features
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -437,7 +444,8 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     """Rank the QuantLinear layers by the relative error of their quantized weight-gradient GEMM (against the
     float32 product of the same operands) over ``steps`` calls of ``batch_fn()`` (a forward and backward pass),
     and propose the worst ``fraction`` for high precision — the diagnostic the paper suggests (its App. E.2).
-    Returns ``(names to keep, {name: relative Wgrad error})``; the model's gradients are left as they were."""
+    Returns ``(names to keep, {name: relative Wgrad error})``, the dict ordered worst first (its first entries are
+    the names to keep); the model's gradients are left as they were."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction!r}: a share of the layers in (0, 1]")
     mods = _quant_layers(model)
@@ -470,7 +478,7 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     rel = {n: (e / r) ** 0.5 if r > 0 else 0.0 for n, (e, r) in err.items()}
     order = sorted(rel, key=lambda n: -rel[n])
     k = max(1, round(fraction * len(order)))
-    return order[:k], rel
+    return order[:k], {n: rel[n] for n in order}
 
 
 SNR_THRESHOLD = 3 ** 0.5       # Chmiel et al. 2025: quantized training stops helping below this gradient SNR

@@ -14,8 +14,10 @@ from .report import Report
 f32 = np.float32
 
 
-_PY_NAMES = {"global_amax": "global_amax", "tensor_scale": "tensor_scale", "delayed": "expect_tensor_amax=False"}
-CLI_NAMES = {"global_amax": "--global-amax", "tensor_scale": "--tensor-scale", "delayed": "--delayed-scaling"}
+_PY_NAMES = {"global_amax": "global_amax", "tensor_scale": "tensor_scale", "delayed": "expect_tensor_amax=False",
+             "scale_layout": "scale_layout={!r}"}
+CLI_NAMES = {"global_amax": "--global-amax", "tensor_scale": "--tensor-scale", "delayed": "--delayed-scaling",
+             "scale_layout": "--scale-layout {}"}
 
 
 def amax_of_tensor_scale(scale, name="tensor_scale"):
@@ -142,6 +144,11 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
             from .diagnose import diagnose as _diag
             rep.diagnosis = _diag(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping, sr_bits)
             rep.diagnosis["layout"] = layout_findings(q, codes, scales, scale_layout, exp_c, act_c, exp_s, act_s)
+            best = rep.diagnosis.get("best") or {}
+            other = "swizzled" if scale_layout == "linear" else "linear"
+            if rep.diagnosis.get("exact_match") and f"{other} scales (not the layout given)" in best.get("label", ""):
+                rep.diagnosis["layout"].insert(0, f"the scale bytes are in the {other} layout, not the {scale_layout} "
+                                                  f"one given: pass {names['scale_layout'].format(other)}")
     return rep
 
 

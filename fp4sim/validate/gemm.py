@@ -391,8 +391,13 @@ cells separate each pair of models (float32 and after rounding to bfloat16).
 
 
 def write_witnesses(out_dir, seed: int = 0) -> dict:
-    """Write the witness folders, their expected outputs and manifest.json under ``out_dir``; return the manifest."""
+    """Write the witness folders, their expected outputs and manifest.json under ``out_dir`` (a new or empty
+    folder: one that holds anything is refused, so no stale file of an earlier set is mixed in); return the
+    manifest."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} exists and is not an empty folder: write the witnesses into a new folder (or "
+                         "remove that one first), so that no file of an earlier set is mixed in")
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {"models": list(CANDIDATES), "seed": seed, "witnesses": {}}
     total = {}

@@ -135,11 +135,13 @@ def witnesses_main(argv) -> int:
     from .gemm import write_witnesses
     ap = argparse.ArgumentParser(prog="python -m fp4sim.validate gemm-witnesses", description=WITNESS_DOC,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the folder to write (created)")
+    ap.add_argument("--out", required=True, help="the folder to write (created; an existing one must be empty)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     try:
         man = write_witnesses(a.out, a.seed)
+    except ValueError as e:
+        return _fail(f"--out {e}")
     except OSError as e:
         return _fail(f"--out {a.out}: {e.strerror or e}")
     worst = min(man["separating_cells"].values())
