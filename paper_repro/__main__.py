@@ -99,6 +99,9 @@ def main(argv=None) -> int:
             except (ValueError, FileNotFoundError) as e:
                 print(f"paper_repro: {e}", file=sys.stderr)
                 return 2
+            if a.quick:
+                from .plotting import mark_quick
+                mark_quick(a.out / f"{n}.png", a.out / f"{n}.json")
             if not a.quiet:
                 print(f"{n}: redrew {a.out / (n + '.png')} from {n}.csv")
         return 0
