@@ -3,8 +3,9 @@
 Exit status: 0 exact (or, for stochastic rounding without the kernel's bits, statistically consistent),
 1 mismatch, 2 bad input.
 
-``python -m fp4sim.validate gemm ...`` names the accumulation model that reproduces a GEMM kernel's output, and
-``python -m fp4sim.validate gemm-witnesses --out DIR`` writes operand sets that tell the models apart (each
+``python -m fp4sim.validate gemm ...`` names the accumulation model that reproduces a GEMM kernel's output,
+``python -m fp4sim.validate gemm-witnesses --out DIR`` writes operand sets that tell the models apart, and
+``python -m fp4sim.validate checkpoint DIR`` checks an NVFP4 checkpoint (ModelOpt or compressed-tensors) (each
 with its own --help).
 """
 from __future__ import annotations
@@ -18,11 +19,37 @@ from ..schemes import SCHEMES, get_scheme
 from .core import CLI_NAMES, compare
 
 
+def checkpoint_main(argv) -> int:
+    """``python -m fp4sim.validate checkpoint DIR [--reference REF] [--json F]``: exit 0 consistent (and, with a
+    reference, byte for byte equal), 1 faults found, 2 bad input."""
+    from .checkpoint import __doc__ as doc
+    from .checkpoint import check_checkpoint
+    ap = argparse.ArgumentParser(prog="python -m fp4sim.validate checkpoint", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="the checkpoint's folder (config files and .safetensors, sharded or not)")
+    ap.add_argument("--reference", help="the high-precision weights it was made from (a folder or file)")
+    ap.add_argument("--json", help="write the report as JSON here")
+    a = ap.parse_args(argv)
+    try:
+        if a.json:
+            check_writable(a.json, "--json")
+        rep = check_checkpoint(a.dir, a.reference)
+    except (ValueError, OSError) as e:
+        print(f"fp4sim.validate checkpoint: bad input: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(rep.summary())
+    if a.json:
+        Path(a.json).write_text(rep.to_json() + "\n")
+    return 0 if rep.ok else 1
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("gemm", "gemm-witnesses"):
         from .gemm_cli import gemm_main, witnesses_main
         return (gemm_main if argv[0] == "gemm" else witnesses_main)(argv[1:])
+    if argv and argv[0] == "checkpoint":
+        return checkpoint_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m fp4sim.validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", required=True, help=f"one of {', '.join(SCHEMES)}")
@@ -124,3 +151,4 @@ def _check_options(a):
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

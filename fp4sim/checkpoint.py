@@ -1,0 +1,202 @@
+"""NVFP4 checkpoints as exporters write them: ModelOpt's and compressed-tensors' Hugging Face folders, read into
+fp4sim's conventions.
+
+The two formats side by side (per quantized linear ``NAME``):
+
+================  =======================================  ==============================================
+                  ModelOpt (``hf_quant_config.json``)      compressed-tensors (``config.json``)
+================  =======================================  ==============================================
+codes             ``NAME.weight`` U8 (out, in/2)           ``NAME.weight_packed`` U8 (out, in/2)
+block scales      ``NAME.weight_scale`` F8_E4M3 (out,      ``NAME.weight_scale`` F8_E4M3 (out, in/16)
+                  in/16)
+tensor scale      ``NAME.weight_scale_2`` F32 = amax /     ``NAME.weight_global_scale`` F32 = 2688 /
+                  2688, a multiplier                       amax, a divisor
+activation scale  ``NAME.input_scale`` = amax / 2688       ``NAME.input_global_scale`` = 2688 / amax
+config            ``quantization.quant_algo: "NVFP4"``,    ``quantization_config.format:
+                  ``group_size``, ``exclude_modules``      "nvfp4-pack-quantized"``, ``ignore``
+================  =======================================  ==============================================
+
+Both pack element 2i of a row in the low nibble of byte i (fp4sim's order) and store the block scales row by
+row (the linear layout). A value decodes as ``e2m1 · scale · weight_scale_2`` (ModelOpt) or ``e2m1 · scale /
+weight_global_scale`` (compressed-tensors). fp4sim holds the tensor scale as the tensor amax it stands for
+(``global_amax``): ``2688 · weight_scale_2`` or ``2688 / weight_global_scale``, rounded to float32.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "FORMATS"]
+
+FORMATS = ("modelopt", "compressed-tensors")
+# per format: the key suffixes of codes, block scales, tensor scale, activation scale
+KEYS = {"modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+        "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")}
+
+
+@dataclass
+class QuantWeight:
+    """One quantized linear of a checkpoint, as stored: ``codes`` (uint8, two E2M1 codes per byte), ``scales``
+    (the E4M3 block-scale bytes as uint8, in the shape stored), ``tensor_scale`` (the stored float32 value, None
+    when the entry is missing) and its meaning in fp4sim's convention, ``global_amax`` (None when missing or not
+    finite and positive); ``files``: where each entry was read."""
+    name: str
+    codes: np.ndarray
+    scales: np.ndarray | None
+    tensor_scale: np.float32 | None
+    global_amax: np.float32 | None
+    input_scale: np.float32 | None
+    files: dict = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple:
+        """(out_features, in_features) implied by the codes."""
+        return (self.codes.shape[0], 2 * self.codes.shape[1]) if self.codes.ndim == 2 else tuple(self.codes.shape)
+
+
+@dataclass
+class Checkpoint:
+    """An NVFP4 checkpoint folder: its ``format`` ("modelopt" or "compressed-tensors"), ``group_size``, the
+    quantized linears by module name (``weights``), the module names or globs it excludes from quantization
+    (``excluded``), every other tensor entry by name (``other``: name -> (file, dtype, shape)), and the config it
+    was detected from."""
+    path: Path
+    format: str
+    group_size: int
+    weights: dict
+    excluded: list
+    other: dict
+    config: dict
+
+    def is_excluded(self, module: str) -> bool:
+        """Whether an exclude entry names ``module``: the name itself, a suffix of its dotted components, or a
+        glob."""
+        return any(module == e or module.endswith("." + e) or fnmatch.fnmatchcase(module, e) for e in self.excluded)
+
+
+def _json(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: not readable JSON ({e})") from None
+
+
+def _files(d: Path) -> dict:
+    """{entry name: safetensors file} of a folder, from its .index.json where there is one."""
+    idx = sorted(d.glob("*.safetensors.index.json"))
+    if idx:
+        wm = _json(idx[0]).get("weight_map")
+        if not isinstance(wm, dict):
+            raise ValueError(f"{idx[0]}: no weight_map")
+        missing = sorted({f for f in wm.values() if not (d / f).is_file()})
+        if missing:
+            raise ValueError(f"{idx[0]} names shards that are not in {d}: {', '.join(missing[:4])}")
+        return {k: d / f for k, f in wm.items()}
+    from ._safetensors import safetensors_keys
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        for k in safetensors_keys(f):
+            out[k] = f
+    return out
+
+
+def detect(d: Path, names) -> tuple[str, dict, int, list]:
+    """(format, config, group size, excluded modules) from the folder's config files, else from its key names."""
+    hq, cfg = d / "hf_quant_config.json", d / "config.json"
+    if hq.is_file():
+        q = _json(hq).get("quantization", {})
+        if str(q.get("quant_algo", "")).upper() != "NVFP4":
+            raise ValueError(f"{hq}: quant_algo {q.get('quant_algo')!r} is not NVFP4 (fp4sim reads NVFP4 exports)")
+        return "modelopt", q, int(q.get("group_size") or 16), list(q.get("exclude_modules") or [])
+    qc = _json(cfg).get("quantization_config") if cfg.is_file() else None
+    if isinstance(qc, dict):
+        if qc.get("quant_method") == "modelopt" or "quant_algo" in qc:
+            algo = str(qc.get("quant_algo", "")).upper()
+            if algo and algo != "NVFP4":
+                raise ValueError(f"{cfg}: quant_algo {algo!r} is not NVFP4")
+            return "modelopt", qc, int(qc.get("group_size") or 16), list(qc.get("exclude_modules")
+                                                                         or qc.get("ignore") or [])
+        fmt = qc.get("format") or ""
+        groups = qc.get("config_groups") or {}
+        sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values() if isinstance(g, dict)}
+        if fmt == "nvfp4-pack-quantized" or any(isinstance(g, dict) and g.get("format") == "nvfp4-pack-quantized"
+                                                for g in groups.values()):
+            size = next((s for s in sizes if s), 16)
+            return "compressed-tensors", qc, int(size), list(qc.get("ignore") or [])
+        raise ValueError(f"{cfg}: quantization_config format {fmt!r} is not NVFP4 (nvfp4-pack-quantized)")
+    if any(n.endswith(".weight_packed") for n in names):
+        return "compressed-tensors", {}, 16, []
+    if any(n.endswith(".weight_scale_2") for n in names):
+        return "modelopt", {}, 16, []
+    raise ValueError(f"{d}: no NVFP4 checkpoint found (no hf_quant_config.json, no quantization_config in "
+                     "config.json, and no *.weight_scale_2 / *.weight_packed entries)")
+
+
+def _scalar(a) -> np.float32 | None:
+    a = np.asarray(a)
+    if a.size != 1 or a.dtype.kind != "f":
+        return None
+    return np.float32(a.reshape(-1)[0])
+
+
+def read_checkpoint(path) -> Checkpoint:
+    """Read an NVFP4 checkpoint folder (sharded or not); ValueError naming the file and what is wrong."""
+    from ._safetensors import load_safetensors
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a folder (give the checkpoint's folder, with its config and .safetensors)")
+    files = _files(d)
+    if not files:
+        raise ValueError(f"{d}: no .safetensors files")
+    fmt, cfg, group, excluded = detect(d, files)
+    if group != 16:
+        raise ValueError(f"{d}: group_size {group}; NVFP4 blocks are 16 elements")
+    kc, ks, kg, ki = KEYS[fmt]
+    mods = sorted({n[: -len(kc) - 1] for n, f in files.items() if n.endswith("." + kc)
+                   and str(_dtype(f, n)) == "U8"})
+    weights, used = {}, set()
+    for m in mods:
+        got, where = {}, {}
+        for role, suf in (("codes", kc), ("scales", ks), ("tensor_scale", kg), ("input_scale", ki)):
+            key = f"{m}.{suf}"
+            if key in files:
+                got[role] = load_safetensors(files[key], key)
+                where[role] = files[key].name
+                used.add(key)
+        codes = got["codes"]
+        sc = got.get("scales")
+        if sc is not None:
+            sc = np.ascontiguousarray(sc).view(np.uint8) if sc.dtype.itemsize == 1 else sc
+        ts = _scalar(got["tensor_scale"]) if "tensor_scale" in got else None
+        amax = None
+        if ts is not None and np.isfinite(ts) and ts > 0:
+            with np.errstate(over="ignore", divide="ignore"):
+                amax = np.float32(np.float32(2688.0) * ts) if fmt == "modelopt" else np.float32(
+                    np.float32(2688.0) / ts)
+        inp = _scalar(got["input_scale"]) if "input_scale" in got else None
+        weights[m] = QuantWeight(m, np.asarray(codes), sc, ts, amax, inp, where)
+    other = {n: (f, str(_dtype(f, n)), _shape(f, n)) for n, f in files.items() if n not in used}
+    return Checkpoint(d, fmt, group, weights, excluded, other, cfg)
+
+
+_HEADERS: dict = {}
+
+
+def _meta(f: Path, n: str) -> dict:
+    from ._safetensors import _header
+    key = (str(f), f.stat().st_mtime_ns)
+    if key not in _HEADERS:
+        _HEADERS[key] = _header(f)[0]
+    return _HEADERS[key][n]
+
+
+def _dtype(f: Path, n: str) -> str:
+    return _meta(f, n).get("dtype")
+
+
+def _shape(f: Path, n: str) -> tuple:
+    return tuple(int(v) for v in _meta(f, n).get("shape", ()))

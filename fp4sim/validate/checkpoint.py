@@ -1,0 +1,202 @@
+"""``python -m fp4sim.validate checkpoint DIR [--reference REF] [--json F]``: an NVFP4 checkpoint (ModelOpt or
+compressed-tensors export, :mod:`fp4sim.checkpoint`) checked tensor by tensor.
+
+Without a reference, every quantized linear's internal consistency: the shapes of its codes, block scales and
+tensor scale (a half-size scale tensor, the swizzled layout's padded size, a missing tensor scale), scale bytes
+that are NaN or negative, the largest block scale against the tensor scale (448 when the tensor scale comes
+from the weight's own amax), a tensor scale whose implied weight amax is implausible while its inverse is not
+(a tensor scale stored in the other format's direction), and the excluded modules (each present in high
+precision, none quantized). With ``--reference`` (the high-precision weights the checkpoint was made from: a
+folder or file analyze reads), each ModelOpt weight is quantized again with fp4sim's ``modelopt`` flavour from
+its own amax and compared byte for byte; a difference is named where a known fault reproduces the checkpoint's
+bytes (nibbles swapped, scales swizzled or transposed, scale bytes one binade off, another flavour's rounding
+order, the tensor scale inverted).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint import KEYS, Checkpoint, QuantWeight, read_checkpoint
+from ..formats import E4M3
+from ..layout import swizzle_scales, swizzled_size
+
+__all__ = ["check_checkpoint", "CheckpointReport"]
+
+C2688 = np.float32(2688.0)
+PLAUSIBLE_AMAX = (1e-4, 1e4)        # a weight matrix's largest |w| in any model seen: far inside this range
+
+
+@dataclass
+class CheckpointReport:
+    """``tensors``: {module: {"ok": bool, "faults": [...], "notes": [...], "shape", "global_amax", "exact"}};
+    ``faults`` / ``notes`` of the checkpoint as a whole (excluded modules, ...); ``ok``: no fault anywhere."""
+    path: str
+    format: str
+    reference: str | None
+    tensors: dict = field(default_factory=dict)
+    faults: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults and all(t["ok"] for t in self.tensors.values())
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=float)
+
+    def summary(self) -> str:
+        bad = [n for n, t in self.tensors.items() if not t["ok"]]
+        exact = sum(1 for t in self.tensors.values() if t.get("exact"))
+        head = (f"fp4sim.validate checkpoint: {self.path} ({self.format}), {len(self.tensors)} quantized linears: "
+                + ("CONSISTENT" if self.ok else f"{len(bad) + bool(self.faults)} with faults"))
+        if self.reference:
+            head += f"; {exact} of {len(self.tensors)} equal to the reference re-quantized, byte for byte"
+        lines = [head]
+        for n, t in self.tensors.items():
+            for f in t["faults"]:
+                lines.append(f"  FAULT {n}: {f}")
+        for f in self.faults:
+            lines.append(f"  FAULT: {f}")
+        for n, t in self.tensors.items():
+            for f in t["notes"]:
+                lines.append(f"  note {n}: {f}")
+        for f in self.notes:
+            lines.append(f"  note: {f}")
+        return "\n".join(lines)
+
+
+def _decode_scales(b):
+    return E4M3.values[np.asarray(b, np.uint8)]
+
+
+def _structure(v):
+    """The share of the variance of log2 scales left within rows and within columns (lower: more structure)."""
+    tot = np.nanvar(v)
+    if not tot:
+        return 1.0
+    return float(min(np.nanmean(np.nanvar(v, axis=1)), np.nanmean(np.nanvar(v, axis=0))) / tot)
+
+
+def _looks_swizzled(sc) -> bool:
+    """Scale bytes of the linear shape whose rows and columns show much more structure when read as cuBLAS's
+    swizzled 128x4 layout than as rows x blocks (weights have per-row and per-column magnitudes)."""
+    from ..layout import unswizzle_scales
+    R, B = sc.shape
+    if R % 128 or B % 4 or R * B < 512:
+        return False
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lin = np.log2(_decode_scales(sc))
+        un = np.log2(_decode_scales(unswizzle_scales(sc.reshape(-1), R, B)))
+    lin[~np.isfinite(lin)] = np.nan
+    un[~np.isfinite(un)] = np.nan
+    # real weights: 0.67 (MiniLM's query) and 0.89 (its FFN) when swizzled; i.i.d. Gaussian weights, which have
+    # no structure to find, 0.99 - 1.02 either way
+    return _structure(un) < 0.93 * _structure(lin)
+
+
+def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list]:
+    kc, ks, kg, _ = KEYS[fmt]
+    faults, notes = [], []
+    if w.codes.dtype != np.uint8 or w.codes.ndim != 2:
+        return [f"{kc} has dtype {w.codes.dtype} and {w.codes.ndim} axes; packed codes are 2-D uint8 (out, in/2)"], []
+    R, K = w.shape
+    nb = -(-K // 16)
+    sc = w.scales
+    if sc is None:
+        faults.append(f"no block scales ({w.name}.{ks})")
+    else:
+        want = R * nb
+        if sc.size == want and sc.shape != (R, nb):
+            notes.append(f"{ks} has shape {tuple(sc.shape)}, read as ({R}, {nb})")
+        if sc.size == want // 2 and want % 2 == 0:
+            faults.append(f"{ks} holds {sc.size} bytes, half of the {R} x {nb} = {want} that {R} rows of {K} "
+                          "elements need (a half-size scale tensor: the export wrote one scale per 32 elements or "
+                          "dropped half of them)")
+        elif sc.size == swizzled_size(R, nb) and sc.size != want:
+            faults.append(f"{ks} holds {sc.size} bytes: the size of cuBLAS's swizzled layout (128 x 4 tiles, "
+                          f"padded), not the {R} x {nb} linear layout checkpoints store")
+        elif sc.size != want:
+            faults.append(f"{ks} holds {sc.size} bytes; {R} rows x {nb} blocks = {want} expected")
+        else:
+            sc = sc.reshape(R, nb)
+            nan = int(((sc & 0x7F) == 0x7F).sum())
+            neg = int(((sc & 0x80) != 0).sum())
+            if nan:
+                faults.append(f"{nan} block-scale bytes are E4M3 NaN (0x7F / 0xFF)")
+            if neg:
+                faults.append(f"{neg} block-scale bytes are negative (sign bit set): scales are magnitudes")
+            if not nan:
+                top = float(_decode_scales(sc).max())
+                if top != 448.0:
+                    notes.append(f"the largest block scale is {top:g}, not 448: the tensor scale does not come from "
+                                 "this weight's own amax (a scale shared with another tensor, e.g. fused gate / up, "
+                                 "or a calibrated amax)")
+                if _looks_swizzled(sc):
+                    faults.append(f"{ks} looks swizzled: read in cuBLAS's 128x4 layout its rows and columns are far "
+                                  "more coherent than read as rows x blocks (a swizzled copy written as linear)")
+    if w.tensor_scale is None:
+        faults.append(f"no tensor scale ({w.name}.{kg}): the weight cannot be dequantized (an MoE expert that lost "
+                      "its global scale?)")
+    elif not (np.isfinite(w.tensor_scale) and w.tensor_scale > 0):
+        faults.append(f"{kg} is {float(w.tensor_scale)!r}: a tensor scale must be finite and positive")
+    else:
+        lo, hi = PLAUSIBLE_AMAX
+        amax = float(w.global_amax)
+        alt = float(C2688 / w.tensor_scale) if fmt == "modelopt" else float(C2688 * w.tensor_scale)
+        if not lo <= amax <= hi and lo <= alt <= hi:
+            how = ("amax / 2688, a multiplier" if fmt == "modelopt" else "2688 / amax, a divisor")
+            faults.append(f"{kg} = {float(w.tensor_scale):.6g} looks inverted: read as {how} (this format's "
+                          f"convention) the weight's amax is {amax:.4g}, read the other way {alt:.4g}")
+        elif not lo <= amax <= hi:
+            notes.append(f"{kg} implies a weight amax of {amax:.4g}, outside the usual {lo:g} ... {hi:g}")
+    return faults, notes
+
+
+def _excluded(ck: Checkpoint, rep: CheckpointReport):
+    weights = {n[: -len(".weight")]: v for n, v in ck.other.items() if n.endswith(".weight")}
+    for e in ck.excluded:
+        one = Checkpoint(ck.path, ck.format, ck.group_size, {}, [e], {}, {})
+        hits = [m for m in weights if one.is_excluded(m)]
+        qhits = [m for m in ck.weights if one.is_excluded(m)]
+        if qhits:
+            rep.faults.append(f"excluded module {e!r} is quantized ({', '.join(qhits[:3])})")
+        elif not hits:
+            rep.notes.append(f"excluded module {e!r} has no weight in the checkpoint (tied to another tensor, or "
+                             "named differently)")
+        else:
+            low = [m for m in hits if weights[m][1] not in ("F32", "F16", "BF16", "F64")]
+            if low:
+                rep.faults.append(f"excluded module {low[0]!r} is stored as {weights[low[0]][1]}, not in high "
+                                  "precision")
+
+
+def check_checkpoint(path, reference=None) -> CheckpointReport:
+    """Read and check an NVFP4 checkpoint folder (see the module docstring); ``reference``: the high-precision
+    weights it was made from (ModelOpt exports are then compared byte for byte)."""
+    ck = read_checkpoint(path)
+    rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)
+    refs = _reference_sources(reference) if reference else None
+    for name, w in ck.weights.items():
+        faults, notes = _check_weight(w, ck.format)
+        t = {"ok": not faults, "faults": faults, "notes": notes, "shape": list(w.shape),
+             "global_amax": None if w.global_amax is None else float(w.global_amax), "exact": None}
+        if refs is not None:
+            from .checkpoint_ref import compare_to_reference
+            compare_to_reference(w, ck.format, refs, t)
+        rep.tensors[name] = t
+    _excluded(ck, rep)
+    return rep
+
+
+def _reference_sources(reference) -> dict:
+    """{tensor name: Source} of the reference weights (any layout analyze reads)."""
+    from ..analyze.inputs import discover
+    sources, problems, _ = discover([str(reference)])
+    if not sources:
+        why = "; ".join(f"{p}: {r}" for p, r in problems[:3])
+        raise ValueError(f"--reference {reference}: no tensors found" + (f" ({why})" if why else ""))
+    return {s.name: s for s in sources}
