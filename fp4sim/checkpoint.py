@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "FORMATS"]
+__all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "FORMATS", "is_checkpoint", "dequantize_weight"]
 
 FORMATS = ("modelopt", "compressed-tensors")
 # per format: the key suffixes of codes, block scales, tensor scale, activation scale
@@ -200,3 +200,33 @@ def _dtype(f: Path, n: str) -> str:
 
 def _shape(f: Path, n: str) -> tuple:
     return tuple(int(v) for v in _meta(f, n).get("shape", ()))
+
+
+def is_checkpoint(d) -> bool:
+    """Whether the folder ``d`` holds an NVFP4 export (by its config files)."""
+    d = Path(d)
+    try:
+        if (d / "hf_quant_config.json").is_file():
+            return True
+        qc = _json(d / "config.json").get("quantization_config") if (d / "config.json").is_file() else None
+        return isinstance(qc, dict) and bool(detect(d, ())[0])
+    except ValueError:
+        return False
+
+
+def dequantize_weight(w: QuantWeight, fmt: str) -> np.ndarray:
+    """The weight's values, float32 (out, in): E2M1 value x decoded E4M3 block scale x the tensor scale, in the
+    format's own operations (ModelOpt: ``fl(s · weight_scale_2)``; compressed-tensors: ``fl(s /
+    weight_global_scale)``, then times the element)."""
+    from .formats import E2M1, E4M3
+    from .layout import unpack_fp4
+    R, K = w.shape
+    nb = -(-K // 16)
+    if w.scales is None or w.scales.size != R * nb or w.tensor_scale is None:
+        raise ValueError(f"{w.name}: its block scales or tensor scale are missing or of the wrong size "
+                         "(python -m fp4sim.validate checkpoint says which)")
+    s = E4M3.values[np.asarray(w.scales, np.uint8).reshape(R, nb)].astype(np.float32)
+    with np.errstate(all="ignore"):
+        fac = s * np.float32(w.tensor_scale) if fmt == "modelopt" else s / np.float32(w.tensor_scale)
+        v = E2M1.values[unpack_fp4(w.codes)].astype(np.float32)
+        return (v.reshape(R, nb, 16) * fac[:, :, None]).reshape(R, nb * 16)[:, :K].astype(np.float32)

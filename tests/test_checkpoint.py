@@ -212,3 +212,29 @@ def test_an_excluded_module_that_is_quantized_and_bad_folders(ckpt, tmp_path):
     r = _cli(plain)
     assert r.returncode == 2 and "no NVFP4 checkpoint found" in r.stderr
     shutil.rmtree(plain)
+
+
+def test_analyze_reads_a_checkpoint_as_its_dequantized_weights(ckpt, tmp_path):
+    """python -m fp4sim.analyze DIR on a ModelOpt export: each quantized linear is one weight tensor, its values
+    those ModelOpt's own dequantize gives; the excluded head is analysed as stored, the scale entries are not
+    tensors of their own."""
+    torch = torch_or_skip()
+    qt = import_or_missing("modelopt.torch.quantization.qtensor")
+    from fp4sim.analyze.core import analyze
+    from fp4sim.analyze.inputs import discover, load
+    base, ref, mo = ckpt
+    d = write_modelopt(tmp_path / "mo", mo)
+    sources, problems, _ = discover([str(d)])
+    names = {s.name for s in sources}
+    assert {f"{Q}.weight", f"{D}.weight", "lm_head.weight"} <= names and not problems
+    assert not any(n.endswith(("weight_scale", "weight_scale_2", "input_scale")) for n in names)
+    src = next(s for s in sources if s.name == f"{Q}.weight")
+    got = load(src)
+    qobj = qt.NVFP4QTensor(torch.Size((384, 384)), torch.float32, mo[f"{Q}.weight"])
+    want = qobj.dequantize(scale=mo[f"{Q}.weight_scale"], double_scale=mo[f"{Q}.weight_scale_2"],
+                           block_sizes={-1: 16}).numpy()
+    np.testing.assert_array_equal(got, want)
+    ds = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True)
+    assert {f"{Q}.weight", f"{D}.weight", "lm_head.weight"} <= set(ds.tensor.values)
+    hist = ds.scale_hist.sel(tensor=f"{Q}.weight", scheme="nvfp4").values
+    assert hist.sum() == 384 * 24 and hist[0x7E] >= 1                    # the amax block's 448

@@ -163,7 +163,11 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
     that cannot be read, paths that do not exist), and the dumps' metadata (``__meta__`` of .npz files)."""
     problems, meta = [], {"pairs": {}}
     files = []  # (file, the folder it was found under or None, sidecar roles)
+    found = []  # (base name, file, root, key, roles, file's meta pairs)
+    skip = set()  # (file, key) entries read through a checkpoint instead
     for p in map(Path, paths):
+        if p.is_dir() and _nvfp4_checkpoint(p, files, found, skip, problems):
+            continue
         if p.is_dir():
             side = _sidecar(p)
             files += [(f, p, side) for f in sorted(p.rglob("*")) if f.is_file() and f.suffix.lower() in SUFFIXES]
@@ -174,7 +178,6 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
             files.append((p, None, {}))
         else:
             problems.append((str(p), "no such file or directory"))
-    found = []  # (base name, file, root, key, roles, file's meta pairs)
     for f, root, side in files:
         try:
             side = {**side, **_sidecar(f)}
@@ -195,7 +198,8 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
             problems.append((str(f), _reason(e)))
             continue
         for k in keys:
-            found.append((k if k is not None else f.stem, f, root, k, side, pairs))
+            if (f, k) not in skip:
+                found.append((k if k is not None else f.stem, f, root, k, side, pairs))
     count = {}
     for base, *_ in found:
         count[base] = count.get(base, 0) + 1
@@ -228,6 +232,32 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
     return sources, problems, meta
 
 
+CKPT = "nvfp4-checkpoint:"          # the key of a checkpoint's dequantized weight
+_CKPTS: dict = {}                   # checkpoints read in this process, by folder
+
+
+def _nvfp4_checkpoint(d: Path, files: list, found: list, skip: set, problems: list) -> bool:
+    """An NVFP4 export folder: each quantized linear becomes one tensor, ``MODULE.weight`` (its dequantized
+    values, key ``nvfp4-checkpoint:MODULE``); the other entries of its files are read as usual. False for any
+    other folder."""
+    from ..checkpoint import KEYS, is_checkpoint, read_checkpoint
+    if not is_checkpoint(d):
+        return False
+    try:
+        ck = read_checkpoint(d)
+    except ValueError as e:
+        problems.append((str(d), str(e)))
+        return True
+    side = _sidecar(d)
+    for m, w in ck.weights.items():
+        found.append((f"{m}.weight", d, None, f"{CKPT}{m}", side, {}))
+        skip.update((d / w.files[r], f"{m}.{k}") for r, k in zip(("codes", "scales", "tensor_scale",
+                                                                   "input_scale"), KEYS[ck.format])
+                    if r in w.files)
+    files += [(f, d, side) for f in sorted({f for f, _, _ in ck.other.values()})]
+    return True
+
+
 def _reason(e) -> str:
     if isinstance(e, TensorError):
         return str(e)
@@ -242,7 +272,11 @@ def load(src: Source) -> np.ndarray:
     path = Path(src.path)
     suf = path.suffix.lower()
     try:
-        if suf == ".npz":
+        if src.key and src.key.startswith(CKPT):
+            from ..checkpoint import dequantize_weight, read_checkpoint
+            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_checkpoint(src.path))
+            a = dequantize_weight(ck.weights[src.key[len(CKPT):]], ck.format)
+        elif suf == ".npz":
             with np.load(path, allow_pickle=False) as z:
                 a = z[src.key]
         elif suf == ".npy":
