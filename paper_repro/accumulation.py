@@ -97,19 +97,26 @@ def _plot(summary, out: Path):
     a0.axhline(summary["bf16_final_val_loss_mean"], color="k", ls="--", lw=1, label="BF16 (seed mean)")
     a0.set_xticks(range(len(MODELS)), MODELS)
     a0.set(xlabel="accumulation model (NVFP4, paper recipe)", ylabel="final validation loss (nats/char)")
+    a0.margins(y=0.1)
     a0.legend(fontsize=8, loc="upper right")
     plotting.title(a0, f"final loss per seed (dots) and mean ± s.e., D/N {summary['tokens_per_param']:.3g}",
                    width=62)
     others = [m for m in MODELS if m != REFERENCE]
     for i, m in enumerate(others):
         eff, se = ms[m].get("effect", math.nan), ms[m].get("stderr", math.nan)
-        a1.errorbar([i], [eff], yerr=[0 if not math.isfinite(se) else se], fmt="o", color=COLORS[m], capsize=3)
+        d = [a - b for a, b in zip(ms[m]["per_seed"], ms[REFERENCE]["per_seed"])]
+        a1.plot([i - 0.12] * len(d), d, "o", color=COLORS[m], alpha=0.45, ms=5,
+                label="one seed's difference" if i == 0 else None)
+        a1.errorbar([i + 0.05], [eff], yerr=[0 if not math.isfinite(se) else se], fmt="s", color=COLORS[m], capsize=3,
+                    label="mean ± s.e." if i == 0 else None)
     a1.axhline(0, color="k", lw=0.8)
     gap = summary["nvfp4_gap_to_bf16"]
     if gap and math.isfinite(gap):
         for sgn in (1, -1):
-            a1.axhline(sgn * 0.1 * gap, color="0.5", ls=":", lw=1, label="± 10% of NVFP4's gap to BF16" if sgn > 0 else None)
-        a1.legend(fontsize=8, loc="upper right")
+            a1.axhline(sgn * 0.1 * gap, color="0.5", ls=":", lw=1,
+                       label="± 10% of NVFP4's gap to BF16" if sgn > 0 else None)
+    a1.margins(y=0.15)
+    a1.legend(fontsize=8, loc="upper left")
     a1.set_xticks(range(len(others)), others)
     a1.set(xlabel="accumulation model", ylabel=f"final loss - {REFERENCE}'s (nats, paired by seed)")
     plotting.title(a1, f"difference to TE's reference rule (mean ± s.e.); NVFP4 - BF16 = {gap:+.4f} nats",
