@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from ..checkpoint import KEYS, Checkpoint, QuantWeight, read_checkpoint
 from ..formats import E4M3
-from ..layout import swizzle_scales, swizzled_size
+from ..layout import swizzled_size
 
 __all__ = ["check_checkpoint", "CheckpointReport"]
 
