@@ -41,21 +41,36 @@ KEYS = {"modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
 @dataclass
 class QuantWeight:
     """One quantized linear of a checkpoint, as stored: ``codes`` (uint8, two E2M1 codes per byte), ``scales``
-    (the E4M3 block-scale bytes as uint8, in the shape stored), ``tensor_scale`` (the stored float32 value, None
-    when the entry is missing) and its meaning in fp4sim's convention, ``global_amax`` (None when missing or not
-    finite and positive); ``files``: where each entry was read."""
+    (the E4M3 block-scale bytes as uint8, in the shape stored; None when missing), ``tensor_scale`` (the stored
+    float32 value, None when the entry is missing) and its meaning in fp4sim's convention, ``global_amax`` (None
+    when missing or not finite and positive); ``files``: where each entry was read. The codes and scales are read
+    from their files when asked for (not kept), so a checkpoint of any size is held as its headers and scalars."""
     name: str
-    codes: np.ndarray
-    scales: np.ndarray | None
     tensor_scale: np.float32 | None
     global_amax: np.float32 | None
     input_scale: np.float32 | None
     files: dict = field(default_factory=dict)
+    entries: dict = field(default_factory=dict)          # role -> (file path, key, stored shape)
+
+    def _read(self, role):
+        from ._safetensors import load_safetensors
+        path, key, _ = self.entries[role]
+        a = load_safetensors(path, key)
+        return np.ascontiguousarray(a).view(np.uint8) if a.dtype.itemsize == 1 else a
+
+    @property
+    def codes(self) -> np.ndarray:
+        return self._read("codes")
+
+    @property
+    def scales(self) -> np.ndarray | None:
+        return self._read("scales") if "scales" in self.entries else None
 
     @property
     def shape(self) -> tuple:
-        """(out_features, in_features) implied by the codes."""
-        return (self.codes.shape[0], 2 * self.codes.shape[1]) if self.codes.ndim == 2 else tuple(self.codes.shape)
+        """(out_features, in_features) implied by the codes (from the file's header)."""
+        sh = self.entries["codes"][2]
+        return (sh[0], 2 * sh[1]) if len(sh) == 2 else tuple(sh)
 
 
 @dataclass
@@ -160,17 +175,15 @@ def read_checkpoint(path) -> Checkpoint:
                    and str(_dtype(f, n)) == "U8"})
     weights, used = {}, set()
     for m in mods:
-        got, where = {}, {}
+        got, where, entries = {}, {}, {}
         for role, suf in (("codes", kc), ("scales", ks), ("tensor_scale", kg), ("input_scale", ki)):
             key = f"{m}.{suf}"
             if key in files:
-                got[role] = load_safetensors(files[key], key)
+                entries[role] = (files[key], key, _shape(files[key], key))
+                if role in ("tensor_scale", "input_scale"):       # scalars: read now
+                    got[role] = load_safetensors(files[key], key)
                 where[role] = files[key].name
                 used.add(key)
-        codes = got["codes"]
-        sc = got.get("scales")
-        if sc is not None:
-            sc = np.ascontiguousarray(sc).view(np.uint8) if sc.dtype.itemsize == 1 else sc
         ts = _scalar(got["tensor_scale"]) if "tensor_scale" in got else None
         amax = None
         if ts is not None and np.isfinite(ts) and ts > 0:
@@ -178,7 +191,7 @@ def read_checkpoint(path) -> Checkpoint:
                 amax = np.float32(np.float32(2688.0) * ts) if fmt == "modelopt" else np.float32(
                     np.float32(2688.0) / ts)
         inp = _scalar(got["input_scale"]) if "input_scale" in got else None
-        weights[m] = QuantWeight(m, np.asarray(codes), sc, ts, amax, inp, where)
+        weights[m] = QuantWeight(m, ts, amax, inp, where, entries)
     other = {n: (f, str(_dtype(f, n)), _shape(f, n)) for n, f in files.items() if n not in used}
     return Checkpoint(d, fmt, group, weights, excluded, other, cfg)
 
@@ -222,10 +235,11 @@ def dequantize_weight(w: QuantWeight, fmt: str) -> np.ndarray:
     from .layout import unpack_fp4
     R, K = w.shape
     nb = -(-K // 16)
-    if w.scales is None or w.scales.size != R * nb or w.tensor_scale is None:
+    sc = w.scales
+    if sc is None or sc.size != R * nb or w.tensor_scale is None:
         raise ValueError(f"{w.name}: its block scales or tensor scale are missing or of the wrong size "
                          "(python -m fp4sim.validate checkpoint says which)")
-    s = E4M3.values[np.asarray(w.scales, np.uint8).reshape(R, nb)].astype(np.float32)
+    s = E4M3.values[np.asarray(sc, np.uint8).reshape(R, nb)].astype(np.float32)
     with np.errstate(all="ignore"):
         fac = s * np.float32(w.tensor_scale) if fmt == "modelopt" else s / np.float32(w.tensor_scale)
         v = E2M1.values[unpack_fp4(w.codes)].astype(np.float32)

@@ -116,6 +116,8 @@ def test_a_modelopt_export_reads_and_validates_clean(ckpt, tmp_path):
     ck = read_checkpoint(d)
     assert ck.format == "modelopt" and set(ck.weights) == {Q, D} and ck.excluded == ["lm_head"]
     w = ck.weights[Q]
+    assert not any(isinstance(v, np.ndarray) for v in vars(w).values())      # codes and scales read on use
+    assert w.shape == (384, 384)
     assert w.codes.shape == (384, 192) and w.scales.shape == (384, 24) and w.scales.dtype == np.uint8
     assert np.array_equal(w.codes, mo[f"{Q}.weight"].numpy())
     amax = np.float32(np.abs(np.load(SAMPLE)[f"minilm.{Q}.weight"]).max())

@@ -100,8 +100,9 @@ def _looks_swizzled(sc) -> bool:
 def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list]:
     kc, ks, kg, _ = KEYS[fmt]
     faults, notes = [], []
-    if w.codes.dtype != np.uint8 or w.codes.ndim != 2:
-        return [f"{kc} has dtype {w.codes.dtype} and {w.codes.ndim} axes; packed codes are 2-D uint8 (out, in/2)"], []
+    codes = w.codes
+    if codes.dtype != np.uint8 or codes.ndim != 2:
+        return [f"{kc} has dtype {codes.dtype} and {codes.ndim} axes; packed codes are 2-D uint8 (out, in/2)"], []
     R, K = w.shape
     nb = -(-K // 16)
     sc = w.scales

@@ -47,7 +47,8 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict):
     codes, scales = _flavour_bytes(x, "modelopt", amax)
     want_ts = np.float32(amax / C2688)
     got_c = np.asarray(w.codes)
-    got_s = None if w.scales is None else np.asarray(w.scales).reshape(-1)
+    got_s = w.scales
+    got_s = None if got_s is None else np.asarray(got_s).reshape(-1)
     c_ok = got_c.shape == codes.shape and np.array_equal(got_c, codes)
     s_ok = got_s is not None and got_s.size == scales.size and np.array_equal(got_s, scales.reshape(-1))
     ts_ok = w.tensor_scale is not None and np.float32(w.tensor_scale) == want_ts
