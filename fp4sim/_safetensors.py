@@ -16,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-__all__ = ["safetensors_keys", "load_safetensors"]
+__all__ = ["safetensors_keys", "safetensors_entries", "load_safetensors"]
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -42,6 +42,11 @@ def _header(path):
         raise ValueError("is not a safetensors file (its header is not a JSON object)")
     meta.pop("__metadata__", None)
     return meta, 8 + n, size
+
+
+def safetensors_entries(path) -> dict:
+    """{entry name: {"dtype", "shape", "data_offsets"}} from the file's header, in the file's order (no data read)."""
+    return _header(path)[0]
 
 
 def safetensors_keys(path) -> list[str]:

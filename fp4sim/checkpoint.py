@@ -49,8 +49,12 @@ class QuantWeight:
     tensor_scale: np.float32 | None
     global_amax: np.float32 | None
     input_scale: np.float32 | None
-    files: dict = field(default_factory=dict)
     entries: dict = field(default_factory=dict)          # role -> (file path, key, stored shape)
+
+    @property
+    def files(self) -> dict:
+        """{role: the file name its entry is in} (codes, scales, tensor_scale, input_scale)."""
+        return {r: Path(p).name for r, (p, _, _) in self.entries.items()}
 
     def _read(self, role):
         from ._safetensors import load_safetensors
@@ -88,9 +92,13 @@ class Checkpoint:
     config: dict
 
     def is_excluded(self, module: str) -> bool:
-        """Whether an exclude entry names ``module``: the name itself, a suffix of its dotted components, or a
-        glob."""
-        return any(module == e or module.endswith("." + e) or fnmatch.fnmatchcase(module, e) for e in self.excluded)
+        """Whether one of the checkpoint's exclude entries names ``module`` (:func:`excluded_by`)."""
+        return any(excluded_by(module, e) for e in self.excluded)
+
+
+def excluded_by(module: str, entry: str) -> bool:
+    """Whether an exclude entry names ``module``: the name itself, a suffix of its dotted components, or a glob."""
+    return module == entry or module.endswith("." + entry) or fnmatch.fnmatchcase(module, entry)
 
 
 def _json(p: Path):
@@ -175,14 +183,13 @@ def read_checkpoint(path) -> Checkpoint:
                    and str(_dtype(f, n)) == "U8"})
     weights, used = {}, set()
     for m in mods:
-        got, where, entries = {}, {}, {}
+        got, entries = {}, {}
         for role, suf in (("codes", kc), ("scales", ks), ("tensor_scale", kg), ("input_scale", ki)):
             key = f"{m}.{suf}"
             if key in files:
                 entries[role] = (files[key], key, _shape(files[key], key))
                 if role in ("tensor_scale", "input_scale"):       # scalars: read now
                     got[role] = load_safetensors(files[key], key)
-                where[role] = files[key].name
                 used.add(key)
         ts = _scalar(got["tensor_scale"]) if "tensor_scale" in got else None
         amax = None
@@ -191,7 +198,7 @@ def read_checkpoint(path) -> Checkpoint:
                 amax = np.float32(np.float32(2688.0) * ts) if fmt == "modelopt" else np.float32(
                     np.float32(2688.0) / ts)
         inp = _scalar(got["input_scale"]) if "input_scale" in got else None
-        weights[m] = QuantWeight(m, ts, amax, inp, where, entries)
+        weights[m] = QuantWeight(m, ts, amax, inp, entries)
     other = {n: (f, str(_dtype(f, n)), _shape(f, n)) for n, f in files.items() if n not in used}
     return Checkpoint(d, fmt, group, weights, excluded, other, cfg)
 
@@ -200,10 +207,10 @@ _HEADERS: dict = {}
 
 
 def _meta(f: Path, n: str) -> dict:
-    from ._safetensors import _header
+    from ._safetensors import safetensors_entries
     key = (str(f), f.stat().st_mtime_ns)
     if key not in _HEADERS:
-        _HEADERS[key] = _header(f)[0]
+        _HEADERS[key] = safetensors_entries(f)
     return _HEADERS[key][n]
 
 
@@ -216,13 +223,11 @@ def _shape(f: Path, n: str) -> tuple:
 
 
 def is_checkpoint(d) -> bool:
-    """Whether the folder ``d`` holds an NVFP4 export (by its config files)."""
-    d = Path(d)
+    """Whether the folder ``d`` holds an NVFP4 export, by its config files (a ModelOpt FP8 export, or a folder
+    whose config files cannot be read, is not one)."""
     try:
-        if (d / "hf_quant_config.json").is_file():
-            return True
-        qc = _json(d / "config.json").get("quantization_config") if (d / "config.json").is_file() else None
-        return isinstance(qc, dict) and bool(detect(d, ())[0])
+        detect(Path(d), ())
+        return True
     except ValueError:
         return False
 

@@ -240,3 +240,18 @@ def test_analyze_reads_a_checkpoint_as_its_dequantized_weights(ckpt, tmp_path):
     assert {f"{Q}.weight", f"{D}.weight", "lm_head.weight"} <= set(ds.tensor.values)
     hist = ds.scale_hist.sel(tensor=f"{Q}.weight", scheme="nvfp4").values
     assert hist.sum() == 384 * 24 and hist[0x7E] >= 1                    # the amax block's 448
+
+
+def test_an_export_of_another_format_is_read_as_plain_files(ckpt, tmp_path):
+    """A ModelOpt FP8 export (hf_quant_config.json with quant_algo FP8) is no NVFP4 checkpoint: validate
+    checkpoint refuses it naming the algorithm, analyze reads its entries as plain safetensors."""
+    from fp4sim.analyze.inputs import discover
+    base, ref, mo = ckpt
+    d = tmp_path / "fp8"
+    d.mkdir()
+    (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    _save(d / "model.safetensors", {"x.weight": mo["lm_head.weight"]})
+    r = _cli(d)
+    assert r.returncode == 2 and "quant_algo 'FP8' is not NVFP4" in r.stderr
+    sources, problems, _ = discover([str(d)])
+    assert [s.name for s in sources] == ["x.weight"] and not problems

@@ -43,7 +43,7 @@ class NotATarget(TensorError):
     but not counted as a failure (the exit status stays 0)."""
 
 
-_VECTOR = re.compile(r"(^|[._])(bias|norm|layernorm|rmsnorm|ln(_?\d+|_f)?|ln)([._]|$)|norm[._]?weight$|_norm$")
+_VECTOR = re.compile(r"(^|[._])(bias|norm|layernorm|rmsnorm|ln(_?\d+|_f)?)([._]|$)|norm[._]?weight$|_norm$")
 
 
 def is_vector_param(name: str, ndim: int) -> bool:
@@ -240,7 +240,7 @@ def _nvfp4_checkpoint(d: Path, files: list, found: list, skip: set, problems: li
     """An NVFP4 export folder: each quantized linear becomes one tensor, ``MODULE.weight`` (its dequantized
     values, key ``nvfp4-checkpoint:MODULE``); the other entries of its files are read as usual. False for any
     other folder."""
-    from ..checkpoint import KEYS, is_checkpoint, read_checkpoint
+    from ..checkpoint import is_checkpoint, read_checkpoint
     if not is_checkpoint(d):
         return False
     try:
@@ -251,9 +251,7 @@ def _nvfp4_checkpoint(d: Path, files: list, found: list, skip: set, problems: li
     side = _sidecar(d)
     for m, w in ck.weights.items():
         found.append((f"{m}.weight", d, None, f"{CKPT}{m}", side, {}))
-        skip.update((d / w.files[r], f"{m}.{k}") for r, k in zip(("codes", "scales", "tensor_scale",
-                                                                   "input_scale"), KEYS[ck.format])
-                    if r in w.files)
+        skip.update((path, key) for path, key, _ in w.entries.values())
     files += [(f, d, side) for f in sorted({f for f, _, _ in ck.other.values()})]
     return True
 

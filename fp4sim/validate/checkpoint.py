@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..checkpoint import KEYS, Checkpoint, QuantWeight, read_checkpoint
+from ..checkpoint import KEYS, Checkpoint, QuantWeight, excluded_by, read_checkpoint
 from ..formats import E4M3
 from ..layout import swizzled_size
 
@@ -159,9 +159,8 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list]:
 def _excluded(ck: Checkpoint, rep: CheckpointReport):
     weights = {n[: -len(".weight")]: v for n, v in ck.other.items() if n.endswith(".weight")}
     for e in ck.excluded:
-        one = Checkpoint(ck.path, ck.format, ck.group_size, {}, [e], {}, {})
-        hits = [m for m in weights if one.is_excluded(m)]
-        qhits = [m for m in ck.weights if one.is_excluded(m)]
+        hits = [m for m in weights if excluded_by(m, e)]
+        qhits = [m for m in ck.weights if excluded_by(m, e)]
         if qhits:
             rep.faults.append(f"excluded module {e!r} is quantized ({', '.join(qhits[:3])})")
         elif not hits:
