@@ -176,7 +176,7 @@ FAULTS = {   # fault -> (the tensor named, a phrase of its message, needs the re
     "global scale inverted": (Q, "looks inverted", False),
     "half-size scales": (Q, "half of the 384 x 24", False),
     "swizzled scales": (D, "swizzled", False),
-    "one binade off": (Q, "1 block-scale bytes are one binade off", True),
+    "one binade off": (Q, "the scale bytes of 1 blocks are one binade high", True),
     "missing global scale": (D, "no tensor scale", False),
 }
 

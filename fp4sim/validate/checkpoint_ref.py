@@ -64,45 +64,42 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict):
         else:
             _fail(t, f"weight_scale_2 is {float(w.tensor_scale)!r}; amax / 2688 of the reference is "
                      f"{float(want_ts)!r}")
-    if not c_ok and got_c.shape == codes.shape:
-        swapped = ((got_c >> 4) | (got_c << 4)).astype(np.uint8)
-        if np.array_equal(swapped, codes):
-            _fail(t, "the two codes of every byte are swapped: element 2i is in the high nibble (fp4sim, ModelOpt "
-                     "and compressed-tensors put it in the low one)")
-        elif s_ok:
-            n = int((got_c != codes).sum())
-            _fail(t, f"{n} of {codes.size} code bytes differ from the reference quantized with ModelOpt's rule "
-                     f"(first at row {int(np.argwhere(got_c != codes)[0][0])})")
-    if got_s is not None and not s_ok:
-        _scales_fault(t, got_s, scales, x, amax, got_c, codes)
+    if got_s is not None and got_s.size != scales.size:
+        R, nb = scales.shape
+        if got_s.size == swizzled_size(R, nb) and np.array_equal(got_s,
+                                                                  np.asarray(swizzle_scales(scales)).reshape(-1)):
+            _fail(t, "the block scales are in cuBLAS's swizzled 128x4 layout, not the linear rows x blocks layout")
+        else:
+            _fail(t, f"weight_scale holds {got_s.size} bytes, {scales.size} expected")
+        return
+    if got_s is None or got_c.shape != codes.shape or (c_ok and s_ok):
+        return
+    _layout_fault(t, x, amax, got_c, got_s.reshape(scales.shape), codes, scales)
 
 
-def _scales_fault(t, got_s, scales, x, amax, got_c, codes):
-    R, nb = scales.shape
-    if got_s.size == swizzled_size(R, nb) and np.array_equal(got_s, np.asarray(swizzle_scales(scales)).reshape(-1)):
-        _fail(t, "the block scales are in cuBLAS's swizzled 128x4 layout, not the linear rows x blocks layout")
-        return
-    if got_s.size != scales.size:
-        _fail(t, f"weight_scale holds {got_s.size} bytes, {scales.size} expected")
-        return
-    if R > 1 and nb > 1 and np.array_equal(got_s, np.ascontiguousarray(scales.T).reshape(-1)):
-        _fail(t, f"the block scales are the transposed matrix ({nb} blocks x {R} rows, row-major)")
-        return
-    g = got_s.reshape(R, nb).astype(np.int16)
-    e = scales.astype(np.int16)
-    d = g - e
-    if np.all((d == 0) | (np.abs(d) == 8)):
-        k = int((d != 0).sum())
-        _fail(t, f"{k} block-scale bytes are one binade off (the E4M3 exponent field +-1: those scales doubled or "
-                 "halved)")
+def _layout_fault(t, x, amax, got_c, got_s, codes, scales):
+    """Codes or scale bytes of the reference's shape that differ: the layout faults fp4sim.validate names in a
+    kernel's output (locate.layout_findings: swapped nibbles, scales one binade off or transposed, rows, blocks
+    or columns permuted, another row stride), else another flavour's rounding order, else where they differ."""
+    from ..layout import unpack_fp4
+    from ..quantize import quantize
+    from .locate import layout_findings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        q = quantize(x, "nvfp4", flavor="modelopt", global_amax=amax)
+    found = layout_findings(q, got_c, got_s, "linear", unpack_fp4(codes), unpack_fp4(got_c), scales, got_s)
+    for f in found:
+        _fail(t, f)
+    if found:
         return
     for other in ("te", "torchao"):
         oc, os_ = _flavour_bytes(x, other, amax)
-        if np.array_equal(os_.reshape(-1), got_s) and np.array_equal(oc, got_c):
+        if np.array_equal(os_, got_s) and np.array_equal(oc, got_c):
             _fail(t, f"the codes and scales are those of the {other} flavour's rounding order, not ModelOpt's "
                      f"(they differ where a block scale falls on an E4M3 rounding boundary: "
                      f"{int((os_ != scales).sum())} blocks here)")
             return
-    bad = np.argwhere(d != 0)
-    _fail(t, f"{len(bad)} of {scales.size} block-scale bytes differ from the reference quantized with ModelOpt's "
-             f"rule (first at row {int(bad[0][0])}, block {int(bad[0][1])})")
+    bad = np.argwhere((got_s != scales) | (unpack_fp4(got_c) != unpack_fp4(codes)).reshape(*scales.shape, 16)
+                      .any(-1))
+    _fail(t, f"{len(bad)} of {scales.size} blocks differ from the reference quantized with ModelOpt's rule (first "
+             f"at row {int(bad[0][0])}, block {int(bad[0][1])})")
