@@ -78,6 +78,8 @@ class GemmReport:
                          "ulps):")
             for e in self.mismatches:
                 lines.append(f"    [{e['row']}, {e['col']}]: {e['kernel']!r} vs {e['model']!r} ({e['ulps']})")
+        for f in self.faults:
+            lines.append(f"  fault: {f}")
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
@@ -214,7 +216,6 @@ def _diagnose(rep, o, ys, dtype):
         rep.notes.append(f"every model matches the same share of elements ({100 * fr.pop():.3f}%): these operands "
                          "cannot tell the models apart (python -m fp4sim.validate gemm-witnesses writes operands "
                          "that do)")
-    rep.notes += [f"fault: {f}" for f in rep.faults]
 
 
 # ------------------------------------------------------------------------------------------ kernel operands
