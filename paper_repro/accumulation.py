@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from . import plotting, scaling, stats
-from .gpt_snr import _budget_index
 
 MODELS = ("exact", "exact_sum", "k64_rtz", "fast")
+RATIO = 10                                 # D/N of the runs (a budget of the sweep)
 REFERENCE = "exact"
 FULL_SEEDS, QUICK_SEEDS = 3, 2
 COLUMNS = ("model", "seed", "tokens", "val_loss")
@@ -32,7 +32,7 @@ def configs(quick: bool, seeds: int) -> dict:
     """{(model, seed): RunConfig}: the sweep's NVFP4 run of the D/N 10 budget under each accumulation model, and
     {("bf16", seed)}: the sweep's BF16 run of that budget."""
     sweep = scaling.configs(quick, seeds)
-    i = _budget_index(quick)
+    i = scaling.budget_index(quick, RATIO)
     out = {}
     for s in range(seeds):
         for m in MODELS:

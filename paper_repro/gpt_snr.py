@@ -28,18 +28,10 @@ FULL_SEEDS, QUICK_SEEDS = 3, 2
 COLUMNS = ("format", "seed", "step", "tokens", "val_loss", "layer", "kept", "snr", "cosine")
 
 
-def _budget_index(quick: bool) -> int:
-    if quick:
-        return -1
-    toks = scaling.budgets(scaling.FULL, False)
-    n = scaling.n_params(scaling.FULL.model)
-    return min(range(len(toks)), key=lambda i: abs(toks[i] / n - RATIO))
-
-
 def configs(quick: bool, seeds: int) -> dict:
     """{(format, seed): RunConfig}: the sweep's run of that budget with the fidelity logged."""
     sweep = scaling.configs(quick, seeds)
-    i = _budget_index(quick)
+    i = scaling.budget_index(quick, RATIO)
     fmts = scaling.QUICK_RECIPES if quick else FORMATS
     out = {}
     for s in range(seeds):

@@ -62,6 +62,15 @@ def budgets(base: RunConfig, quick: bool) -> list[int]:
     return [s * tps for s in steps]
 
 
+def budget_index(quick: bool, ratio: float) -> int:
+    """The index of the sweep's budget nearest ``ratio`` tokens per parameter (the largest in quick mode)."""
+    if quick:
+        return -1
+    toks = budgets(FULL, False)
+    n = n_params(FULL.model)
+    return min(range(len(toks)), key=lambda i: abs(toks[i] / n - ratio))
+
+
 def configs(quick: bool, seeds: int) -> dict:
     """{(format, seed): [RunConfig per budget, increasing]} with the shared evaluation grid."""
     base = QUICK if quick else FULL
