@@ -355,11 +355,13 @@ def test_suggest_high_precision_orders_its_errors_worst_first():
     torch = pytest.importorskip("torch")
     from fp4sim.torch import convert, suggest_high_precision
     torch.manual_seed(2)
-    m = convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(5)]), "nvfp4_paper", quantize_head=True)
+    m = convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(5)]), "nvfp4_paper", quantize_head=True,
+                keep_high_precision=("0",))           # the first layer in BF16: the smallest error, in front
     x = torch.randn(64, 32)
     keep, err = suggest_high_precision(m, lambda: m(x).pow(2).mean().backward(), fraction=0.4)
     vals = list(err.values())
     assert vals == sorted(vals, reverse=True) and list(err)[:2] == keep and len(err) == 5
+    assert list(err)[-1] == "0" and list(err) != [str(i) for i in range(5)]      # not the module order
 
 
 def test_dump_linear_tensors_saves_a_shared_input_once(tmp_path):
