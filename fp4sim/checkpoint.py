@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "FORMATS", "is_checkpoint", "dequantize_weight"]
+__all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "FORMATS", "is_checkpoint", "dequantize_weight",
+           "compressed_tensors_quantize"]
 
 FORMATS = ("modelopt", "compressed-tensors")
 # per format: the key suffixes of codes, block scales, tensor scale, activation scale
@@ -249,3 +250,62 @@ def dequantize_weight(w: QuantWeight, fmt: str) -> np.ndarray:
         fac = s * np.float32(w.tensor_scale) if fmt == "modelopt" else s / np.float32(w.tensor_scale)
         v = E2M1.values[unpack_fp4(w.codes)].astype(np.float32)
         return (v.reshape(R, nb, 16) * fac[:, :, None]).reshape(R, nb * 16)[:, :K].astype(np.float32)
+
+
+_CT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def compressed_tensors_quantize(x, dtype: str | None = None):
+    """compressed-tensors' NVFP4 weight quantizer, byte for byte: ``(codes, scales, weight_global_scale)`` —
+    packed E2M1 codes (uint8, (out, in/2)), E4M3 block-scale bytes (uint8, (out, in/16)) and the float32 global
+    scale its export stores, for a 2-D weight ``x`` (in a multiple of 16).
+
+    The operations, each in the weight's own dtype ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``;
+    default: the dtype of ``x``; torch computes a bfloat16 / float16 operation in float32 and rounds the result)
+    unless float32 is named:
+
+    - global scale ``gs = fl(fl(1 / amax) · 2688)`` (torch evaluates ``2688 / t`` as ``reciprocal(t) · 2688``),
+      rounded to float32; not finite (an all-zero or tiny weight) -> 1;
+    - block scale ``E4M3(gs · fl(amax_b / 6))`` (the product in float32), saturating at 448; a zero scale
+      becomes 0.125 (E4M3's "eps", byte 0x20), so an all-zero block stores 0x20, not 0x00;
+    - element ``E2M1_rne(fl(x / fl(scale / gs)))`` in float32, clamped to ±6; a negative input that rounds to
+      zero keeps its sign (code 0x8), while an input of -0 gives code 0x0 (torch's ``sign(-0) = 0``).
+
+    ModelOpt's rule differs in the order of the operations (``amax_b / fl(6 · amax / 2688)`` and ``x / fl(scale ·
+    amax / 2688)``), so the two exporters' bytes differ where a block scale or an element falls on a rounding
+    boundary; both agree on the layout (element 2i in the low nibble, scales row by row)."""
+    import ml_dtypes
+
+    from .formats import E4M3
+    from .elements import encode
+    from .layout import pack_fp4
+    a = np.asarray(x)
+    if a.ndim != 2:
+        raise ValueError(f"x: a 2-D weight (out, in) is needed, not shape {a.shape}")
+    if a.shape[1] % 16:
+        raise ValueError(f"x: in_features {a.shape[1]} is not a multiple of 16 (compressed-tensors' NVFP4 groups)")
+    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
+    if name not in _CT_DTYPES:
+        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
+    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+    f32 = np.float32
+
+    def r(v):                                            # an operation's float32 result rounded to the dtype
+        return np.asarray(v, np.float32).astype(dt).astype(np.float32)
+
+    xd = r(a.astype(np.float32))
+    R, K = xd.shape
+    ab = np.abs(xd).reshape(R, K // 16, 16)
+    with np.errstate(all="ignore"):
+        # compressed-tensors clamps amax to the dtype's smallest normal, which changes no result: at and below it
+        # 2688 / amax overflows to Inf either way, and Inf gives 1
+        amax = f32(ab.max()) if ab.size else f32(0)
+        gs = r(r(f32(1.0) / amax) * f32(2688.0))
+        gs = f32(gs) if np.isfinite(gs) else f32(1.0)
+        sb = encode((gs * r(ab.max(-1) / f32(6.0))).astype(np.float32), E4M3)
+        sb = np.where(sb == 0, np.uint8(0x20), sb).astype(np.uint8)
+        dq = (E4M3.values[sb].astype(np.float32) / gs).astype(np.float32)
+        y = (xd.reshape(R, K // 16, 16) / dq[:, :, None]).astype(np.float32).reshape(R, K)
+        codes = np.where(y == 0, np.uint8(0), encode(y, "E2M1")).astype(np.uint8)     # -0 -> +0 (torch.sign)
+    return pack_fp4(codes), sb, gs

@@ -1,7 +1,8 @@
 """NVFP4 checkpoints: a ModelOpt export written with ModelOpt's own quantizer (NVFP4QTensor.quantize) from real
-MiniLM weights, sharded with its index, an excluded head in high precision; its compressed-tensors twin in that
-format's documented layout. Clean, each validates consistent (and, for ModelOpt, byte for byte equal to the
-reference re-quantized); each known export fault injected into a copy is flagged and named with its tensor."""
+MiniLM weights, sharded with its index, an excluded head in high precision; compressed-tensors exports written
+with compressed-tensors' own functions (tests/test_checkpoint_ct.py). Clean, each validates consistent and byte
+for byte equal to the reference re-quantized; each known export fault injected into a copy is flagged and named
+with its tensor."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,11 @@ def write_modelopt(d: Path, tensors: dict, sharded=True):
     (d / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.47.0"},
                                                         "quantization": {"quant_algo": "NVFP4", "group_size": 16,
                                                                          "exclude_modules": ["lm_head"]}}))
+    return write_tensors(d, tensors, sharded)
+
+
+def write_tensors(d: Path, tensors: dict, sharded: bool):
+    """The tensors in one model.safetensors, or in two shards with their model.safetensors.index.json."""
     names = sorted(tensors)
     parts = [names[: len(names) // 2], names[len(names) // 2:]] if sharded else [names]
     wm = {}
@@ -80,29 +86,6 @@ def ckpt(tmp_path_factory, weights):
     ref.mkdir()
     _save(ref / "model.safetensors", {f"{m}.weight": torch.from_numpy(w) for m, w in weights.items()})
     return base, ref, _modelopt(weights)
-
-
-def _compressed_tensors(d: Path, mo: dict):
-    """The compressed-tensors layout of the same quantized weights (weight_packed; weight_global_scale = 1 /
-    weight_scale_2, a divisor; config.json's quantization_config)."""
-    d.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for k, v in mo.items():
-        m, _, p = k.rpartition(".")
-        if p == "weight" and str(v.dtype) == "torch.uint8":
-            out[f"{m}.weight_packed"] = v
-        elif p == "weight_scale_2":
-            out[f"{m}.weight_global_scale"] = (1 / v).reshape(1)
-        elif p == "input_scale":
-            out[f"{m}.input_global_scale"] = (1 / v).reshape(1)
-        else:
-            out[k] = v
-    _save(d / "model.safetensors", out)
-    (d / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "quantization_config": {
-        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
-                                      "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}}))
-    return d
 
 
 def _cli(*args):
@@ -130,21 +113,6 @@ def test_a_modelopt_export_reads_and_validates_clean(ckpt, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "CONSISTENT" in r.stdout and "2 of 2 equal to the reference" in r.stdout
     assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
-
-
-def test_a_compressed_tensors_export_reads_in_fp4sims_convention(ckpt, tmp_path):
-    base, ref, mo = ckpt
-    d = _compressed_tensors(tmp_path / "ct", mo)
-    ck = read_checkpoint(d)
-    mck = read_checkpoint(write_modelopt(tmp_path / "mo", mo, sharded=False))
-    assert ck.format == "compressed-tensors" and set(ck.weights) == {Q, D} and ck.excluded == ["lm_head"]
-    for m in (Q, D):
-        a, b = ck.weights[m], mck.weights[m]
-        assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scales, b.scales)
-        assert abs(float(a.global_amax) / float(b.global_amax) - 1) < 1e-6      # 2688 / (1 / s2) vs 2688 * s2
-    rep = check_checkpoint(d, ref)
-    assert rep.ok, rep.summary()
-    assert all("not compared byte for byte" in " ".join(t["notes"]) for t in rep.tensors.values())
 
 
 def _fault(mo, kind):

@@ -7,10 +7,11 @@ that are NaN or negative, the largest block scale against the tensor scale (448 
 from the weight's own amax), a tensor scale whose implied weight amax is implausible while its inverse is not
 (a tensor scale stored in the other format's direction), and the excluded modules (each present in high
 precision, none quantized). With ``--reference`` (the high-precision weights the checkpoint was made from: a
-folder or file analyze reads), each ModelOpt weight is quantized again with fp4sim's ``modelopt`` flavour from
-its own amax and compared byte for byte; a difference is named where a known fault reproduces the checkpoint's
-bytes (nibbles swapped, scales swizzled or transposed, scale bytes one binade off, another flavour's rounding
-order, the tensor scale inverted).
+folder or file analyze reads), each weight is quantized again by each exporter's rule (ModelOpt's: fp4sim's
+``modelopt`` flavour; compressed-tensors': :func:`fp4sim.checkpoint.compressed_tensors_quantize`, in each dtype
+the reference is exact in) and compared byte for byte, the rule that reproduces it named; a difference is named
+where a known fault reproduces the checkpoint's bytes (the tensor scale not inverted, a mixed export, nibbles
+swapped, scales swizzled or transposed, scale bytes one binade off, another rule's rounding order).
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ PLAUSIBLE_AMAX = (1e-4, 1e4)        # a weight matrix's largest |w| in any model
 
 @dataclass
 class CheckpointReport:
-    """``tensors``: {module: {"ok": bool, "faults": [...], "notes": [...], "shape", "global_amax", "exact"}};
+    """``tensors``: {module: {"ok": bool, "faults": [...], "notes": [...], "shape", "global_amax", "exact",
+    "rule", "rules"}} (``exact``: equal to the reference re-quantized by ``rule``, the first of the exporters'
+    rules that reproduces its bytes; ``rules``: every rule that does);
     ``faults`` / ``notes`` of the checkpoint as a whole (excluded modules, ...); ``ok``: no fault anywhere."""
     path: str
     format: str
@@ -55,6 +58,12 @@ class CheckpointReport:
         if self.reference:
             head += f"; {exact} of {len(self.tensors)} equal to the reference re-quantized, byte for byte"
         lines = [head]
+        rules = {}
+        for t in self.tensors.values():
+            if t.get("exact"):
+                rules[t["rule"]] = rules.get(t["rule"], 0) + 1
+        for r, n in rules.items():
+            lines.append(f"  equal by {r}: {n} tensors")
         for n, t in self.tensors.items():
             for f in t["faults"]:
                 lines.append(f"  FAULT {n}: {f}")
@@ -175,14 +184,15 @@ def _excluded(ck: Checkpoint, rep: CheckpointReport):
 
 def check_checkpoint(path, reference=None) -> CheckpointReport:
     """Read and check an NVFP4 checkpoint folder (see the module docstring); ``reference``: the high-precision
-    weights it was made from (ModelOpt exports are then compared byte for byte)."""
+    weights it was made from (each weight is then compared byte for byte, :mod:`.checkpoint_ref`)."""
     ck = read_checkpoint(path)
     rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)
     refs = _reference_sources(reference) if reference else None
     for name, w in ck.weights.items():
         faults, notes = _check_weight(w, ck.format)
         t = {"ok": not faults, "faults": faults, "notes": notes, "shape": list(w.shape),
-             "global_amax": None if w.global_amax is None else float(w.global_amax), "exact": None}
+             "global_amax": None if w.global_amax is None else float(w.global_amax), "exact": None,
+             "rule": None, "rules": []}
         if refs is not None:
             from .checkpoint_ref import compare_to_reference
             compare_to_reference(w, ck.format, refs, t)

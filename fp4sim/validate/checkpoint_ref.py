@@ -1,7 +1,15 @@
 """A checkpoint's quantized weight against the high-precision weight it was made from, byte for byte, with the
-known export faults named (see :mod:`fp4sim.validate.checkpoint`)."""
+known export faults named (see :mod:`fp4sim.validate.checkpoint`).
+
+The reference is quantized again by each exporter's rule (:mod:`fp4sim.checkpoint`): ModelOpt's (fp4sim's
+``modelopt`` flavour, float32 whatever the weight's dtype, as ModelOpt computes) and compressed-tensors' (in each
+dtype the reference's values are exact in: bfloat16, float16, float32). Each rule's tensor scale is expected in
+the checkpoint's own direction, either as the rule writes it or converted from the other format (``1 / x`` in
+float32, as compressed-tensors' ModelOpt converter and its reverse compute it). The weight is exact when one
+rule reproduces codes, scale bytes and tensor scale; the rule is named."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -9,6 +17,7 @@ import numpy as np
 from ..layout import swizzle_scales, swizzled_size
 
 C2688 = np.float32(2688.0)
+F32 = np.float32
 
 
 def _fail(t: dict, msg: str):
@@ -16,17 +25,73 @@ def _fail(t: dict, msg: str):
     t["ok"] = False
 
 
-def _flavour_bytes(x, flavor, amax):
+def _quantize(x, flavor, amax):
     from ..quantize import quantize
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        q = quantize(x, "nvfp4", flavor=flavor, global_amax=amax)
+        return quantize(x, "nvfp4", flavor=flavor, global_amax=amax)
+
+
+def _flavour_bytes(x, flavor, amax):
+    q = _quantize(x, flavor, amax)
     return np.asarray(q.codes), np.asarray(q.scales)
+
+
+@dataclasses.dataclass
+class Rule:
+    """One exporter's bytes for the reference: ``codes``, ``scales`` (rows x blocks) and the tensor scale as the
+    checkpoint's format stores it (``ts``) and as the other direction would hold it (``inverse``: the value a
+    checkpoint that did not invert it stores); ``native``: the rule is the format's own (not converted)."""
+    name: str
+    codes: np.ndarray
+    scales: np.ndarray
+    ts: np.float32
+    inverse: np.float32
+    native: bool
+
+
+def _rule(name, codes, scales, own, native):
+    """A rule whose own tensor-scale value is ``own``, in the checkpoint's direction when ``native``."""
+    conv = F32(F32(1.0) / own)
+    return Rule(name, codes, scales, own if native else conv, conv if native else own, native)
+
+
+def _exact_in(x, dtype) -> bool:
+    import ml_dtypes
+    dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(x.astype(dt).astype(np.float32), x))
+
+
+def _rules(x, fmt: str) -> list:
+    """The exporters' rules for the reference ``x`` (float32), the checkpoint format's own first."""
+    from ..checkpoint import compressed_tensors_quantize
+    amax = F32(np.nanmax(np.abs(x)))
+    with np.errstate(divide="ignore", over="ignore"):
+        ws2 = F32(amax / C2688)
+        mc, ms = _flavour_bytes(x, "modelopt", amax)
+        mo = _rule("ModelOpt's rule", mc, ms, ws2, fmt == "modelopt")
+        cts = []
+        if x.shape[1] % 16 == 0:
+            for dt in ("bfloat16", "float16", "float32"):
+                if dt == "float32" or _exact_in(x, dt):
+                    cc, cs, gs = compressed_tensors_quantize(x, dt)
+                    cts.append(_rule(f"compressed-tensors' rule (in {dt})", cc, cs, gs, fmt != "modelopt"))
+    if fmt == "modelopt":
+        rules = [mo] + cts
+    else:
+        rules = cts + [mo]
+    for r in rules:
+        if not r.native:
+            r.name += (", converted (weight_global_scale = 1 / weight_scale_2)" if fmt != "modelopt" else
+                       ", converted (weight_scale_2 = 1 / weight_global_scale)")
+    return rules
 
 
 def compare_to_reference(w, fmt: str, refs: dict, t: dict):
     """Fill ``t`` (a tensor entry of the report) with the comparison of ``w`` against its reference weight."""
     from ..analyze.inputs import TensorError, load
+    from ..checkpoint import KEYS
     src = refs.get(f"{w.name}.weight") or refs.get(w.name)
     if src is None:
         t["notes"].append(f"no reference tensor {w.name}.weight: not compared")
@@ -39,67 +104,90 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict):
     if x.shape != tuple(w.shape):
         _fail(t, f"the reference {src.name} has shape {x.shape}; the checkpoint's codes hold {tuple(w.shape)}")
         return
-    if fmt != "modelopt":
-        t["notes"].append("compressed-tensors: not compared byte for byte (fp4sim does not emulate compressed-"
-                          "tensors' own operation order yet); checked for consistency only")
+    if not np.isfinite(x).all():
+        t["notes"].append(f"the reference {src.name} holds NaN or Inf: not compared")
         return
-    amax = np.float32(np.nanmax(np.abs(x)))
-    codes, scales = _flavour_bytes(x, "modelopt", amax)
-    want_ts = np.float32(amax / C2688)
+    kg = KEYS[fmt][2]
+    rules = _rules(x, fmt)
     got_c = np.asarray(w.codes)
     got_s = w.scales
     got_s = None if got_s is None else np.asarray(got_s).reshape(-1)
-    c_ok = got_c.shape == codes.shape and np.array_equal(got_c, codes)
-    s_ok = got_s is not None and got_s.size == scales.size and np.array_equal(got_s, scales.reshape(-1))
-    ts_ok = w.tensor_scale is not None and np.float32(w.tensor_scale) == want_ts
-    t["exact"] = bool(c_ok and s_ok and ts_ok)
-    if t["exact"]:
+    ts = None if w.tensor_scale is None else F32(w.tensor_scale)
+
+    def same_bytes(r):
+        return (got_c.shape == r.codes.shape and np.array_equal(got_c, r.codes) and got_s is not None
+                and got_s.size == r.scales.size and np.array_equal(got_s, r.scales.reshape(-1)))
+
+    exact = [r for r in rules if same_bytes(r) and ts == r.ts]
+    if exact:
+        t["exact"] = True
+        t["rule"] = exact[0].name
+        t["rules"] = [r.name for r in exact]
+        if not any(r.native for r in exact):
+            t["notes"].append(f"made by {exact[0].name}" + "".join(f" (or, the same bytes here, {r.name})"
+                                                                  for r in exact[1:]))
         return
-    if not ts_ok and w.tensor_scale is not None:
-        inv = np.float32(C2688 / amax)
-        if np.float32(w.tensor_scale) == inv:
-            _fail(t, f"weight_scale_2 is {float(w.tensor_scale)!r} = 2688 / amax, the inverse of ModelOpt's amax / "
-                     f"2688 = {float(want_ts)!r}: the global scale was not inverted (compressed-tensors' "
-                     "direction written into a ModelOpt checkpoint)")
+    match = next((r for r in rules if same_bytes(r)), None)
+    t["exact"] = False
+    main = match or rules[0]
+    t["rule"] = main.name if match else None
+    ts_rule = next((r for r in rules if ts == r.ts), None) if match is not None else None
+    if ts_rule is not None:
+        from ..layout import unpack_fp4
+        same = " / ".join(r.name.split(",")[0] for r in rules if same_bytes(r))
+        nd = int((match.scales != ts_rule.scales).sum())
+        ne = int((unpack_fp4(match.codes) != unpack_fp4(ts_rule.codes)).sum())
+        _fail(t, f"a mixed export: the codes and scales are those of {same}, the {kg} that of {ts_rule.name} "
+                 f"(the rules' bytes differ where a block scale or an element falls on a rounding boundary: "
+                 f"{nd} blocks' scales and {ne} elements here)")
+        return
+    if ts is not None and ts != main.ts:
+        inv = next((r for r in rules if ts == r.inverse), None)
+        want = ("amax / 2688, a multiplier" if fmt == "modelopt" else "2688 / amax, a divisor")
+        if inv is not None:
+            _fail(t, f"{kg} is {float(ts)!r}, the inverse of the {float(inv.ts)!r} that {inv.name} gives "
+                     f"({want}): the global scale was not inverted (the other format's direction written)")
         else:
-            _fail(t, f"weight_scale_2 is {float(w.tensor_scale)!r}; amax / 2688 of the reference is "
-                     f"{float(want_ts)!r}")
-    if got_s is not None and got_s.size != scales.size:
-        R, nb = scales.shape
+            _fail(t, f"{kg} is {float(ts)!r}; {main.name} gives {float(main.ts)!r} ({want}) for the reference")
+    if match is not None:
+        return
+    scales = main.scales
+    if got_s is not None and got_s.size != scales.size:       # the size itself is a fault of the checks without
+        R, nb = scales.shape                                   # a reference; here, what the bytes are
         if got_s.size == swizzled_size(R, nb) and np.array_equal(got_s,
                                                                   np.asarray(swizzle_scales(scales)).reshape(-1)):
-            _fail(t, "the block scales are in cuBLAS's swizzled 128x4 layout, not the linear rows x blocks layout")
-        else:
-            _fail(t, f"weight_scale holds {got_s.size} bytes, {scales.size} expected")
+            _fail(t, f"the block scales are {main.name}'s in cuBLAS's swizzled 128x4 layout, not the linear rows x "
+                     "blocks layout")
         return
-    if got_s is None or got_c.shape != codes.shape or (c_ok and s_ok):
+    if got_s is None or got_c.shape != main.codes.shape:
         return
-    _layout_fault(t, x, amax, got_c, got_s.reshape(scales.shape), codes, scales)
+    _layout_fault(t, x, main, rules, got_c, got_s.reshape(scales.shape))
 
 
-def _layout_fault(t, x, amax, got_c, got_s, codes, scales):
+def _layout_fault(t, x, main: Rule, rules: list, got_c, got_s):
     """Codes or scale bytes of the reference's shape that differ: the layout faults fp4sim.validate names in a
     kernel's output (locate.layout_findings: swapped nibbles, scales one binade off or transposed, rows, blocks
-    or columns permuted, another row stride), else another flavour's rounding order, else where they differ."""
+    or columns permuted, another row stride), else another rule's or flavour's rounding order, else where they
+    differ."""
     from ..layout import unpack_fp4
-    from ..quantize import quantize
     from .locate import layout_findings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        q = quantize(x, "nvfp4", flavor="modelopt", global_amax=amax)
-    found = layout_findings(q, got_c, got_s, "linear", unpack_fp4(codes), unpack_fp4(got_c), scales, got_s)
+    amax = F32(np.nanmax(np.abs(x)))
+    q = dataclasses.replace(_quantize(x, "modelopt", amax), codes=main.codes, scales=main.scales)
+    found = layout_findings(q, got_c, got_s, "linear", unpack_fp4(main.codes), unpack_fp4(got_c), main.scales,
+                            got_s)
     for f in found:
-        _fail(t, f)
+        _fail(t, f"against {main.name}: {f}")
     if found:
         return
-    for other in ("te", "torchao"):
-        oc, os_ = _flavour_bytes(x, other, amax)
+    others = [(r.name, r.codes, r.scales) for r in rules if r is not main]
+    others += [(f"the {fl} flavour's rule", *_flavour_bytes(x, fl, amax)) for fl in ("te", "torchao")]
+    for name, oc, os_ in others:
         if np.array_equal(os_, got_s) and np.array_equal(oc, got_c):
-            _fail(t, f"the codes and scales are those of the {other} flavour's rounding order, not ModelOpt's "
-                     f"(they differ where a block scale falls on an E4M3 rounding boundary: "
-                     f"{int((os_ != scales).sum())} blocks here)")
+            _fail(t, f"the codes and scales are those of {name}, not {main.name} (they differ where a block scale "
+                     f"or an element falls on a rounding boundary: {int((os_ != main.scales).sum())} blocks' "
+                     "scales here)")
             return
-    bad = np.argwhere((got_s != scales) | (unpack_fp4(got_c) != unpack_fp4(codes)).reshape(*scales.shape, 16)
-                      .any(-1))
-    _fail(t, f"{len(bad)} of {scales.size} blocks differ from the reference quantized with ModelOpt's rule (first "
-             f"at row {int(bad[0][0])}, block {int(bad[0][1])})")
+    bad = np.argwhere((got_s != main.scales) | (unpack_fp4(got_c) != unpack_fp4(main.codes))
+                      .reshape(*main.scales.shape, 16).any(-1))
+    _fail(t, f"{len(bad)} of {main.scales.size} blocks differ from the reference quantized with {main.name} "
+             f"(first at row {int(bad[0][0])}, block {int(bad[0][1])})")

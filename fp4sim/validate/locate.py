@@ -110,11 +110,13 @@ def layout_findings(q, codes, scales, scale_layout: str, exp_c, act_c, exp_s, ac
                 out.append(f"the swizzled scale tiles (128 x 4, 512 bytes each) are out of order: "
                            + ", ".join(f"tile {i} holds tile {j}" for i, j in mv[:4])
                            + (f" (and {len(mv) - 4} more)" if len(mv) > 4 else ""))
+    swapped = False
     if fp4:
         # the two codes of each byte swapped
         try:
             sw = unpack_fp4(np.asarray(codes).view(np.uint8).reshape(R, -1), "high_first")
-            if not np.array_equal(act_c, exp_c) and np.array_equal(sw, exp_c):
+            swapped = not np.array_equal(act_c, exp_c) and np.array_equal(sw, exp_c)
+            if swapped:
                 out.append("the two codes of every byte are swapped: element 2i is in the high nibble")
         except ValueError:
             pass
@@ -140,8 +142,8 @@ def layout_findings(q, codes, scales, scale_layout: str, exp_c, act_c, exp_s, ac
                             "K blocks permuted within rows (not the same way in every row), e.g. ")
                            + ", ".join(f"block {i} holds block {j}" for i, j in mv[:4])
                            + (", ..." if len(mv) > 4 else ""))
-            elif np.array_equal(act_s, exp_s):
-                # element columns permuted along K (scales in place)
+            elif np.array_equal(act_s, exp_s) and not swapped:
+                # element columns permuted along K (scales in place; a nibble swap is already named)
                 p = _perm(np.ascontiguousarray(act_c.T), np.ascontiguousarray(exp_c.T))
                 if p is not None and _moved(p):
                     mv = _moved(p)
