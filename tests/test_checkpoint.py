@@ -159,6 +159,9 @@ def test_each_known_export_fault_is_flagged_and_named(ckpt, tmp_path, kind):
     assert any(phrase in f for f in rep.tensors[name]["faults"]), rep.summary()
     other = D if name == Q else Q
     assert rep.tensors[other]["ok"] and rep.tensors[other]["exact"], rep.summary()
+    if kind == "swizzled scales":                       # and, with the reference, recognised as such
+        assert any("swizzled 128x4 layout, written where" in f for f in rep.tensors[name]["faults"]), rep.summary()
+        assert not any("blocks differ" in f for f in rep.tensors[name]["faults"]), rep.summary()
     if not needs_ref:                                   # found from the checkpoint alone
         assert any(phrase in f for f in check_checkpoint(d).tensors[name]["faults"])
         r = _cli(d)

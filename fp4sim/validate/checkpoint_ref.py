@@ -171,6 +171,13 @@ def _layout_fault(t, x, main: Rule, rules: list, got_c, got_s):
     differ."""
     from ..layout import unpack_fp4
     from .locate import layout_findings
+    sw = np.asarray(swizzle_scales(main.scales)).reshape(-1)
+    if sw.size == got_s.size and not np.array_equal(got_s, main.scales) and np.array_equal(sw, got_s.reshape(-1)):
+        _fail(t, f"against {main.name}: the block scales are in cuBLAS's swizzled 128x4 layout, written where the "
+                 "linear rows x blocks layout belongs (same size here)")
+        if np.array_equal(got_c, main.codes):
+            return
+        got_s = main.scales
     amax = F32(np.nanmax(np.abs(x)))
     q = dataclasses.replace(_quantize(x, "modelopt", amax), codes=main.codes, scales=main.scales)
     found = layout_findings(q, got_c, got_s, "linear", unpack_fp4(main.codes), unpack_fp4(got_c), main.scales,
