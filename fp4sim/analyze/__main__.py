@@ -31,6 +31,9 @@ def main(argv=None) -> int:
                          "directories of them (default: the bundled sample)")
     ap.add_argument("--out", help="write the xarray Dataset to this netCDF file")
     ap.add_argument("--json", help="write a JSON summary here")
+    ap.add_argument("--blocks", metavar="FILE.nc",
+                    help="write per-block records here (netCDF): per tensor and scheme, every block's scale byte, "
+                         "amax and squared error (a tensor's errors sum to its total)")
     ap.add_argument("--figures", help="write PNG figures into this directory")
     ap.add_argument("--schemes", help=f"comma-separated subset of {', '.join(SCHEMES_BY_LABEL)}")
     ap.add_argument("--role", action="append", default=[], metavar="PATTERN=ROLE",
@@ -77,6 +80,8 @@ def _run(a) -> int:
             check_writable(a.out, "--out")
         if a.json:
             check_writable(a.json, "--json")
+        if a.blocks:
+            check_writable(a.blocks, "--blocks")
         if a.figures:
             check_writable(a.figures, "--figures", directory=True)
     except ValueError as e:
@@ -86,7 +91,7 @@ def _run(a) -> int:
         client = _connect(a.scheduler)
     try:
         ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask, None, quiet=a.quiet, client=client,
-                     include_vectors=a.include_vectors)
+                     include_vectors=a.include_vectors, blocks=a.blocks)
     except ValueError as e:  # a broken roles file, names that cannot be told apart
         raise BadInput(str(e)) from None
     finally:
@@ -105,7 +110,7 @@ def _run(a) -> int:
                   f"{', '.join(SUFFIXES)} files)", file=sys.stderr)
         return 2
     # the outputs first, then the table: a reader that closes the pipe early (| head) loses no result
-    done = []
+    done = [f"wrote {a.blocks}"] if a.blocks else []
     try:
         if a.out:
             _say(a, f"writing {a.out}")

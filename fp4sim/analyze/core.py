@@ -9,7 +9,8 @@ import numpy as np
 import xarray as xr
 
 from .inputs import NotATarget, Source, TensorError, discover, is_vector_param, load
-from .metrics import DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics, tensor_amax
+from .metrics import (BLOCK_FIELDS, DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics,
+                      tensor_amax)
 from .studies import RHT_SCHEMES, RHT_SIGNS, absmax_map, gradient_bias, hadamard_effect, outliers, wgrad_gemm
 
 OUTLIER_VARS = ("kurtosis", "max_over_rms", "n_outlier_rows", "n_outlier_cols", "nvfp4_rel_mse",
@@ -27,11 +28,13 @@ def chunk_size(numel: int) -> int:
 
 
 def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard: bool = True,
-                   chunk_elems: int | None = None, stage=None, include_vectors: bool = False) -> dict:
+                   chunk_elems: int | None = None, stage=None, include_vectors: bool = False,
+                   blocks: bool = False) -> dict:
     """Everything about one tensor (a plain dict, so it can travel back from a Dask worker). ``stage(name)``
     is called as each stage starts (for progress). Every study works in row chunks of ``chunk_elems``
     elements (default: :func:`chunk_size`), so the extra memory stays a small multiple of the tensor. A 1-D bias
-    or normalization weight raises :class:`NotATarget` unless ``include_vectors``."""
+    or normalization weight raises :class:`NotATarget` unless ``include_vectors``. ``blocks``: keep each scheme's
+    per-block records (:data:`~fp4sim.analyze.metrics.BLOCK_FIELDS`) under ``["schemes"][label]["blocks"]``."""
     stage = stage or (lambda name: None)
     stage("load")
     x = load(src)
@@ -47,8 +50,12 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
         for spec in schemes:
             if src.role in spec.roles:
                 stage(f"scheme {spec.label}")
-                m, chs, sh = scheme_metrics(x, spec, src.role, seed, ch, amax)
+                recs = [] if blocks else None
+                m, chs, sh = scheme_metrics(x, spec, src.role, seed, ch, amax, recs)
                 res["schemes"][spec.label] = {"metrics": m, "code_hist": chs.tolist(), "scale_hist": sh.tolist()}
+                if blocks:
+                    res["schemes"][spec.label]["blocks"] = {f: np.concatenate([r[f] for r in recs])
+                                                            for f in BLOCK_FIELDS}
         stage("outliers")
         res["outliers"] = outliers(x, chunk_elems=ch, amax=amax)
         res["absmax_map"] = absmax_map(x, chunk_elems=ch).tolist()
@@ -88,10 +95,11 @@ class _Progress:
 
 def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: bool = True, dask: bool = False,
             scheduler: str | None = None, chunk_elems: int | None = None, quiet: bool = False,
-            client=None, include_vectors: bool = False) -> xr.Dataset:
+            client=None, include_vectors: bool = False, blocks: str | None = None) -> xr.Dataset:
     """Analyse every tensor under ``paths``; returns the Dataset (``ds.attrs['skipped']`` lists what was not
     analysed and why, as JSON; entries with ``"ignored": true`` are no quantization targets — integer buffers,
-    and biases and normalization weights unless ``include_vectors`` — rather than failures)."""
+    and biases and normalization weights unless ``include_vectors`` — rather than failures). ``blocks``: also write
+    the per-block records of every tensor and scheme to this netCDF file (:func:`blocks_dataset`)."""
     specs = DEFAULT_SCHEMES if schemes is None else tuple(SCHEMES_BY_LABEL[s] if isinstance(s, str) else s
                                                           for s in schemes)
     sources, problems, meta = discover(paths, role_overrides)
@@ -106,7 +114,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
                 LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None))
         try:
             futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, None, include_vectors,
-                                  pure=False): s for s in sources}
+                                  bool(blocks), pure=False): s for s in sources}
             for f in as_completed(futs):
                 s = futs[f]
                 try:
@@ -123,7 +131,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
             try:
                 results.append(analyze_tensor(s, specs, seed, hadamard, chunk_elems,
                                               stage=lambda what, s=s: prog.stage(s.name, what),
-                                              include_vectors=include_vectors))
+                                              include_vectors=include_vectors, blocks=bool(blocks)))
             except TensorError as e:
                 skipped.append(_skip(s.name, e))
             prog.done()
@@ -140,7 +148,41 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
                 skipped.append({"tensor": pname, "reason": f"weight-gradient GEMM: {e}"})
         prog.done()
     prog.close()
+    if blocks:
+        blocks_dataset(results).to_netcdf(blocks)
     return to_dataset(results, pairs, specs, skipped, meta)
+
+
+def blocks_dataset(results) -> xr.Dataset:
+    """The per-block records of :func:`analyze_tensor` results (run with ``blocks=True``) as one table, dimension
+    ``record``: ``tensor`` and ``scheme`` (indices into the coordinates ``tensor_name`` and ``scheme_name``),
+    ``row`` and ``block`` (the 1 x B segment of the tensor's (rows, last axis) view; B the scheme's block length,
+    the whole row for per-tensor schemes), ``scale_byte`` (E4M3 for NVFP4, UE8M0 for MX; -1 where the scheme has
+    no byte scales), ``amax`` (the segment's max |x|) and ``sq_err`` (its squared quantization error: a tensor's
+    errors sum to ``mse * numel``). Select one tensor and scheme with ``b.isel(record=(b.tensor == i) &
+    (b.scheme == j))``."""
+    names = [r["name"] for r in results]
+    labels = list(dict.fromkeys(lab for r in results for lab in r["schemes"]))
+    cols = {f: [] for f in ("tensor", "scheme") + BLOCK_FIELDS}
+    for i, r in enumerate(results):
+        for lab, d in r["schemes"].items():
+            b = d.get("blocks")
+            if b is None:
+                continue
+            n = len(b["row"])
+            cols["tensor"].append(np.full(n, i, np.int32))
+            cols["scheme"].append(np.full(n, labels.index(lab), np.int16))
+            for f in BLOCK_FIELDS:
+                cols[f].append(b[f])
+    empty = {"tensor": np.int32, "scheme": np.int16, "row": np.int32, "block": np.int32, "scale_byte": np.int16,
+             "amax": np.float32, "sq_err": np.float64}
+    data = {f: ("record", np.concatenate(v) if v else np.zeros(0, empty[f])) for f, v in cols.items()}
+    ds = xr.Dataset(data, coords={"tensor_name": ("tensor_index", names), "scheme_name": ("scheme_index", labels)})
+    ds.attrs["producer"] = "fp4sim.analyze --blocks"
+    ds.attrs["description"] = ("one record per block segment (1 x B along the last axis) per tensor and scheme; "
+                               "tensor / scheme index tensor_name / scheme_name; scale_byte -1: no byte scales; "
+                               "sq_err sums to the tensor's mse * numel")
+    return ds
 
 
 def _skip(name, e) -> dict:

@@ -18,7 +18,12 @@ from ..layout import unpack_fp4
 SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err", "underflow_frac",
                   "saturation_frac", "zero_code_frac", "frac_blocks_amax_max", "binades_per_block", "scale_std",
                   "scale_min", "scale_max", "n_scale_subnormal", "n_scale_zero", "block_err_p50", "block_err_p90",
-                  "block_err_p99", "worst1pct_block_err_share", "map_to_4_frac", "lost_frac")
+                  "block_err_p99", "worst1pct_block_err_share", "map_to_4_frac", "lost_frac",
+                  "gamax_window_out_frac", "dead_zone_frac")
+# NVFP4's g_amax window: a block whose amax b has 28672 * b < g_amax (28672 = 448 / 2^-6) gets a subnormal E4M3
+# scale (one with b > g_amax, possible only with a stale tensor amax, a saturated one)
+WINDOW = 28672.0
+BLOCK_FIELDS = ("row", "block", "scale_byte", "amax", "sq_err")
 
 
 @dataclass(frozen=True)
@@ -88,16 +93,35 @@ def tensor_amax(x: np.ndarray) -> np.float32:
     return CPU.absmax(as_rows(np.ascontiguousarray(x, np.float32)))[0]
 
 
+def _window(spec: SchemeSpec) -> str | None:
+    """How an NVFP4 scheme's second-level amax is taken: "tensor", "row" (row-scaled), None (no tensor scale, or
+    not NVFP4: the g_amax window does not apply)."""
+    if not spec.scheme.startswith("nvfp4") or not spec.kwargs.get("per_tensor_scale", True):
+        return None
+    return "row" if spec.kwargs.get("row_scaled") else "tensor"
+
+
 def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22,
-                   amax=None):
+                   amax=None, blocks: list | None = None):
     """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``.
 
     Per-block statistics use 1 x B row segments (B = the scheme's block length along the last axis), also
-    for 16x16 and 128x128 tiles. ``amax``: the tensor's |x| max, when the caller has it already."""
+    for 16x16 and 128x128 tiles. ``amax``: the tensor's |x| max, when the caller has it already. ``blocks``: a
+    list to which one dict of per-block arrays per row chunk is appended (:data:`BLOCK_FIELDS`: the segment's
+    row and block index, its scale byte — E4M3 for NVFP4, UE8M0 for MX, -1 for schemes without byte scales —
+    its amax and its squared error; the tensor's squared error is their sum).
+
+    NVFP4 schemes also give the g_amax window (``gamax_window_out_frac``: the share of nonzero blocks whose amax b
+    falls outside ``b <= g_amax <= 28672 b``, g_amax the tensor's amax or, row-scaled, the row's, so that only the
+    right-hand side can fail: those blocks get subnormal E4M3 scales) and the dead zone
+    (``dead_zone_frac``: the share of nonzero elements below b / 24, which round to 0 even with the block's exact
+    scale b / 6)."""
     x2 = as_rows(x)
     amax = tensor_amax(x2) if amax is None else np.float32(amax)
     acc = dict(sx2=0.0, se2=0.0, se=0.0, max_err=0.0, nz=0, under=0, sat=0, zero=0, n=0, bm_err=0.0, bm_n=0,
-               nblk=0, blk_max=0, binades=0.0, fin=0, lost=0)
+               nblk=0, blk_max=0, binades=0.0, fin=0, lost=0, win_out=0, dead=0)
+    win = _window(spec)
+    r0 = 0
     code_hist = np.zeros(16, np.int64)
     scale_hist = np.zeros(256, np.int64)
     scale_vals, blk_errs = [], []
@@ -131,6 +155,19 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
         ok = xm > 0
         acc["bm_err"] += float(np.sum(np.abs(ym[ok] - xm[ok]) / xm[ok]))
         acc["bm_n"] += int(ok.sum())
+        if win is not None:
+            g = np.float64(amax) if win == "tensor" else np.where(fin, np.abs(c64), 0).max(1, keepdims=True)
+            acc["win_out"] += int((ok & (xm * WINDOW < g)).sum())     # (b <= g holds: g is the current amax)
+            acc["dead"] += int(((xa > 0) & (xa < xm[..., None] / 24.0)).sum())
+        if blocks is not None:
+            nr, nbk = xm.shape
+            sb = np.full((nr, nbk), -1, np.int16)
+            if spec.fp4 or spec.scheme.startswith("mx"):
+                sb[:] = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+            blocks.append({"row": np.repeat(np.arange(r0, r0 + nr, dtype=np.int32), nbk),
+                           "block": np.tile(np.arange(nbk, dtype=np.int32), nr), "scale_byte": sb.ravel(),
+                           "amax": xm.ravel().astype(np.float32), "sq_err": eb.ravel()})
+        r0 += c.shape[0]
         if spec.fp4:
             codes = unpack_fp4(q.codes.reshape(c.shape[0], -1))
             code_hist += np.bincount(codes[:, :K].ravel(), minlength=16)
@@ -170,7 +207,9 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
                block_err_p99=float(np.percentile(be, 99)),
                worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0,
                map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan,
-               lost_frac=acc["lost"] / acc["fin"] if acc["fin"] else 0.0)
+               lost_frac=acc["lost"] / acc["fin"] if acc["fin"] else 0.0,
+               gamax_window_out_frac=acc["win_out"] / acc["bm_n"] if win is not None and acc["bm_n"] else np.nan,
+               dead_zone_frac=acc["dead"] / acc["nz"] if win is not None and acc["nz"] else np.nan)
     if acc["lost"]:                     # finite values the scheme turns into Inf / NaN: an unbounded error
         out.update(mse=np.inf, rel_mse=np.inf, sqnr_db=-np.inf, max_abs_err=np.inf)
     if scale_vals:
