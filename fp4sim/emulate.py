@@ -236,9 +236,30 @@ def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, retu
     return (y, qw, qx) if return_qx else (y, qw)
 
 
+def _override(recipe: Recipe, a, q_fprop, what: str):
+    """The operand and recipe of a backward GEMM under ``recipe.backward_override``: the high-precision recipe on
+    the original tensor ``a``, or on Fprop's quantized copy dequantized (``q_fprop``: what :func:`fprop` returned
+    for it)."""
+    if recipe.backward_override == "dequantized":
+        if q_fprop is None:
+            raise ValueError(f"backward_override='dequantized': give {what} (fprop's quantized operand, "
+                             "fprop(..., return_qx=True) returns both)")
+        if isinstance(q_fprop, Values):
+            a = q_fprop.a
+        elif hasattr(q_fprop, "codes"):
+            a = dequantize(q_fprop)
+        else:
+            a = q_fprop                                       # an unquantized Fprop operand: the tensor itself
+    return a, recipe.backward_recipe()
+
+
 def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None, cache=None):
     """dx = dy · W: dy (M, N), w (N, K) -> (M, K) float32. On the fast path, ``cache`` (a dict) receives the
-    output gradient's values for :func:`wgrad`."""
+    output gradient's values for :func:`wgrad`. With ``recipe.backward_override``, the high-precision recipe on
+    ``w`` or (``"dequantized"``) on ``qw_fprop`` dequantized."""
+    if recipe.backward_override is not None:
+        w, bw = _override(recipe, w, qw_fprop, "qw_fprop")
+        return dgrad(dy2, w, bw, layer, call, None, stats, cache)
     s = _signs(recipe.dgrad_dy, recipe, layer, call, 1) if recipe.dgrad_dy.rht else None
     if _fast(recipe, stats, dy2, w):
         qw_fprop = _as_values(qw_fprop)
@@ -263,7 +284,12 @@ def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, 
 def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx_fprop=None, cache=None):
     """dW = dyᵀ · x: dy (M, N), x (M, K) -> (N, K) float32. With ``recipe.wgrad_x_reuse_fprop``, ``qx_fprop``
     (Fprop's quantized x, along K) is used as it is, upcast to float32, instead of x re-quantized along M. On
-    the fast path, ``cache`` is :func:`dgrad`'s (the output gradient's values, used again where they can be)."""
+    the fast path, ``cache`` is :func:`dgrad`'s (the output gradient's values, used again where they can be).
+    With ``recipe.backward_override``, the high-precision recipe on ``x2`` or (``"dequantized"``) on ``qx_fprop``
+    dequantized."""
+    if recipe.backward_override is not None:
+        x2, bw = _override(recipe, x2, qx_fprop, "qx_fprop")
+        return wgrad(dy2, x2, bw, layer, call, stats, None, cache)
     s = _signs(recipe.wgrad_dy, recipe, layer, call, 2) if recipe.wgrad_dy.rht else None
     if _fast(recipe, stats, dy2, x2):
         qx_fprop = _as_values(qx_fprop)

@@ -29,6 +29,7 @@ GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w
            "wgrad_dy": "wgrad"}
 _SCHEMES = ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2", "bf16")
 SIGNS = ("te", "fixed", "per_transform", "none")
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,13 @@ class Recipe:
         Blackwell model) — those apply to the NVFP4 x NVFP4 GEMMs; every other GEMM of the run (BF16 kept layers,
         MX, FP8) then uses its exact rule.
     accumulate_grid : ``grid`` of the kG models (None, or 1024: the accumulator rounded to multiples of 1/1024).
+    backward_override : TransformerEngine's switch of the same name. None (default): the backward GEMMs quantize
+        their operands as the recipe says. ``"high_precision"``: Dgrad and Wgrad run on the original x, W and dy in
+        the high-precision format (:attr:`high_precision`: bf16-rounded, or float32), as a kept layer's backward.
+        ``"dequantized"``: they run on the forward's quantized x and W, dequantized (the gradients of the quantized
+        forward: what RL fine-tuning uses for train / inference consistency), and dy, all in the high-precision
+        format. Either replaces the six backward operands, so it cannot be combined with the reuse switches; the
+        dequantized mode needs Fprop operands without an RHT (their values would be rotated).
     seed : the Philox key of stochastic rounding and of ``"fixed"`` / ``"per_transform"`` RHT signs.
     on_nonfinite : what :class:`fp4sim.torch.QuantLinear` does when an operand it quantizes holds NaN or Inf. The
         bits stay the hardware's either way (E2M1 encodes NaN as +6 under CUDA's satfinite rule, so a NaN does
@@ -146,6 +154,7 @@ class Recipe:
     wgrad_x_reuse_fprop: bool = False
     accumulate: str = "exact"
     accumulate_grid: int | None = None
+    backward_override: str | None = None
     seed: int = 0
     on_nonfinite: str = "warn"
     name: str = "custom"
@@ -159,6 +168,16 @@ class Recipe:
             raise ValueError(f"rht_dtype={self.rht_dtype!r}: use 'bf16' or 'fp32'")
         from .gemm import parse_accumulate
         parse_accumulate(self.accumulate, self.accumulate_grid)     # ValueError naming the choices
+        if self.backward_override not in BACKWARD_OVERRIDES:
+            raise ValueError(f"backward_override={self.backward_override!r}: use one of {list(BACKWARD_OVERRIDES)}")
+        if self.backward_override is not None:
+            both = [k for k in ("dgrad_w_reuse_fprop", "wgrad_x_reuse_fprop") if getattr(self, k)]
+            if both:
+                raise ValueError(f"backward_override={self.backward_override!r} replaces the backward operands, so "
+                                 f"{both[0]} has nothing to act on; set one or the other")
+        if self.backward_override == "dequantized" and self.fprop_x.rht:
+            raise ValueError("backward_override='dequantized' reuses the Fprop operands, which have a "
+                             f"{self.fprop_x.rht}-point RHT here (their values are rotated); drop rht_fprop")
         if self.on_nonfinite not in ("warn", "raise", "ignore"):
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use 'warn', 'raise' or 'ignore'")
         if self.high_precision not in (None, "bf16"):
@@ -199,6 +218,11 @@ class Recipe:
             return False
         return b < self.keep_first or b >= n_blocks - self.keep_last
 
+    def backward_recipe(self) -> "Recipe":
+        """The recipe the backward GEMMs run under: this one, or with ``backward_override`` set the high-precision
+        recipe (on the original or the dequantized forward operands, which :mod:`fp4sim.emulate` chooses)."""
+        return self if self.backward_override is None else self.high_precision_recipe()
+
     def high_precision_recipe(self) -> "Recipe":
         """The recipe a kept layer runs under."""
         if self.high_precision is None:
@@ -224,7 +248,8 @@ class Recipe:
         ``sr_weights``, ``sr_backward`` (SR on every backward operand), ``rht_fprop``, ``rht_dgrad``,
         ``rht_size=d``, ``rht_signs=`` ``"te" | "fixed" | "per_transform" | "none"``, ``weights_1d_reuse``
         (1x16 weights quantized once along K and reused in Dgrad), ``four_over_six="mae" | "mse"`` (TE's 4over6
-        block scales on every round-to-nearest NVFP4 operand). Any other keyword is a Recipe field.
+        block scales on every round-to-nearest NVFP4 operand). Any other keyword is a Recipe field (e.g.
+        ``backward_override="dequantized"``, TransformerEngine's switch of that name).
         """
         if name not in PRESETS:
             raise ValueError(f"preset {name!r} is not known; use one of {list(PRESETS)}")
@@ -305,7 +330,8 @@ class Recipe:
 
 
 def presets_markdown() -> str:
-    """Every preset's six operands as one Markdown table (docs/training.md's; ``python -m fp4sim --recipes``)."""
+    """Every preset's six operands as one Markdown table, then the switches and the Recipe fields a preset call
+    takes (docs/training.md's; ``fp4sim recipes``)."""
     names = [n for n in PRESETS if n != "none"]
     recs = [Recipe.preset(n) for n in names]
     rows = ["| GEMM | operand | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -313,7 +339,28 @@ def presets_markdown() -> str:
     for op in OPERANDS:
         rows.append(f"| {GEMM_OF[op]} | {op.split('_')[1]} | " + " | ".join(getattr(r, op).label() for r in recs)
                     + " |")
+    rows += ["", "| `Recipe.preset(name, ...)` keyword | what it does |", "|---|---|"]
+    rows += [f"| `{k}` | {v} |" for k, v in SWITCH_DOCS.items()]
     return "\n".join(rows) + "\n"
+
+
+SWITCH_DOCS = {
+    "disable_rht": "no random Hadamard transform anywhere",
+    "disable_stochastic_rounding": "every operand rounds to nearest",
+    "disable_2d_quantization": "1x16 weight blocks instead of 16x16",
+    "sr_activations / sr_weights / sr_backward": "stochastic rounding on x / W / every backward operand",
+    "rht_fprop / rht_dgrad": "the RHT on the Fprop / Dgrad GEMM as well",
+    "rht_size=d": "the Hadamard size (2..128)",
+    "rht_signs=": "`te`, `fixed` (from the seed), `per_transform` (new every call) or `none`",
+    "weights_1d_reuse": "1x16 weights quantized once along K and reused in Dgrad (simulation only)",
+    "four_over_six=": "TE's 4over6 block scales (`mae` / `mse`) on the round-to-nearest NVFP4 operands",
+    "backward_override=": "TE's switch: `None`; `high_precision` (Dgrad / Wgrad on the original x, W, dy in the "
+                          "high-precision format); `dequantized` (on the forward's quantized x, W dequantized)",
+    "keep / keep_first / keep_last": "layers (name globs, first / last N blocks) kept in high precision",
+    "high_precision=": "the kept layers' format: `bf16` or None (float32)",
+    "accumulate=": "the GEMMs' accumulation model (`exact`, `fast`, `k64_rtz`, ...)",
+    "seed=": "the Philox key of stochastic rounding and of the RHT signs",
+}
 
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",

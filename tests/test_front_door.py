@@ -499,7 +499,7 @@ def test_the_fp4sim_command_lists_its_subcommands_and_runs_them(tmp_path):
     r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
     assert r.returncode == 1 and "MISMATCH" in r.stdout
     r = subprocess.run([str(exe), "recipes"], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout == presets_markdown()
+    assert r.returncode == 0 and r.stdout == presets_markdown() and "backward_override" in r.stdout
     r = subprocess.run([str(exe), "analyse"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown command 'analyse'" in r.stderr and "analyze" in r.stderr
 

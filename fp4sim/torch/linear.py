@@ -131,8 +131,9 @@ class _Fn(torch.autograd.Function):
         call = layer._calls
         layer._calls += 1
         rb = layer.recipe_backward
-        _check_finite(layer, rec.on_nonfinite, "x", x, ((rec, "fprop_x"), (rb, "wgrad_x")))
-        _check_finite(layer, rec.on_nonfinite, "w", weight, ((rec, "fprop_w"), (rb, "dgrad_w")))
+        bw = rb.backward_recipe()                              # what the backward GEMMs quantize with
+        _check_finite(layer, rec.on_nonfinite, "x", x, ((rec, "fprop_x"), (bw, "wgrad_x")))
+        _check_finite(layer, rec.on_nonfinite, "w", weight, ((rec, "fprop_w"), (bw, "dgrad_w")))
         lead = x.shape[:-1]
         x2 = _to_array(x.reshape(-1, x.shape[-1]))
         w = _to_array(weight)
@@ -141,8 +142,9 @@ class _Fn(torch.autograd.Function):
         ctx.layer, ctx.call, ctx.lead, ctx.x_dtype = layer, call, lead, x.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        ctx.qw = qw if rec.dgrad_w_reuse_fprop or emulate.serves(qw, rb.dgrad_w) else None
-        ctx.qx = qx if rec.wgrad_x_reuse_fprop or emulate.serves(qx, rb.wgrad_x) else None
+        deq = rb.backward_override == "dequantized"         # the backward runs on fprop's operands, dequantized
+        ctx.qw = qw if deq or rec.dgrad_w_reuse_fprop or emulate.serves(qw, rb.dgrad_w) else None
+        ctx.qx = qx if deq or rec.wgrad_x_reuse_fprop or emulate.serves(qx, rb.wgrad_x) else None
         out = _to_tensor(y, x, torch.float32)
         if bias is not None:
             out = out + bias.to(torch.float32)
@@ -153,7 +155,8 @@ class _Fn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         layer, call = ctx.layer, ctx.call
         rec = layer.recipe_backward
-        _check_finite(layer, rec.on_nonfinite, "dy", dy, ((rec, "dgrad_dy"), (rec, "wgrad_dy")))
+        bw = rec.backward_recipe()
+        _check_finite(layer, rec.on_nonfinite, "dy", dy, ((bw, "dgrad_dy"), (bw, "wgrad_dy")))
         dy2t = dy.reshape(-1, dy.shape[-1])
         dy2 = _to_array(dy2t)
         dx = dw = db = None
