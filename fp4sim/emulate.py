@@ -26,7 +26,7 @@ from .quantize import dequantize, fake_quantize, quantize, rht
 from .schemes import NVFP4
 from .training import OPERANDS, Operand, Recipe
 
-__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "quantize_operand", "Values", "serves"]
+__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "quantize_operand", "Values", "serves"]
 
 _OP_INDEX = {op: i for i, op in enumerate(OPERANDS)}
 _GOLD = 0x9E3779B97F4A7C15
@@ -37,6 +37,13 @@ def layer_seed(seed: int, layer: int) -> int:
     return (int(seed) + (int(layer) + 1) * _GOLD) % (1 << 64)
 
 
+def per_layer_signs(seed: int, layer: int, d: int) -> np.ndarray:
+    """The RHT sign vector (+-1.0, length d) of ``rht_signs="per_layer"``: Philox bits keyed by
+    :func:`layer_seed` ``(seed, layer)``, the same on every call."""
+    from .hadamard import rht_signs
+    return rht_signs(d, layer_seed(seed, layer))
+
+
 def _signs(op: Operand, recipe: Recipe, layer: int, call: int, gemm_id: int):
     if op.rht_signs == "te":
         return "te"
@@ -44,6 +51,8 @@ def _signs(op: Operand, recipe: Recipe, layer: int, call: int, gemm_id: int):
         return None
     if op.rht_signs == "fixed":
         return int(recipe.seed)
+    if op.rht_signs == "per_layer":
+        return layer_seed(recipe.seed, layer)
     return layer_seed(recipe.seed, layer) ^ ((call * 4 + gemm_id) & 0xFFFFFFFF)  # per_transform
 
 

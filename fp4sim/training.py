@@ -28,7 +28,7 @@ OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w": "dgrad", "wgrad_x": "wgrad",
            "wgrad_dy": "wgrad"}
 _SCHEMES = ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2", "bf16")
-SIGNS = ("te", "fixed", "per_transform", "none")
+SIGNS = ("te", "fixed", "per_transform", "per_layer", "none")
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
@@ -46,7 +46,9 @@ class Operand:
     rht : None, or the Hadamard size d (2..128) applied along the dot axis before quantizing (the tensor amax is
         taken after the transform).
     rht_signs : ``"te"`` (TransformerEngine's 16-element vector; d = 16), ``"fixed"`` (one vector from the
-        recipe seed), ``"per_transform"`` (a new vector for every GEMM call) or ``"none"`` (all +1).
+        recipe seed), ``"per_layer"`` (one vector per layer from the recipe seed and the layer's index, as
+        torchao's NVFP4 training draws one per layer; :func:`fp4sim.emulate.per_layer_signs`), ``"per_transform"``
+        (a new vector for every GEMM call) or ``"none"`` (all +1).
     four_over_six : None, or ``"mae"`` / ``"mse"``: NVFP4 block scales by TransformerEngine's 4over6 rule with that
         error measure (round to nearest only).
     """
@@ -351,7 +353,8 @@ SWITCH_DOCS = {
     "sr_activations / sr_weights / sr_backward": "stochastic rounding on x / W / every backward operand",
     "rht_fprop / rht_dgrad": "the RHT on the Fprop / Dgrad GEMM as well",
     "rht_size=d": "the Hadamard size (2..128)",
-    "rht_signs=": "`te`, `fixed` (from the seed), `per_transform` (new every call) or `none`",
+    "rht_signs=": "`te`, `fixed` (from the seed), `per_layer` (from the seed and the layer index), "
+                  "`per_transform` (new every call) or `none`",
     "weights_1d_reuse": "1x16 weights quantized once along K and reused in Dgrad (simulation only)",
     "four_over_six=": "TE's 4over6 block scales (`mae` / `mse`) on the round-to-nearest NVFP4 operands",
     "backward_override=": "TE's switch: `None`; `high_precision` (Dgrad / Wgrad on the original x, W, dy in the "

@@ -231,13 +231,35 @@ class QuantLinear(torch.nn.Linear):
         q._setup(recipe, layer_index)
         return q
 
+    def _per_layer_signs(self) -> dict:
+        """{d: the +-1 sign vector} of the RHTs this layer runs with ``rht_signs="per_layer"`` (forward or
+        backward recipe)."""
+        out = {}
+        for rec in (self.recipe, self.recipe_backward):
+            for op in OPERANDS:
+                o = getattr(rec, op)
+                if o.rht and o.rht_signs == "per_layer":
+                    out[str(o.rht)] = [int(v) for v in emulate.per_layer_signs(rec.seed, self.layer_index, o.rht)]
+        return out
+
     def get_extra_state(self):
-        return {"calls": int(self._calls)}
+        st = {"calls": int(self._calls)}
+        signs = self._per_layer_signs()
+        if signs:
+            st["rht_signs"] = signs            # what replicas and a resumed run must agree on
+        return st
 
     def set_extra_state(self, state):
         if not isinstance(state, dict) or not isinstance(state.get("calls"), int) or state["calls"] < 0:
             raise ValueError(f"QuantLinear extra state {state!r}: expected {{'calls': n}} with n >= 0 (saved by "
                              "a QuantLinear's state_dict)")
+        saved, mine = state.get("rht_signs") or {}, self._per_layer_signs()
+        for d, v in saved.items():
+            if d in mine and list(v) != mine[d]:
+                raise ValueError(f"QuantLinear {getattr(self, '_fp4sim_name', '#' + str(self.layer_index))}: the "
+                                 f"checkpoint's per-layer {d}-point RHT signs differ from this layer's (recipe seed "
+                                 f"{self.recipe.seed}, layer index {self.layer_index}); build the model with the seed "
+                                 "and layer order it was saved with")
         self._calls = state["calls"]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
