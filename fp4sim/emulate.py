@@ -15,9 +15,10 @@ for :func:`wgrad` in the same way.
 """
 from __future__ import annotations
 
-import numpy as np
-
+import warnings
 from dataclasses import dataclass
+
+import numpy as np
 
 from . import fastpath
 from ._xp import xp_of
@@ -26,7 +27,8 @@ from .quantize import dequantize, fake_quantize, quantize, rht
 from .schemes import NVFP4
 from .training import OPERANDS, Operand, Recipe
 
-__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "quantize_operand", "Values", "serves"]
+__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "held_amax", "quantize_operand", "Values",
+           "serves"]
 
 _OP_INDEX = {op: i for i, op in enumerate(OPERANDS)}
 _GOLD = 0x9E3779B97F4A7C15
@@ -71,16 +73,44 @@ def _pad_axis(a, axis, mult):
     return out
 
 
+def held_amax(a, op: Operand, call: int, name: str, amax_state):
+    """The tensor amax an operand with ``amax="delayed"`` / ``"history"`` quantizes with at call ``call``
+    (``a``: the tensor after its RHT), updating ``amax_state`` (a dict: ``{name: {"held": v}}`` or ``{name:
+    {"history": [...]}}``, the values float32)."""
+    if amax_state is None:
+        raise ValueError(f"{name}: Operand amax={op.amax!r} keeps state between calls; pass amax_state (a dict the "
+                         "caller keeps, as QuantLinear does)")
+    xp = xp_of(a)
+    with warnings.catch_warnings():                  # NaN ignored, as quantize's own amax does
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cur = float(xp.nanmax(xp.abs(a))) if a.size else 0.0
+    cur = 0.0 if cur != cur else cur
+    if op.amax == "delayed":
+        st = amax_state.get(name)
+        if st is None or call % op.amax_every == 0:
+            st = amax_state[name] = {"held": cur}
+        return np.float32(st["held"])
+    h = amax_state.setdefault(name, {"history": []})["history"]
+    use = max(h) if h else cur
+    h.append(cur)
+    del h[:-op.amax_window]
+    return np.float32(use)
+
+
 def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call: int, name: str, signs=None,
-                     stats=None):
+                     stats=None, amax_state=None):
     """One operand: (padded and rotated along ``axis`` when the operand has an RHT) quantized along ``axis``.
-    Returns a QuantizedTensor, or the float32 array itself for an unquantized operand."""
+    Returns a QuantizedTensor, or the float32 array itself for an unquantized operand. ``amax_state``: the
+    state of operands whose tensor amax is delayed (:func:`held_amax`)."""
     if op.rht:
         a = _pad_axis(a, axis, op.rht)
         a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype, memory="axis_last")   # quantized along axis
     if not op.quantized:
         return a
-    q = quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name))
+    kw = _quant_kwargs(op, recipe, layer, call, name)
+    if op.amax != "current":
+        kw["global_amax"] = held_amax(a, op, call, name, amax_state)
+    q = quantize(a, op.scheme, axis=axis, **kw)
     if stats is not None:
         stats.append(_operand_stats(a, q, name))
     return q
@@ -113,7 +143,8 @@ class Values:
 
 def _fast(recipe: Recipe, stats, *arrays) -> bool:
     return (recipe.accumulate == "fast" and stats is None and fastpath.enabled()
-            and all(isinstance(a, np.ndarray) for a in arrays))
+            and all(isinstance(a, np.ndarray) for a in arrays)
+            and all(getattr(recipe, op).amax == "current" for op in OPERANDS))    # a held amax: the general path
 
 
 def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call: int, name: str, signs=None):
@@ -228,9 +259,10 @@ def _upcast_matmul(qa, qb, a_axis, b_axis):
     return xp_of(a).matmul(A, B.T).astype(np.float32)
 
 
-def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, return_qx=False):
+def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, return_qx=False, amax_state=None):
     """y = x · Wᵀ: x (M, K), w (N, K) -> (M, N) float32. Returns (y, the quantized weight for reuse), and the
-    quantized activation third with ``return_qx`` (for ``wgrad_x_reuse_fprop``)."""
+    quantized activation third with ``return_qx`` (for ``wgrad_x_reuse_fprop``). ``amax_state``: a dict the
+    caller keeps for operands with a delayed tensor amax (:func:`held_amax`), the same for every call."""
     s = _signs(recipe.fprop_x, recipe, layer, call, 0) if recipe.fprop_x.rht else None
     if _fast(recipe, stats, x2, w):
         xv = Values(_operand_values(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s), recipe.fprop_x,
@@ -239,8 +271,8 @@ def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, retu
                     recipe.dgrad_w_reuse_fprop)
         y = _fast_matmul(xv.a, wv.a)
         return (y, wv, xv) if return_qx else (y, wv)
-    qx = quantize_operand(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s, stats)
-    qw = quantize_operand(w, recipe.fprop_w, 1, recipe, layer, call, "fprop_w", s, stats)
+    qx = quantize_operand(x2, recipe.fprop_x, 1, recipe, layer, call, "fprop_x", s, stats, amax_state)
+    qw = quantize_operand(w, recipe.fprop_w, 1, recipe, layer, call, "fprop_w", s, stats, amax_state)
     y = _matmul(qx, qw, recipe, 1, 1)
     return (y, qw, qx) if return_qx else (y, qw)
 
@@ -262,7 +294,8 @@ def _override(recipe: Recipe, a, q_fprop, what: str):
     return a, recipe.backward_recipe()
 
 
-def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None, cache=None):
+def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, stats=None, cache=None,
+          amax_state=None):
     """dx = dy · W: dy (M, N), w (N, K) -> (M, K) float32. On the fast path, ``cache`` (a dict) receives the
     output gradient's values for :func:`wgrad`. With ``recipe.backward_override``, the high-precision recipe on
     ``w`` or (``"dequantized"``) on ``qw_fprop`` dequantized."""
@@ -282,15 +315,16 @@ def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, 
             B = _operand_values(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s)
         return _fast_matmul(dyv.a, B)
     qw_fprop = _from_values(qw_fprop)
-    qdy = quantize_operand(dy2, recipe.dgrad_dy, 1, recipe, layer, call, "dgrad_dy", s, stats)
+    qdy = quantize_operand(dy2, recipe.dgrad_dy, 1, recipe, layer, call, "dgrad_dy", s, stats, amax_state)
     if recipe.dgrad_w_reuse_fprop and qw_fprop is not None and recipe.dgrad_w.quantized:
         # simulation only: the Fprop weight (quantized along K) used as it is along N
         return _upcast_matmul(qdy, qw_fprop, 1, 0)
-    qw = quantize_operand(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s, stats)
+    qw = quantize_operand(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s, stats, amax_state)
     return _matmul(qdy, qw, recipe, 1, 0)
 
 
-def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx_fprop=None, cache=None):
+def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx_fprop=None, cache=None,
+          amax_state=None):
     """dW = dyᵀ · x: dy (M, N), x (M, K) -> (N, K) float32. With ``recipe.wgrad_x_reuse_fprop``, ``qx_fprop``
     (Fprop's quantized x, along K) is used as it is, upcast to float32, instead of x re-quantized along M. On
     the fast path, ``cache`` is :func:`dgrad`'s (the output gradient's values, used again where they can be).
@@ -312,8 +346,8 @@ def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx
             B = _operand_values(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s)
         return _fast_matmul(A, B)
     qx_fprop = _from_values(qx_fprop)
-    qdy = quantize_operand(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s, stats)
+    qdy = quantize_operand(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s, stats, amax_state)
     if recipe.wgrad_x_reuse_fprop and qx_fprop is not None and recipe.wgrad_x.quantized:
         return _upcast_matmul(qdy, qx_fprop, 0, 0)
-    qx = quantize_operand(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s, stats)
+    qx = quantize_operand(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s, stats, amax_state)
     return _matmul(qdy, qx, recipe, 0, 0)

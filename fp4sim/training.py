@@ -30,6 +30,8 @@ GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w
 _SCHEMES = ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2", "bf16")
 SIGNS = ("te", "fixed", "per_transform", "per_layer", "none")
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+AMAX_MODES = ("current", "delayed", "history")
+TENSOR_SCALED = ("nvfp4", "fp8_e4m3", "fp8_e5m2")          # the schemes with a per-tensor amax
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ class Operand:
         (a new vector for every GEMM call) or ``"none"`` (all +1).
     four_over_six : None, or ``"mae"`` / ``"mse"``: NVFP4 block scales by TransformerEngine's 4over6 rule with that
         error measure (round to nearest only).
+    amax : the tensor amax behind the per-tensor scale (NVFP4's FP32 scale, FP8's tensor scale): ``"current"``
+        (default: this call's tensor), ``"delayed"`` (sample-and-hold: measured on the calls ``c`` with ``c %
+        amax_every == 0`` and held in between, so the scale a kernel uses is up to ``amax_every - 1`` calls
+        stale) or ``"history"`` (TransformerEngine's delayed scaling: the largest amax of the previous
+        ``amax_window`` calls, this call's measured after; the first call, with no history, uses its own). A
+        tensor that outgrew the held amax saturates, as in the real kernels. The state travels with the layer
+        (QuantLinear's state_dict), so a resumed run continues bit for bit.
+    amax_every, amax_window : the refresh period of ``"delayed"`` and the history length of ``"history"``.
     """
     scheme: str | None = None
     block: tuple | None = None
@@ -58,6 +68,9 @@ class Operand:
     rht: int | None = None
     rht_signs: str = "te"
     four_over_six: str | None = None
+    amax: str = "current"
+    amax_every: int = 1
+    amax_window: int = 1
 
     def __post_init__(self):
         if self.scheme is not None and self.scheme not in _SCHEMES:
@@ -78,6 +91,15 @@ class Operand:
             if self.scheme != "nvfp4" or self.rounding != "rne":
                 raise ValueError(f"Operand four_over_six={self.four_over_six!r}: 4over6 is an NVFP4 round-to-nearest "
                                  f"rule (scheme 'nvfp4', rounding 'rne'), not {self.scheme!r} with {self.rounding!r}")
+        if self.amax not in AMAX_MODES:
+            raise ValueError(f"Operand amax={self.amax!r}: use one of {list(AMAX_MODES)}")
+        for k in ("amax_every", "amax_window"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Operand {k}={v!r}: a number of calls >= 1")
+        if self.amax != "current" and self.scheme not in TENSOR_SCALED:
+            raise ValueError(f"Operand amax={self.amax!r}: only a per-tensor scale can be delayed; scheme "
+                             f"{self.scheme!r} has none (use one of {list(TENSOR_SCALED)})")
         if self.block is not None:
             if isinstance(self.block, (str, bytes)) or not hasattr(self.block, "__len__"):
                 raise ValueError(f"Operand block={self.block!r}: a (rows, columns) pair such as (1, 16), or None")
@@ -100,7 +122,9 @@ class Operand:
         b = f" {self.block[0]}x{self.block[1]}" if self.block else ""
         r = f" RHT{self.rht}" if self.rht else ""
         f = f" 4over6-{self.four_over_six.upper()}" if self.four_over_six else ""
-        return f"{self.scheme}{b} {self.rounding.upper()}{r}{f}"
+        a = (f" amax/{self.amax_every}" if self.amax == "delayed" else f" amax-hist{self.amax_window}"
+             if self.amax == "history" else "")
+        return f"{self.scheme}{b} {self.rounding.upper()}{r}{f}{a}"
 
 
 @dataclass(frozen=True)
@@ -250,7 +274,9 @@ class Recipe:
         ``sr_weights``, ``sr_backward`` (SR on every backward operand), ``rht_fprop``, ``rht_dgrad``,
         ``rht_size=d``, ``rht_signs=`` ``"te" | "fixed" | "per_transform" | "none"``, ``weights_1d_reuse``
         (1x16 weights quantized once along K and reused in Dgrad), ``four_over_six="mae" | "mse"`` (TE's 4over6
-        block scales on every round-to-nearest NVFP4 operand). Any other keyword is a Recipe field (e.g.
+        block scales on every round-to-nearest NVFP4 operand), ``delayed_amax=D`` / ``amax_history=N`` (every
+        operand with a per-tensor scale takes :class:`Operand`'s ``amax="delayed"`` / ``"history"``). Any other
+        keyword is a Recipe field (e.g.
         ``backward_override="dequantized"``, TransformerEngine's switch of that name).
         """
         if name not in PRESETS:
@@ -266,6 +292,9 @@ class Recipe:
             elif k == "four_over_six":
                 if v not in ("mae", "mse"):
                     raise ValueError(f"four_over_six={v!r}: use 'mae' or 'mse'")
+            elif k in ("delayed_amax", "amax_history"):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{k}={v!r}: a number of calls >= 1")
             elif not isinstance(v, bool):
                 raise TypeError(f"{k}={v!r}: a switch takes True or False")
         bad = [k for k in overrides if k not in {f.name for f in dataclasses.fields(cls)}]
@@ -306,6 +335,13 @@ class Recipe:
                                  "preset such as 'nvfp4_paper'")
             for op in hit:
                 ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
+        for k, mode, field_ in (("delayed_amax", "delayed", "amax_every"), ("amax_history", "history", "amax_window")):
+            if k in sw:
+                hit = [op for op in OPERANDS if ops[op].scheme in TENSOR_SCALED]
+                if not hit:
+                    raise ValueError(f"{k}={sw[k]}: preset {name!r} has no operand with a per-tensor scale")
+                for op in hit:
+                    ops[op] = rep(ops[op], amax=mode, **{field_: sw[k]})
         d_default = next((ops[op].rht for op in OPERANDS if ops[op].rht), 16)
         d = sw.get("rht_size", d_default)
         signs = sw.get("rht_signs")
@@ -357,6 +393,9 @@ SWITCH_DOCS = {
                   "`per_transform` (new every call) or `none`",
     "weights_1d_reuse": "1x16 weights quantized once along K and reused in Dgrad (simulation only)",
     "four_over_six=": "TE's 4over6 block scales (`mae` / `mse`) on the round-to-nearest NVFP4 operands",
+    "delayed_amax=D": "every per-tensor scale from an amax measured every D calls and held in between",
+    "amax_history=N": "every per-tensor scale from the largest amax of the previous N calls (TE's delayed "
+                      "scaling)",
     "backward_override=": "TE's switch: `None`; `high_precision` (Dgrad / Wgrad on the original x, W, dy in the "
                           "high-precision format); `dequantized` (on the forward's quantized x, W dequantized)",
     "keep / keep_first / keep_last": "layers (name globs, first / last N blocks) kept in high precision",
@@ -368,7 +407,7 @@ SWITCH_DOCS = {
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",
              "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse",
-             "four_over_six"}
+             "four_over_six", "delayed_amax", "amax_history"}
 
 
 def _uniform(op: Operand, name: str) -> Recipe:

@@ -138,7 +138,8 @@ class _Fn(torch.autograd.Function):
         x2 = _to_array(x.reshape(-1, x.shape[-1]))
         w = _to_array(weight)
         stats = layer._stats_sink("fprop", call)
-        y, qw, qx = emulate.fprop(x2, w, rec, layer.layer_index, call, stats, return_qx=True)
+        y, qw, qx = emulate.fprop(x2, w, rec, layer.layer_index, call, stats, return_qx=True,
+                                  amax_state=layer._amax_state)
         ctx.layer, ctx.call, ctx.lead, ctx.x_dtype = layer, call, lead, x.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -163,12 +164,13 @@ class _Fn(torch.autograd.Function):
         cache = {}                                 # dgrad's output-gradient values, for wgrad (fast path)
         if ctx.needs_input_grad[0]:
             stats = layer._stats_sink("dgrad", call)
-            d = emulate.dgrad(dy2, _to_array(weight), rec, layer.layer_index, call, ctx.qw, stats, cache)
+            d = emulate.dgrad(dy2, _to_array(weight), rec, layer.layer_index, call, ctx.qw, stats, cache,
+                              layer._amax_state)
             dx = _to_tensor(d, x, ctx.x_dtype).reshape(*ctx.lead, -1)
         if ctx.needs_input_grad[1]:
             stats = layer._stats_sink("wgrad", call)
             d = emulate.wgrad(dy2, _to_array(x.reshape(-1, x.shape[-1])), rec, layer.layer_index, call, stats,
-                              ctx.qx, cache)
+                              ctx.qx, cache, layer._amax_state)
             dw = _to_tensor(d, weight, weight.dtype)
             if layer._wgrad_probe is not None:
                 layer._wgrad_probe(d, dy2, _to_array(x.reshape(-1, x.shape[-1])))
@@ -185,8 +187,10 @@ class QuantLinear(torch.nn.Linear):
     As ``nn.Linear``: a floating-point input on the weight's device only (TypeError / ValueError otherwise), and
     an empty input (no rows, or no
     features) gives an empty output and zero gradients. The layer counts its forward calls; the count keys the
-    Philox bits of stochastic rounding and travels in the state_dict (``_extra_state``: ``{"calls": n}``), so a
-    model saved and loaded again draws the bits an uninterrupted run would. A state_dict without it (a plain
+    Philox bits of stochastic rounding and travels in the state_dict (``_extra_state``: ``{"calls": n}``, with
+    ``"amax"``: the held tensor amaxes of operands with ``amax="delayed"`` / ``"history"``, and ``"rht_signs"``:
+    the vectors of ``rht_signs="per_layer"``), so a model saved and loaded again draws the bits an uninterrupted
+    run would. A state_dict without it (a plain
     ``nn.Linear`` model's) loads strictly and leaves the count as it is; :func:`drop_extra_state` makes one
     that a plain model loads strictly."""
 
@@ -200,6 +204,7 @@ class QuantLinear(torch.nn.Linear):
         self.recipe_backward = self.recipe
         self.layer_index = int(layer_index)
         self._calls, self._stats, self._wgrad_probe = 0, None, None
+        self._amax_state = {}                  # operands with a delayed tensor amax: emulate.held_amax
         self._nonfinite_warned = set()
 
     @property
@@ -244,6 +249,9 @@ class QuantLinear(torch.nn.Linear):
 
     def get_extra_state(self):
         st = {"calls": int(self._calls)}
+        if self._amax_state:
+            st["amax"] = {k: {f: (list(v) if isinstance(v, list) else v) for f, v in d.items()}
+                          for k, d in self._amax_state.items()}
         signs = self._per_layer_signs()
         if signs:
             st["rht_signs"] = signs            # what replicas and a resumed run must agree on
@@ -261,6 +269,8 @@ class QuantLinear(torch.nn.Linear):
                                  f"{self.recipe.seed}, layer index {self.layer_index}); build the model with the seed "
                                  "and layer order it was saved with")
         self._calls = state["calls"]
+        self._amax_state = {k: {f: (list(v) if isinstance(v, list) else float(v)) for f, v in d.items()}
+                            for k, d in (state.get("amax") or {}).items()}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
