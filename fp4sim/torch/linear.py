@@ -140,6 +140,8 @@ class _Fn(torch.autograd.Function):
         stats = layer._stats_sink("fprop", call)
         y, qw, qx = emulate.fprop(x2, w, rec, layer.layer_index, call, stats, return_qx=True,
                                   amax_state=layer._amax_state)
+        if stats is not None:
+            layer._oscillation(qw, stats)
         ctx.layer, ctx.call, ctx.lead, ctx.x_dtype = layer, call, lead, x.dtype
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -205,6 +207,7 @@ class QuantLinear(torch.nn.Linear):
         self.layer_index = int(layer_index)
         self._calls, self._stats, self._wgrad_probe = 0, None, None
         self._amax_state = {}                  # operands with a delayed tensor amax: emulate.held_amax
+        self._osc = (None, None)               # collect_stats: the quantized weight of the last two Fprop calls
         self._nonfinite_warned = set()
 
     @property
@@ -280,6 +283,23 @@ class QuantLinear(torch.nn.Linear):
         key = prefix + "_extra_state"
         if key in missing_keys[n:]:             # a plain nn.Linear checkpoint: no call count, keep ours
             missing_keys.remove(key)
+
+    def _oscillation(self, qw, sink):
+        """Weight oscillation of this Fprop call against the layer's previous logged ones, into the fprop_w
+        record: ``w_changed`` (the share of weight elements whose quantized value differs from the previous
+        call's) and ``w_flipped_back`` (the share whose value differs from the previous call's and equals the one
+        before: A -> B -> A)."""
+        rec = next((r for r in sink if r["operand"] == "fprop_w"), None)
+        if rec is None:                          # an unquantized weight: nothing oscillates
+            return
+        from ..quantize import dequantize
+        v = dequantize(qw) if hasattr(qw, "codes") else np.array(qw, np.float32)
+        prev, prev2 = self._osc
+        changed = v != prev if prev is not None and prev.shape == v.shape else None
+        rec["w_changed"] = float(changed.mean()) if changed is not None else float("nan")
+        rec["w_flipped_back"] = (float((changed & (v == prev2)).mean()) if changed is not None and prev2 is not None
+                                 and prev2.shape == v.shape else float("nan"))
+        self._osc = (v, prev)
 
     def _stats_sink(self, gemm_name, call):
         if self._stats is None:
@@ -428,8 +448,11 @@ def collect_stats(model: torch.nn.Module):
     ``underflow`` (the share of nonzero elements that become 0), ``max_code`` (the share of FP4 codes at +-6, the
     largest E2M1 magnitude, which every block's amax element takes by design: about 1/16 on Gaussian data) and
     ``clipped`` (the share of elements whose magnitude exceeds their block's dequantized 6: what the clamp lost,
-    where the E4M3 block scale rounded below amax / 6). ``with collect_stats(model) as log: ...`` then
-    ``log.dataset()`` (xarray). A model without QuantLinear layers raises ValueError."""
+    where the E4M3 block scale rounded below amax / 6); and per layer the weight's oscillation between logged Fprop
+    calls (``w_changed``: the share of quantized weight elements whose value changed since the previous call;
+    ``w_flipped_back``: the share that changed back to the value of the call before, A -> B -> A, as TetraJet-v2
+    tracks it). ``with collect_stats(model) as log: ...`` then ``log.dataset()`` (xarray). A model without
+    QuantLinear layers raises ValueError."""
     log = _StatsLog()
     mods = [m for _, m in _quant_layers(model)]
     for m in mods:
@@ -439,9 +462,11 @@ def collect_stats(model: torch.nn.Module):
     finally:
         for m in mods:
             m._stats = None
+            m._osc = (None, None)             # the next log starts afresh; the copies are freed
 
 
 _STAT_KEYS = ("rel_mse", "underflow", "max_code", "clipped")
+_OSC_KEYS = ("w_changed", "w_flipped_back")   # fprop_w only; from a layer's second (third) logged call on
 
 
 class _StatsLog:
@@ -472,6 +497,18 @@ class _StatsLog:
             ds = xr.Dataset({k: (("layer", "operand"), v / np.where(count, count, np.nan)) for k, v in data.items()},
                             coords={"layer": layers, "operand": ops})
         ds["calls"] = (("layer", "operand"), count.astype(int))
+        osc = [r for r in recs if r["operand"] == "fprop_w" and "w_changed" in r]
+        if osc:
+            for k in _OSC_KEYS:                       # the mean over the calls where it is defined
+                v = np.full(len(layers), np.nan)
+                for i, name in enumerate(layers):
+                    vals = [r[k] for r in osc if r["layer"] == name and r[k] == r[k]]
+                    v[i] = np.mean(vals) if vals else np.nan
+                ds[k] = ("layer", v)
+            ds["w_changed"].attrs["description"] = ("share of the quantized weight's elements that changed since the "
+                                                    "layer's previous logged Fprop call (mean over calls)")
+            ds["w_flipped_back"].attrs["description"] = ("share that changed and returned to the value of the call "
+                                                         "before (A -> B -> A): oscillation")
         return ds
 
 
