@@ -60,6 +60,12 @@ def check_int(value, name: str, lo: int, hi: int) -> int:
     return int(value)
 
 
+# how random bits become SR decisions: "te" (TransformerEngine's byte order in uint32 words, the truncating rule
+# up iff floor(delta * 2^n) + r >= 2^n), "msb_first" (the same rule, bytes 3-k of each word), "midpoint" (TE's
+# byte order, up iff delta + (2r + 1) / 2^(n+1) >= 1: unbiased at the 2^-n lattice midpoints)
+RBITS_MAPPINGS = ("te", "msb_first", "midpoint")
+
+
 def sr_bytes(n: int, shape, rounding: str, rbits, seed, sr_bits: int, rbits_mapping: str):
     """Check the stochastic-rounding arguments; return ``(kind, per_element_uint8_or_None)``.
 
@@ -78,9 +84,9 @@ def sr_bytes(n: int, shape, rounding: str, rbits, seed, sr_bits: int, rbits_mapp
                          "seed= (an int; bits then come from Philox4x32-10)")
     if rbits is not None and seed is not None:
         raise ValueError("pass either rbits= or seed= for rounding='sr', not both")
+    check_choice(rbits_mapping, "rbits_mapping", RBITS_MAPPINGS)
     if rbits is None:
         return 2, None
-    check_choice(rbits_mapping, "rbits_mapping", ("te", "msb_first"))
     xp = xp_of(rbits)
     if not (isinstance(rbits, np.ndarray) or xp is not np):
         raise TypeError(f"rbits must be a NumPy (or CuPy) uint8 or uint32 array, not {type(rbits).__name__}")

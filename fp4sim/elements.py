@@ -43,7 +43,7 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
         return planning.run_encode(CPU, x, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
     xs = CPU.as_float32(x)
     p = planning.plan_encode(xs.shape, xs.size, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
-    return CPU.encode(xs, p.fmt, p.mode, p.sat, p.sr.nsr, p.sr, generic=True)
+    return CPU.encode(xs, p.fmt, p.mode, p.sat, p.sr.kernel_nsr, p.sr, generic=True)
 
 
 def decode(codes, fmt) -> np.ndarray:

@@ -123,7 +123,8 @@ def _quant_kwargs(op: Operand, recipe: Recipe, layer: int, call: int, name: str)
     if op.four_over_six is not None:
         kw["four_over_six"] = op.four_over_six
     if op.rounding == "sr":
-        kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer), stream=_stream(call, name))
+        kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer), stream=_stream(call, name),
+                  rbits_mapping=op.rbits_mapping)
     return kw
 
 

@@ -73,6 +73,7 @@ class OperandPlan:
     ph: int | None = None
     pstride: int = 1
     elem: object = None
+    nsr: int = 8                 # the SR bits the kernels take (plus ids.SR_MIDPOINT for the midpoint rule)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -81,6 +82,7 @@ def operand_plan(op, shape: tuple, axis: int) -> OperandPlan:
     ``shape`` (after RHT padding) quantized along ``axis``."""
     sch = get_scheme(op.scheme, block=op.block, four_over_six=op.four_over_six)
     sr = op.rounding == "sr"
+    nsr = 8 + (ids.SR_MIDPOINT if sr and op.rbits_mapping == "midpoint" else 0)
     if isinstance(sch, BF16Cast) and not sr:
         return OperandPlan("bf16")
     if (isinstance(sch, NVFP4) and sch.flavor in ("te", "paper") and not sch.four_over_six and not sch.row_scaled
@@ -89,13 +91,13 @@ def operand_plan(op, shape: tuple, axis: int) -> OperandPlan:
         if sr and ph is None:
             return OperandPlan("general")
         return OperandPlan("nvfp4", ids.FLAVOR_IDS[sch.flavor], sch.block[0], ids.SR if sr else ids.RNE, ph,
-                           stride)
+                           stride, nsr=nsr)
     if isinstance(sch, MX):
         ph, stride = philox_layout(shape, axis)
         if sr and ph is None:
             return OperandPlan("general")
         return OperandPlan("mx", ids.SCALE_MODE_IDS[sch.scale_mode], 1, ids.SR if sr else ids.RNE, ph, stride,
-                           sch.elem)
+                           sch.elem, nsr)
     if isinstance(sch, FP8Blockwise) and sch.elem is E4M3 and not sr:
         return OperandPlan("fp8_blockwise", tile=sch.block[0])
     return OperandPlan("general")
@@ -153,7 +155,7 @@ def nvfp4_values(A, plan: OperandPlan, seed=None, stream=0):
     if A.size:
         R = A.shape[0]
         ntasks = max(1, min(-(-R // 16), 4 * numba.get_num_threads()))
-        nvfp4_values_kernel(A, *sra, plan.mode, 8, plan.flavor, plan.tile, c0[0], c1[0], dq[0], E4M3.values, out,
+        nvfp4_values_kernel(A, *sra, plan.mode, plan.nsr, plan.flavor, plan.tile, c0[0], c1[0], dq[0], E4M3.values, out,
                             ntasks)
     return out
 
@@ -171,7 +173,8 @@ def mx_values(A, plan: OperandPlan, seed=None, stream=0):
         rb = np.zeros((1, 1), np.uint8)
     if not A.size:
         return np.empty(A.shape, np.float32)
-    _, _, fv, (amax, has_nan) = CpuKernels.mx(A, rb, plan.mode == ids.SR, plan.mode, 8, plan.flavor, plan.elem, True)
+    _, _, fv, (amax, has_nan) = CpuKernels.mx(A, rb, plan.mode == ids.SR, plan.mode, plan.nsr, plan.flavor, plan.elem,
+                                              True)
     if has_nan or not np.isfinite(amax):
         return None
     return fv

@@ -23,6 +23,9 @@ DQ_NVFP4, DQ_MX, DQ_FP8_BLOCKWISE, DQ_FP8_TENSOR = 0, 1, 2, 3
 
 # stochastic-rounding bit sources of the CPU element kernel
 SR_NONE, SR_GIVEN, SR_PHILOX = 0, 1, 2
+# added to the SR bit count a kernel takes (``nsr``): the midpoint rule (rbits_mapping="midpoint"), round up iff
+# delta + (2r + 1) / 2^(n+1) >= 1; the kernels' sr_bits decode it
+SR_MIDPOINT = 16
 
 # accumulation modes of the NVFP4 GEMM model kernels (fp4sim.gemm's exact_sum, kG_rne, kG_rtz)
 ACC_EXACT, ACC_RNE, ACC_RTZ = 0, 1, 2
@@ -31,7 +34,8 @@ _EXPORT = {"MODE_RNE": RNE, "MODE_RZ": RZ, "MODE_RU": RU, "MODE_RD": RD, "MODE_S
            "FL_TE": TE, "FL_PAPER": PAPER, "FL_TORCHAO": TORCHAO, "FL_MODELOPT": MODELOPT,
            "SM_RCEIL": RCEIL, "SM_FLOOR": FLOOR, "SM_CEIL": CEIL, "SM_EVEN": EVEN,
            "DQ_NVFP4": DQ_NVFP4, "DQ_MX": DQ_MX, "DQ_FP8_BLOCKWISE": DQ_FP8_BLOCKWISE, "DQ_FP8_TENSOR": DQ_FP8_TENSOR,
-           "ACC_EXACT": ACC_EXACT, "ACC_RNE": ACC_RNE, "ACC_RTZ": ACC_RTZ}
+           "ACC_EXACT": ACC_EXACT, "ACC_RNE": ACC_RNE, "ACC_RTZ": ACC_RTZ,
+           "SR_MIDPOINT": SR_MIDPOINT}
 
 
 def cuda_defines() -> str:

@@ -81,6 +81,12 @@ class SRPlan:
     per: object = None
     seed: int | None = None
     stream: int = 0
+    midpoint: bool = False
+
+    @property
+    def kernel_nsr(self) -> int:
+        """The bit count the kernels take: ``nsr``, plus ids.SR_MIDPOINT for the midpoint rule."""
+        return self.nsr + (ids.SR_MIDPOINT if self.midpoint else 0)
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,7 @@ def plan_sr(n: int, shape, rounding: str, rbits, seed, sr_bits, stream, rbits_ma
     if kind == ids.SR_PHILOX:
         from .rng import seed_key
         seed_key(seed)  # checks the seed
-    return SRPlan(kind, nsr, per, seed, stream)
+    return SRPlan(kind, nsr, per, seed, stream, kind != ids.SR_NONE and rbits_mapping == "midpoint")
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,7 @@ def run_encode(kern, x, fmt, rounding="rne", saturate=True, rbits=None, seed=Non
     fmt = get_format(fmt)
     xs = kern.as_float32(x)
     p = plan_encode(xs.shape, xs.size, fmt, rounding, saturate, rbits, seed, sr_bits, stream, rbits_mapping)
-    return kern.encode(xs, p.fmt, p.mode, p.sat, p.sr.nsr, p.sr)
+    return kern.encode(xs, p.fmt, p.mode, p.sat, p.sr.kernel_nsr, p.sr)
 
 
 # ------------------------------------------------------------------------------------------------ block schemes
@@ -378,13 +384,13 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     if rb is None:
         rb = rows(kern.sr_bytes(p.sr, xs.shape), p.axis) if use_rb else xp.zeros((1, 1), np.uint8)
     if isinstance(sch, BF16Cast):
-        srp = SRPlan(ids.SR_GIVEN, p.sr.nsr, rb.reshape(-1)) if use_rb else p.sr
-        codes = kern.encode(x2, sch.elem, p.mode, p.rounding == "sr", p.sr.nsr, srp)
+        srp = SRPlan(ids.SR_GIVEN, p.sr.nsr, rb.reshape(-1), midpoint=p.sr.midpoint) if use_rb else p.sr
+        codes = kern.encode(x2, sch.elem, p.mode, p.rounding == "sr", p.sr.kernel_nsr, srp)
         if fake:
             return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
     if isinstance(sch, MX):                 # no tensor amax needed: the backend may reduce it as it quantizes
-        codes, scales, fv, amax = kern.mx(x2, rb, use_rb, p.mode, p.sr.nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
+        codes, scales, fv, amax = kern.mx(x2, rb, use_rb, p.mode, p.sr.kernel_nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
                                           sch.elem, fake)
         amax_t, has_nan = kern.absmax(x2) if amax is None else amax
         warn_specials(sch, amax_t, has_nan, bool(np.isinf(amax_t)))
@@ -423,7 +429,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
             # blocked axis other than the last is not those rows reshaped)
             return p.back(xp, kern.dequantize(q, plan_dequantize(q)).reshape(p.R, p.K)) if fake else q
         c0, c1, dq = nvfp4_constants_rows(sch.flavor, amax_g, sch.per_tensor_scale)
-        codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
+        codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, p.sr.kernel_nsr, ids.FLAVOR_IDS[sch.flavor], sch.block[0],
                                        c0, c1, dq, fake, *pre)
         gamax = (np.asarray(amax_g, np.float32).reshape(-1) if sch.row_scaled else
                  None if not sch.per_tensor_scale else f32(amax_g))
@@ -431,9 +437,9 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
             extras = {"s_enc_constants": (c0, c1), "dequant_constants": dq, "tensor_amax": f32(amax_t)}
     elif isinstance(sch, FP8Tensor):
         scale = fp8_tensor_scale(sch.elem, amax_t if p.global_amax is None else p.global_amax)
-        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.nsr, sch.elem, 1, scale, fake)
+        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.kernel_nsr, sch.elem, 1, scale, fake)
     else:
-        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.nsr, sch.elem, sch.block[0], None, fake)
+        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, p.sr.kernel_nsr, sch.elem, sch.block[0], None, fake)
     if fake:
         return p.back(xp, fv)
     return finish(sch, codes, scales, gamax, p.lead, p.axis, p.shape, p.scale_layout, extras)

@@ -61,6 +61,9 @@ class Operand:
         tensor that outgrew the held amax saturates, as in the real kernels. The state travels with the layer
         (QuantLinear's state_dict), so a resumed run continues bit for bit.
     amax_every, amax_window : the refresh period of ``"delayed"`` and the history length of ``"history"``.
+    rbits_mapping : the stochastic-rounding rule, as :func:`fp4sim.encode` names it: ``"te"`` (round up iff the
+        8 remainder bits below the quantum plus the random byte r carry) or ``"midpoint"`` (up iff delta + (2r +
+        1) / 512 >= 1: unbiased at the 1/256 lattice midpoints, Graphcore's ``StochasticFast``).
     """
     scheme: str | None = None
     block: tuple | None = None
@@ -71,12 +74,18 @@ class Operand:
     amax: str = "current"
     amax_every: int = 1
     amax_window: int = 1
+    rbits_mapping: str = "te"
 
     def __post_init__(self):
         if self.scheme is not None and self.scheme not in _SCHEMES:
             raise ValueError(f"Operand scheme={self.scheme!r}: use one of {list(_SCHEMES)} or None")
         if self.rounding not in ("rne", "sr"):
             raise ValueError(f"Operand rounding={self.rounding!r}: use 'rne' or 'sr'")
+        if self.rbits_mapping not in ("te", "midpoint"):
+            raise ValueError(f"Operand rbits_mapping={self.rbits_mapping!r}: use 'te' or 'midpoint'")
+        if self.rbits_mapping != "te" and self.rounding != "sr":
+            raise ValueError(f"Operand rbits_mapping={self.rbits_mapping!r} is a stochastic-rounding rule; the "
+                             "operand rounds to nearest (rounding='sr' to use it)")
         if self.rht is not None and (not isinstance(self.rht, int) or self.rht < 2 or self.rht > 128
                                      or self.rht & (self.rht - 1)):
             raise ValueError(f"Operand rht={self.rht!r}: a power of two in 2..128, or None")
@@ -124,7 +133,8 @@ class Operand:
         f = f" 4over6-{self.four_over_six.upper()}" if self.four_over_six else ""
         a = (f" amax/{self.amax_every}" if self.amax == "delayed" else f" amax-hist{self.amax_window}"
              if self.amax == "history" else "")
-        return f"{self.scheme}{b} {self.rounding.upper()}{r}{f}{a}"
+        m = "-mid" if self.rbits_mapping == "midpoint" else ""
+        return f"{self.scheme}{b} {self.rounding.upper()}{m}{r}{f}{a}"
 
 
 @dataclass(frozen=True)
@@ -292,6 +302,9 @@ class Recipe:
             elif k == "four_over_six":
                 if v not in ("mae", "mse"):
                     raise ValueError(f"four_over_six={v!r}: use 'mae' or 'mse'")
+            elif k == "rbits_mapping":
+                if v not in ("te", "midpoint"):
+                    raise ValueError(f"rbits_mapping={v!r}: use 'te' or 'midpoint'")
             elif k in ("delayed_amax", "amax_history"):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"{k}={v!r}: a number of calls >= 1")
@@ -326,7 +339,14 @@ class Recipe:
                 ops[op] = rep(ops[op], rounding="sr")
         if sw.get("disable_stochastic_rounding"):
             for op in OPERANDS:
-                ops[op] = rep(ops[op], rounding="rne")
+                ops[op] = rep(ops[op], rounding="rne", rbits_mapping="te")
+        if "rbits_mapping" in sw:
+            hit = [op for op in OPERANDS if ops[op].rounding == "sr"]
+            if not hit:
+                raise ValueError(f"rbits_mapping={sw['rbits_mapping']!r}: preset {name!r} (with these switches) "
+                                 "rounds nothing stochastically")
+            for op in hit:
+                ops[op] = rep(ops[op], rbits_mapping=sw["rbits_mapping"])
         if sw.get("four_over_six"):
             hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4" and ops[op].rounding == "rne"]
             if not hit:
@@ -393,6 +413,8 @@ SWITCH_DOCS = {
                   "`per_transform` (new every call) or `none`",
     "weights_1d_reuse": "1x16 weights quantized once along K and reused in Dgrad (simulation only)",
     "four_over_six=": "TE's 4over6 block scales (`mae` / `mse`) on the round-to-nearest NVFP4 operands",
+    "rbits_mapping=": "the SR rule of every stochastically rounded operand: `te` (truncated remainder + random "
+                      "byte) or `midpoint` (delta + (2r + 1) / 512 >= 1)",
     "delayed_amax=D": "every per-tensor scale from an amax measured every D calls and held in between",
     "amax_history=N": "every per-tensor scale from the largest amax of the previous N calls (TE's delayed "
                       "scaling)",
@@ -407,7 +429,7 @@ SWITCH_DOCS = {
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",
              "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse",
-             "four_over_six", "delayed_amax", "amax_history"}
+             "four_over_six", "delayed_amax", "amax_history", "rbits_mapping"}
 
 
 def _uniform(op: Operand, name: str) -> Recipe:

@@ -100,6 +100,12 @@ def test_encode_every_mode(dev, fmt):
     if fmt is fs.E2M1:  # fewer random bits: the low bits of each Philox byte
         want = fs.encode(SWEEP, fmt, rounding="sr", seed=7, sr_bits=3)
         assert np.array_equal(dev.host(ops.encode(dev.be, dev.dev(SWEEP), fmt, "sr", seed=7, sr_bits=3)), want)
+    if fmt is not fs.UE8M0:  # the midpoint rule, given bytes, Philox bytes and fewer bits
+        for kw in ({"rbits": r}, {"seed": 3, "stream": 2}, {"seed": 5, "sr_bits": 4}):
+            want = fs.encode(SWEEP, fmt, rounding="sr", rbits_mapping="midpoint", **kw)
+            got = dev.host(ops.encode(dev.be, dev.dev(SWEEP), fmt, "sr", rbits_mapping="midpoint",
+                                      **{k: dev.dev(v) for k, v in kw.items()}))
+            assert np.array_equal(got, want), (fmt.name, kw, np.flatnonzero(got != want)[:5])
 
 
 def test_philox_bytes(dev):
@@ -164,6 +170,21 @@ def test_quantize_and_fake_quantize(dev, scheme, kw, case):
             same_bits(dev.host(f_got), np.asarray(f_want))
             same_bits(dev.host(fs.dequantize(got)), fs.dequantize(want))  # on the device for CuPy tensors
             same_bits(dev.host(ops.dequantize(dev.be, got)), fs.dequantize(want))  # the GPU kernel, also on host
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "fp8_e4m3", "fp8_blockwise", "bf16"])
+def test_midpoint_sr_in_the_block_kernels(dev, scheme):
+    """rbits_mapping='midpoint' through each block kernel, Philox and given bytes, along both axes."""
+    x = CASES["heavy"]
+    rb = np.random.default_rng(6).integers(0, 256, x.shape, dtype=np.uint8)
+    for axis in (-1, 0):
+        for bits in ({"seed": 4}, {"rbits": rb}):
+            kw = dict(rounding="sr", rbits_mapping="midpoint", axis=axis, **bits)
+            want = fs.quantize(x, scheme, **kw)
+            got = ops.quantize(dev.be, dev.dev(x), scheme, **{k: dev.dev(v) for k, v in kw.items()})
+            assert np.array_equal(dev.host(got.codes), want.codes), (scheme, axis, list(bits))
+            if want.scales is not None:
+                assert np.array_equal(dev.host(got.scales).view(np.uint8), np.asarray(want.scales).view(np.uint8))
 
 
 @pytest.mark.parametrize("d", [2, 16, 32, 128])

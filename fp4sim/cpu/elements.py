@@ -31,16 +31,18 @@ def round_magnitude(a, neg, mode, r, nsr, mbits, emin, bias):
     overflow. ``emin`` is the unbiased exponent of the format's smallest normal; ``r`` the SR random integer
     (``nsr`` bits).
     """
+    r, nsr = sr_bits(r, nsr)
     a = np.int32(a)
     E = a >> 23
     sig = (a & 0x7FFFFF) | (np.int32(E != 0) << 23)
     e = max(E, np.int32(1)) - 127
     eT = max(e, np.int32(emin))
     s = eT - e + np.int32(23 - mbits)
-    # quantum more than 2^31 times the input's: keep only a sticky bit (every mode then decides as for the
-    # exact value, and the int32 shifts below stay in range)
+    # quantum more than 2^31 times the input's ulp: the significand shifted to a 2^-31 quantum with a sticky bit
+    # (every mode then decides as for the exact value — SR's top remainder bits, up to 9 with the midpoint rule,
+    # are those of the exact remainder — and the int32 shifts below stay in range)
     tiny = s > 31
-    sig = np.int32(sig != 0) if tiny else sig
+    sig = (sig >> min(s - np.int32(31), np.int32(31))) | np.int32(sig != 0) if tiny else sig
     s = min(s, np.int32(31))
     q = sig >> s
     rem = sig - (q << s)
@@ -147,9 +149,20 @@ def e2m1_rne(v):
 
 
 @nb.njit(inline="always", cache=True)
+def sr_bits(r, nsr):
+    """The random integer and bit count a stochastic-rounding decision uses. ``nsr`` is the bit count n, plus
+    ``ids.SR_MIDPOINT`` (16) for the midpoint rule (round up iff delta + (2r + 1) / 2^(n+1) >= 1), which is the
+    truncating rule (up iff floor(delta * 2^m) + R >= 2^m) with m = n + 1 bits and R = 2r + 1."""
+    mid = np.int32((nsr >> 4) & 1)
+    return np.int32(r) * (np.int32(1) + mid) + mid, np.int32(nsr & 15) + mid
+
+
+@nb.njit(inline="always", cache=True)
 def sr_consts(nsr):
-    """(2**(nsr + 1) as float32, nsr as int32): the constants :func:`e2m1_sr` takes, computed once per loop."""
-    return np.float32(2 << nsr), np.int32(nsr)
+    """(2**(m + 1) as float32, nsr as given): the constants :func:`e2m1_sr` takes, computed once per loop (m: the
+    bit count :func:`sr_bits` uses)."""
+    m = (nsr & 15) + ((nsr >> 4) & 1)
+    return np.float32(2 << m), np.int32(nsr)
 
 
 @nb.njit(inline="always", cache=True)
@@ -165,6 +178,7 @@ def e2m1_sr(v, r, sc, nsr):
       nsr bits; adding r carries into the quanta (code 2 is 1.0);
     - NaN -> 7, else the sign in bit 3 (-0 -> 8)."""
     i = np.int32                    # (Numba widens int32 arithmetic to int64: each result is cast back)
+    r, nsr = sr_bits(r, nsr)        # (the midpoint rule: 2r + 1 with one more bit)
     u = f32_bits_i32(v)
     a = i(u & i(0x7FFFFFFF))
     nrm = min(i(i(i(a + i(r << i(22 - nsr))) >> i(22)) - i(252)), i(7))
@@ -180,6 +194,7 @@ def e2m1_code(v, mode, r, nsr, mags, steps):
     Same result as :func:`encode_one` for E2M1: ties to even in RNE, satfinite, NaN -> 0x7, -0 -> 0x8.
     """
     f = np.float32
+    r, nsr = sr_bits(r, nsr)
     ax = abs(v)
     rne = (np.int32(ax > f(0.25)) + np.int32(ax >= f(0.75)) + np.int32(ax > f(1.25)) + np.int32(ax >= f(1.75))
            + np.int32(ax > f(2.5)) + np.int32(ax >= f(3.5)) + np.int32(ax > f(5.0)))
@@ -208,7 +223,7 @@ def encode_kernel(x, xb, out, mode, rb, rb_kind, k0, k1, stream, nsr, sat,
     """
     n = xb.shape[0]
     nch = (n + CHUNK - 1) // CHUNK
-    rmask = (np.int64(1) << nsr) - 1
+    rmask = (np.int64(1) << (nsr & 15)) - 1         # (nsr may carry the midpoint flag, ids.SR_MIDPOINT)
     for c in nb.prange(nch):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)

@@ -66,7 +66,16 @@ __device__ __forceinline__ double r32(double v) { return f2d(d2f_bits(v)); }
 
 // ------------------------------------------------------------------------------------------ elements
 // Magnitude code of |x| (float32 bits a, finite) in a format with mbits/emin/bias; may exceed the max code.
+// The random integer and bit count of an SR decision: nsr is the bit count n, plus SR_MIDPOINT (16) for the
+// midpoint rule (up iff delta + (2r + 1) / 2^(n+1) >= 1), the truncating rule with n + 1 bits and 2r + 1.
+__device__ __forceinline__ void sr_bits(int& r, int& nsr) {
+    int mid = (nsr >> 4) & 1;
+    r = r * (1 + mid) + mid;
+    nsr = (nsr & 15) + mid;
+}
+
 __device__ int round_magnitude(u32 a, bool neg, int mode, int r, int nsr, int mbits, int emin, int bias) {
+    sr_bits(r, nsr);
     int E = (int)(a >> 23);
     i64 sig = (i64)(a & 0x7FFFFFu) | ((i64)(E != 0) << 23);
     int e = (E > 1 ? E : 1) - 127;
@@ -120,6 +129,7 @@ __device__ __constant__ double E2M1_VALUES[16] = {0., 0.5, 1., 1.5, 2., 3., 4., 
 // E2M1 code of a float32 value y (held in a double) in any mode (0 rne, 1 rz, 2 ru, 3 rd, 4 sr with random
 // integer r of nsr bits); NaN -> 0x7, -0 -> 0x8, satfinite.
 __device__ int e2m1_code(double y, int mode, int r, int nsr) {
+    sr_bits(r, nsr);
     double ax = fabs(y);
     if (ax != ax) return 7;
     int neg = (int)((u64)__double_as_longlong(y) >> 63);
@@ -175,7 +185,7 @@ extern "C" __global__ void encode_elements(const float* x, u8* out, i64 n, int w
                                            int nosat, int nanc, int signbit, int ue8m0, int e2m1) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    int r = use_rb ? (int)(rb[i] & ((1 << nsr) - 1)) : 0;
+    int r = use_rb ? (int)(rb[i] & ((1 << (nsr & 15)) - 1)) : 0;
     int c;
     if (ue8m0) c = encode_ue8m0(fbits(x[i]), mode, sat);
     else if (e2m1) c = e2m1_code(f2d(fbits(x[i])), mode, r, nsr);

@@ -59,6 +59,9 @@ def _round_on_grid(mag: Fraction, g: list[Fraction], mode: str, negative: bool, 
     if mode == "sr":
         delta = (mag - g[lo]) / (g[hi] - g[lo])
         return hi if math.floor(delta * 2**n) + r >= 2**n else lo
+    if mode == "sr_midpoint":                        # rbits_mapping="midpoint"
+        delta = (mag - g[lo]) / (g[hi] - g[lo])
+        return hi if delta + Fraction(2 * r + 1, 2 ** (n + 1)) >= 1 else lo
     raise ValueError(mode)
 
 
@@ -78,7 +81,7 @@ def encode_scalar(x: float, fmt: Format, rounding: str = "rne", saturate: bool =
     else:
         idx = _round_on_grid(Fraction(abs(x)), g, rounding, negative, r, n)
     if idx > maxc:  # overflow
-        if saturate or rounding == "sr" or fmt.name == "e2m1":
+        if saturate or rounding.startswith("sr") or fmt.name == "e2m1":
             return maxc | sign
         return (fmt.inf_code if fmt.has_inf else fmt.nan_code) | sign
     return idx | sign
@@ -134,17 +137,20 @@ def encode_array(x: np.ndarray, fmt: Format, rounding: str = "rne", saturate: bo
         up = ~neg
     elif rounding == "rd":
         up = neg
-    elif rounding == "sr":
+    elif rounding in ("sr", "sr_midpoint"):
         with np.errstate(invalid="ignore", divide="ignore"):  # only where mag >= the grid's end
             delta = (mag - g[lo]) / (g[hi] - g[lo])
-        up = np.floor(delta * 2.0**n) + r.astype(np.float64) >= 2.0**n
+        if rounding == "sr":
+            up = np.floor(delta * 2.0**n) + r.astype(np.float64) >= 2.0**n
+        else:                                    # floor(delta 2^(n+1)) + 2r + 1 >= 2^(n+1), exactly
+            up = np.floor(delta * 2.0 ** (n + 1)) + 2 * r.astype(np.float64) + 1 >= 2.0 ** (n + 1)
     else:
         raise ValueError(rounding)
     idx = np.where(exact, lo, lo + up)
     idx = np.where(mag >= g[-1], len(g) - 1, idx)  # includes Inf
     sign = np.where(neg, fmt.sign_mask, 0)
     over = idx > maxc
-    if saturate or rounding == "sr" or fmt.name == "e2m1":
+    if saturate or rounding.startswith("sr") or fmt.name == "e2m1":
         over_code = maxc
     else:
         over_code = fmt.inf_code if fmt.has_inf else fmt.nan_code

@@ -79,7 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--axis", type=int, default=-1)
     ap.add_argument("--rounding", default="rne", choices=["rne", "sr"])
     ap.add_argument("--rbits", help="the kernel's random bits (uint8 per element or uint32 words)")
-    ap.add_argument("--rbits-mapping", default="te", choices=["te", "msb_first"])
+    ap.add_argument("--rbits-mapping", default="te", choices=["te", "msb_first", "midpoint"],
+                    help="how the random bits round: te (TE's byte order, truncating rule), msb_first (bytes 3-k of "
+                         "each word), midpoint (TE's order, up iff delta + (2r + 1) / 512 >= 1)")
     ap.add_argument("--sr-bits", type=int, default=8, help="random bits per element of the kernel's SR (1..8)")
     ap.add_argument("--alpha", type=float, default=1e-3, help="significance of the statistical SR check")
     ap.add_argument("--max-mismatches", type=int, default=10)

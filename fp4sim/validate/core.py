@@ -63,7 +63,9 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
         with ``expect_tensor_amax`` it must equal ``fl(max|x| / 2688)``.
     rounding : ``"rne"`` or ``"sr"``. With ``"sr"`` and ``rbits`` (the kernel's random bits) the check is exact;
         without them it is statistical: every code must be a neighbour of its scaled input and the
-        rounding-up frequency must match delta (a z-test at significance ``alpha``).
+        rounding-up frequency must match delta (a z-test at significance ``alpha``) under the SR rule
+        ``rbits_mapping`` names (``"midpoint"``: up iff delta + (2r + 1) / 2^(n+1) >= 1; else TE's truncating
+        rule); a kernel whose rate fits the other rule is named so.
     diagnose : on a mismatch, re-run the emulation under every flavour / scale mode, tie rule, nibble order
         and scale layout and report which configuration matches or explains most.
     """
@@ -129,7 +131,8 @@ def compare(x, codes, scales, scheme="nvfp4", *, axis: int = -1, flavor: str | N
         from .sr import sr_statistics
         xp = x2_padded(q, x2)
         y, _ = scaled(xp, sch, act_s, q.global_amax if q.global_amax is not None else 0)
-        rep.sr = sr_statistics(y, act_c, sch.elem, sr_bits, alpha)
+        rep.sr = sr_statistics(y, act_c, sch.elem, sr_bits, alpha,
+                               rule="midpoint" if rbits_mapping == "midpoint" else "te")
         ok = rep.sr["passed"] and not s_bad.any() and not gmis
         rep.verdict = "sr_consistent" if ok else "sr_inconsistent"
         return rep

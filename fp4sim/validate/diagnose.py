@@ -85,8 +85,10 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
               (f", {layout} scales" + (" (not the layout given)" if layout != scale_layout else ""))
         readings.append((lab, ac, as_))
     sr = rounding == "sr"
-    mappings = ("te", "msb_first") if (sr and rbits is not None and np.asarray(rbits).dtype == np.uint32) \
-        else (rbits_mapping,)
+    # with the kernel's bits given: each byte order and each SR rule (the midpoint rule reads TE's order)
+    mappings = (("te", "msb_first") if np.asarray(rbits).dtype == np.uint32 else ("te",)) + ("midpoint",) \
+        if (sr and rbits is not None) else (rbits_mapping,)
+    mappings = tuple(dict.fromkeys((rbits_mapping,) + mappings))
     cands = []
     for slab, var, off in _scale_variants(sch):
         for mapping in mappings:

@@ -9,19 +9,34 @@ from scipy.stats import binomtest, norm
 from ..formats import Format
 
 
+RULES = {"te": "TE's truncating rule: up iff floor(delta 2^n) + r >= 2^n",
+         "midpoint": "the midpoint rule: up iff delta + (2r + 1) / 2^(n+1) >= 1"}
+
+
+def up_probability(delta, n: int, rule: str = "te"):
+    """The probability that SR rounds up, over the 2^n random integers, at the position ``delta`` in [0, 1)
+    between neighbours: floor(delta 2^n) / 2^n (``"te"``) or floor((floor(delta 2^(n+1)) + 1) / 2) / 2^n
+    (``"midpoint"``: the rule rounds up for r >= 2^n - (t + 1) // 2 with t = floor(delta 2^(n+1)))."""
+    if rule == "te":
+        return np.floor(delta * 2.0**n) / 2.0**n
+    return np.floor((np.floor(delta * 2.0 ** (n + 1)) + 1) / 2) / 2.0**n
+
+
 def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alpha: float = 1e-3,
-                  bins: int = 8) -> dict:
+                  bins: int = 8, rule: str = "te") -> dict:
     """Check SR outputs ``codes`` of scaled inputs ``y`` (same shape). The whole check's false-alarm rate on a
     correct SR kernel is at most ``alpha``.
 
     Hard check: each code is ``lo`` or ``hi``, the neighbouring magnitudes of |y| (the exact value when y is
     representable), with y's sign. Frequency check: over inexact elements, the number rounded up is compared
-    with its expectation sum(floor(delta*2^n)/2^n) by a normal approximation of the Poisson-binomial (z-test,
+    with its expectation (sum(floor(delta*2^n)/2^n) for ``rule="te"``, :func:`up_probability` for
+    ``"midpoint"``) by a normal approximation of the Poisson-binomial (z-test,
     two-sided p-value), and in each of ``bins`` delta bins the round-up count is compared with its expectation
     (exact binomial test), Bonferroni-corrected over the bins + 1 tests: RNE and RZ fail it at any useful size
     (their rates are 0 or 1 per bin). Returns counts, rates, per-delta-bin rates and p-values, the smallest
     overall rate shift the test can see (``detectable_rate_shift``), the relative bias
-    ``sum((up - p) * (hi - lo)) / sum(|y|)`` and findings that name the likely fault.
+    ``sum((up - p) * (hi - lo)) / sum(|y|)`` and findings that name the likely fault — among them the other
+    rule, when the overall rate fails under ``rule`` and passes under it.
     """
     grid = fmt.finite_values.astype(np.float64)
     ay = np.abs(y.astype(np.float64)).ravel()
@@ -41,7 +56,7 @@ def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alp
     inex = valid & ~exact & ok_mag
     with np.errstate(invalid="ignore", divide="ignore"):
         delta = (ay - grid[lo]) / (grid[hi] - grid[lo])
-    p = np.floor(delta * 2.0**n) / 2.0**n
+    p = up_probability(delta, n, rule)
     up = (mag_code == hi) & inex
     P, U = p[inex], up[inex].astype(np.float64)
     var = float(np.sum(P * (1 - P)))
@@ -104,6 +119,14 @@ def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alp
         bad_bins = [f"[{d['delta_lo']:.3f}, {d['delta_hi']:.3f}): {d['up_rate']:.3f} vs {d['expected']:.3f}"
                     for d in per_bin if d["p_value"] is not None and d["p_value"] < alpha / ntests]
         findings.append("the overall round-up rate is right but it does not follow delta: " + "; ".join(bad_bins))
+    if overall_fail and not deterministic and nb == 0:
+        other = "midpoint" if rule == "te" else "te"
+        Po = up_probability(delta, n, other)[inex]
+        vo = float(np.sum(Po * (1 - Po)))
+        zo = float((U.sum() - Po.sum()) / math.sqrt(vo)) if vo > 0 else 0.0
+        if math.erfc(abs(zo) / math.sqrt(2)) >= alpha / ntests:
+            findings.append(f"the round-up rate is that of {RULES[other]} (z = {zo:.2f}), not {RULES[rule]} "
+                            f"(z = {z:.2f}): validate with rbits_mapping={other!r}")
     if overall_fail and not deterministic:
         rate, exp = float(U.mean()), float(P.mean())
         if rate == 0:
@@ -117,5 +140,5 @@ def sr_statistics(y: np.ndarray, codes: np.ndarray, fmt: Format, n: int = 8, alp
     return dict(n=int(valid.sum()), n_inexact=int(inex.sum()), not_neighbour=nb, up_rate=float(U.mean()) if U.size
                 else 0.0, expected_up_rate=float(P.mean()) if P.size else 0.0, z=z, p_value=pval, alpha=alpha,
                 relative_bias=rel_bias, per_bin=per_bin, findings=findings, n_tests=ntests,
-                detectable_rate_shift=detectable,
+                detectable_rate_shift=detectable, rule=rule,
                 passed=bool(nb == 0 and not overall_fail and not bin_fail))
