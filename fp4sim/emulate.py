@@ -122,6 +122,8 @@ def _quant_kwargs(op: Operand, recipe: Recipe, layer: int, call: int, name: str)
         kw["block"] = op.block
     if op.four_over_six is not None:
         kw["four_over_six"] = op.four_over_six
+    if op.per_token:
+        kw["row_scaled"] = True                # one outer amax per row of the operand along its dot axis
     if op.rounding == "sr":
         kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer), stream=_stream(call, name),
                   rbits_mapping=op.rbits_mapping)

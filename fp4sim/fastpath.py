@@ -80,7 +80,7 @@ class OperandPlan:
 def operand_plan(op, shape: tuple, axis: int) -> OperandPlan:
     """The :class:`OperandPlan` of the operand ``op`` (a :class:`~fp4sim.training.Operand`) for an input of
     ``shape`` (after RHT padding) quantized along ``axis``."""
-    sch = get_scheme(op.scheme, block=op.block, four_over_six=op.four_over_six)
+    sch = get_scheme(op.scheme, block=op.block, four_over_six=op.four_over_six, row_scaled=op.per_token or None)
     sr = op.rounding == "sr"
     nsr = 8 + (ids.SR_MIDPOINT if sr and op.rbits_mapping == "midpoint" else 0)
     if isinstance(sch, BF16Cast) and not sr:

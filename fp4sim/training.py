@@ -64,6 +64,10 @@ class Operand:
     rbits_mapping : the stochastic-rounding rule, as :func:`fp4sim.encode` names it: ``"te"`` (round up iff the
         8 remainder bits below the quantum plus the random byte r carry) or ``"midpoint"`` (up iff delta + (2r +
         1) / 512 >= 1: unbiased at the 1/256 lattice midpoints, Graphcore's ``StochasticFast``).
+    per_token : NVFP4 1x16 only: one FP32 outer scale per row of the operand as its GEMM reads it instead of
+        one per tensor — per token for a row-wise operand (x, dy along the features), per feature for a
+        column-wise one (the Wgrad operands, along the tokens) — TransformerEngine's
+        ``NVFP4PerTokenBlockScaling``; fp4sim's ``row_scaled`` quantization along the operand's axis.
     """
     scheme: str | None = None
     block: tuple | None = None
@@ -75,6 +79,7 @@ class Operand:
     amax_every: int = 1
     amax_window: int = 1
     rbits_mapping: str = "te"
+    per_token: bool = False
 
     def __post_init__(self):
         if self.scheme is not None and self.scheme not in _SCHEMES:
@@ -106,6 +111,12 @@ class Operand:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Operand {k}={v!r}: a number of calls >= 1")
+        if not isinstance(self.per_token, bool):
+            raise TypeError(f"Operand per_token={self.per_token!r}: give True or False")
+        if self.per_token and (self.scheme != "nvfp4" or (self.block is not None and tuple(self.block) != (1, 16))
+                               or self.amax != "current"):
+            raise ValueError(f"Operand per_token=True: a per-row outer scale is an NVFP4 1x16 option with the current "
+                             f"amax (scheme {self.scheme!r}, block {self.block}, amax {self.amax!r} here)")
         if self.amax != "current" and self.scheme not in TENSOR_SCALED:
             raise ValueError(f"Operand amax={self.amax!r}: only a per-tensor scale can be delayed; scheme "
                              f"{self.scheme!r} has none (use one of {list(TENSOR_SCALED)})")
@@ -134,7 +145,8 @@ class Operand:
         a = (f" amax/{self.amax_every}" if self.amax == "delayed" else f" amax-hist{self.amax_window}"
              if self.amax == "history" else "")
         m = "-mid" if self.rbits_mapping == "midpoint" else ""
-        return f"{self.scheme}{b} {self.rounding.upper()}{m}{r}{f}{a}"
+        t = " per-token" if self.per_token else ""
+        return f"{self.scheme}{b} {self.rounding.upper()}{m}{r}{f}{a}{t}"
 
 
 @dataclass(frozen=True)
@@ -285,7 +297,8 @@ class Recipe:
         ``rht_size=d``, ``rht_signs=`` ``"te" | "fixed" | "per_transform" | "none"``, ``weights_1d_reuse``
         (1x16 weights quantized once along K and reused in Dgrad), ``four_over_six="mae" | "mse"`` (TE's 4over6
         block scales on every round-to-nearest NVFP4 operand), ``delayed_amax=D`` / ``amax_history=N`` (every
-        operand with a per-tensor scale takes :class:`Operand`'s ``amax="delayed"`` / ``"history"``). Any other
+        operand with a per-tensor scale takes :class:`Operand`'s ``amax="delayed"`` / ``"history"``),
+        ``per_token`` (every NVFP4 1x16 operand takes ``per_token=True``). Any other
         keyword is a Recipe field (e.g.
         ``backward_override="dequantized"``, TransformerEngine's switch of that name).
         """
@@ -302,6 +315,9 @@ class Recipe:
             elif k == "four_over_six":
                 if v not in ("mae", "mse"):
                     raise ValueError(f"four_over_six={v!r}: use 'mae' or 'mse'")
+            elif k == "per_token":
+                if not isinstance(v, bool):
+                    raise TypeError(f"per_token={v!r}: a switch takes True or False")
             elif k == "rbits_mapping":
                 if v not in ("te", "midpoint"):
                     raise ValueError(f"rbits_mapping={v!r}: use 'te' or 'midpoint'")
@@ -355,6 +371,12 @@ class Recipe:
                                  "preset such as 'nvfp4_paper'")
             for op in hit:
                 ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
+        if sw.get("per_token"):
+            hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4" and ops[op].block in (None, (1, 16))]
+            if not hit:
+                raise ValueError(f"per_token=True: preset {name!r} has no NVFP4 1x16 operand")
+            for op in hit:
+                ops[op] = rep(ops[op], per_token=True)
         for k, mode, field_ in (("delayed_amax", "delayed", "amax_every"), ("amax_history", "history", "amax_window")):
             if k in sw:
                 hit = [op for op in OPERANDS if ops[op].scheme in TENSOR_SCALED]
@@ -415,6 +437,8 @@ SWITCH_DOCS = {
     "four_over_six=": "TE's 4over6 block scales (`mae` / `mse`) on the round-to-nearest NVFP4 operands",
     "rbits_mapping=": "the SR rule of every stochastically rounded operand: `te` (truncated remainder + random "
                       "byte) or `midpoint` (delta + (2r + 1) / 512 >= 1)",
+    "per_token": "one FP32 outer scale per row (token) of every NVFP4 1x16 operand, per column for the Wgrad "
+                 "operands (TE's NVFP4PerTokenBlockScaling); 16x16 weights keep theirs per tensor",
     "delayed_amax=D": "every per-tensor scale from an amax measured every D calls and held in between",
     "amax_history=N": "every per-tensor scale from the largest amax of the previous N calls (TE's delayed "
                       "scaling)",
@@ -429,7 +453,7 @@ SWITCH_DOCS = {
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",
              "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse",
-             "four_over_six", "delayed_amax", "amax_history", "rbits_mapping"}
+             "four_over_six", "delayed_amax", "amax_history", "rbits_mapping", "per_token"}
 
 
 def _uniform(op: Operand, name: str) -> Recipe:
