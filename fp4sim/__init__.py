@@ -17,7 +17,7 @@ _BLAS_SPINS = "numpy" in _sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in _os.e
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from .elements import decode, encode
-from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE8M0, Format, get_format
+from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE5M3, UE8M0, Format, get_format
 from .qtensor import QuantizedTensor
 from .quantize import dequantize, fake_quantize, quantize, rht
 from .gemm import gemm
@@ -28,4 +28,4 @@ threads._TORCH_POOL_SPINS, threads._BLAS_SPINS = _TORCH_POOL_SPINS, _BLAS_SPINS
 
 __version__ = "0.1.0"
 __all__ = ["layout", "rng", "threads", "training", "gemm", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
-           "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16"]
+           "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "UE5M3", "BF16"]

@@ -124,6 +124,8 @@ def _quant_kwargs(op: Operand, recipe: Recipe, layer: int, call: int, name: str)
         kw["four_over_six"] = op.four_over_six
     if op.per_token:
         kw["row_scaled"] = True                # one outer amax per row of the operand along its dot axis
+    if op.scheme == "nvfp4_ue5m3":
+        kw.update(scale_target=op.scale_target, per_tensor_scale=op.per_tensor_scale)
     if op.rounding == "sr":
         kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer), stream=_stream(call, name),
                   rbits_mapping=op.rbits_mapping)
@@ -237,7 +239,11 @@ def _operand_stats(a, q, name):
 
 
 def _family(q):
-    return (type(q.scheme), getattr(q.scheme, "elem", None)) if hasattr(q, "codes") else None
+    """The format family of a quantized operand whose GEMM fs.gemm models; None for float32 arrays and for UE5M3
+    block scales (no hardware GEMM: their dequantized values are multiplied in float32)."""
+    if not hasattr(q, "codes") or q.scheme.name == "nvfp4_ue5m3":
+        return None
+    return (type(q.scheme), getattr(q.scheme, "elem", None))
 
 
 def _matmul(qa, qb, recipe, a_axis, b_axis):

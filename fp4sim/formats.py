@@ -19,7 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["Format", "E2M1", "E4M3", "E5M2", "UE8M0", "BF16", "FORMATS", "get_format", "spec_markdown"]
+__all__ = ["Format", "E2M1", "E4M3", "E5M2", "UE8M0", "UE5M3", "BF16", "FORMATS", "get_format", "spec_markdown"]
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,12 @@ E2M1 = Format("e2m1", ebits=2, mbits=1, bias=1)
 E4M3 = Format("e4m3", ebits=4, mbits=3, bias=7, nan_all_ones=True)
 E5M2 = Format("e5m2", ebits=5, mbits=2, bias=15, ieee_specials=True)
 UE8M0 = Format("ue8m0", ebits=8, mbits=0, bias=127, signed=False, subnormals=False)
+# unsigned E5M3 block scales (Hu, Luschi, Balanca 2026): IEEE-style, the all-ones exponent field holds Inf (0xF8)
+# and NaN (0xF9-0xFF), so the largest finite value is 61,440; subnormals down to 2^-17; a sign is ignored
+UE5M3 = Format("ue5m3", ebits=5, mbits=3, bias=15, signed=False, ieee_specials=True)
 BF16 = Format("bf16", ebits=8, mbits=7, bias=127, ieee_specials=True)
 
-FORMATS: dict[str, Format] = {f.name: f for f in (E2M1, E4M3, E5M2, UE8M0, BF16)}
+FORMATS: dict[str, Format] = {f.name: f for f in (E2M1, E4M3, E5M2, UE8M0, UE5M3, BF16)}
 _ALIASES = {"fp4": "e2m1", "float4_e2m1": "e2m1", "e4m3fn": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2",
             "e8m0": "ue8m0", "bfloat16": "bf16"}
 
@@ -227,11 +230,13 @@ def spec_markdown() -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in FORMATS.values():
         layout = ("s1 " if f.signed else "") + f"e{f.ebits} m{f.mbits}"
-        inf = f"{f.inf_code:#x} / {f.inf_code | f.sign_mask:#x}" if f.has_inf else "none"
+        inf = "none" if not f.has_inf else (f"{f.inf_code:#x} / {f.inf_code | f.sign_mask:#x}" if f.signed
+                                            else f"{f.inf_code:#x}")
         if f.nan_code is None:
             nan = "none"
         elif f.ieee_specials:
-            nan = f"{f.inf_code + 1:#x}–{f.nan_code:#x} (and negatives); canonical {f.nan_code:#x}"
+            nan = (f"{f.inf_code + 1:#x}–{f.nan_code:#x}" + (" (and negatives)" if f.signed else "")
+                   + f"; canonical {f.nan_code:#x}")
         elif f.signed:
             nan = f"{f.nan_code:#x}, {f.nan_code | f.sign_mask:#x}"
         else:

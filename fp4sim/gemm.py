@@ -87,6 +87,9 @@ def _kind(sch):
         return f"fp8_{sch.elem.name}"
     if isinstance(sch, BF16Cast):
         return "bf16"
+    if getattr(sch, "name", None) == "nvfp4_ue5m3":
+        raise ValueError("UE5M3 block-scaled operands have no hardware GEMM to model: multiply their dequantized "
+                         "values (fs.dequantize, then a float32 matmul), as fp4sim's emulated training does")
     raise TypeError(f"unsupported scheme {sch!r}")
 
 

@@ -16,10 +16,20 @@ from .qtensor import QuantizedTensor
 __all__ = ["quantize", "dequantize", "fake_quantize", "rht"]
 
 
-def _variant(scheme, flavor, block, scale_mode, fos, fos_fast, fos_max, fos_ties):
-    from .schemes import get_scheme
-    return get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode, four_over_six=fos,
-                      four_over_six_fast_math=fos_fast, four_over_six_e4m3_max=fos_max, four_over_six_ties=fos_ties)
+def _variant(scheme, flavor, block, scale_mode, fos, fos_fast, fos_max, fos_ties, scale_target=None,
+             per_tensor_scale=None):
+    from .schemes import NVFP4UE5M3, get_scheme
+    sch = get_scheme(scheme, flavor=flavor, block=block, scale_mode=scale_mode, four_over_six=fos,
+                     four_over_six_fast_math=fos_fast, four_over_six_e4m3_max=fos_max, four_over_six_ties=fos_ties,
+                     scale_target=scale_target)
+    if isinstance(sch, NVFP4UE5M3) and per_tensor_scale is not None:
+        sch = get_scheme(sch, per_tensor_scale=per_tensor_scale)
+    return sch
+
+
+def _ue5m3(sch) -> bool:
+    from .schemes import NVFP4UE5M3
+    return isinstance(sch, NVFP4UE5M3)
 
 
 def _kernels(a):
@@ -36,7 +46,7 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
              return_intermediates: bool = False, row_scaled: bool | None = None,
              per_tensor_scale: bool | None = None, four_over_six: str | None = None,
              four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None,
-             four_over_six_ties: str | None = None) -> QuantizedTensor:
+             four_over_six_ties: str | None = None, scale_target: float | None = None) -> QuantizedTensor:
     """Quantize ``x`` with a block-scaled scheme; returns a :class:`QuantizedTensor`.
 
     Parameters
@@ -65,9 +75,16 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
     four_over_six, four_over_six_fast_math, four_over_six_e4m3_max : TransformerEngine's 4over6 NVFP4 (``"mae"``
         or ``"mse"``; te flavour, RNE): see :class:`fp4sim.schemes.NVFP4`. ``q.extras["map_to_4"]``
         says which blocks chose the map-to-4 scale.
+    scale_target : ``"nvfp4_ue5m3"`` (UE5M3 block scales, :mod:`fp4sim.ue5m3`): the target the tensor amax maps
+        to, over 6 (448 by default); with ``per_tensor_scale=False`` that scheme has no FP32 tensor scale.
     """
     scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,
-                      four_over_six_e4m3_max, four_over_six_ties)
+                      four_over_six_e4m3_max, four_over_six_ties, scale_target, per_tensor_scale)
+    if _ue5m3(scheme):
+        from . import ue5m3
+        _no_extras(row_scaled, return_intermediates)
+        return ue5m3.quantize(x, scheme, axis, rounding, global_amax, rbits, seed, stream, sr_bits, rbits_mapping,
+                              scale_layout)
     return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, None, None, None, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, False, return_intermediates,
                                  row_scaled, per_tensor_scale)
@@ -78,11 +95,16 @@ def fake_quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flav
                   stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", row_scaled: bool | None = None,
                   per_tensor_scale: bool | None = None, four_over_six: str | None = None,
                   four_over_six_fast_math: bool | None = None, four_over_six_e4m3_max: int | None = None,
-                  four_over_six_ties: str | None = None):
+                  four_over_six_ties: str | None = None, scale_target: float | None = None):
     """``dequantize(quantize(x, ...))`` in one fused pass: float32 in ``x``'s shape, bit-identical to the
     two-step result."""
     scheme = _variant(scheme, flavor, block, scale_mode, four_over_six, four_over_six_fast_math,
-                      four_over_six_e4m3_max, four_over_six_ties)
+                      four_over_six_e4m3_max, four_over_six_ties, scale_target, per_tensor_scale)
+    if _ue5m3(scheme):
+        from . import ue5m3
+        _no_extras(row_scaled, False)
+        return ue5m3.quantize(x, scheme, axis, rounding, global_amax, rbits, seed, stream, sr_bits, rbits_mapping,
+                              "linear", fake=True)
     return planning.run_quantize(_kernels(x), x, scheme, axis, rounding, None, None, None, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, "linear", True, False, row_scaled,
                                  per_tensor_scale)
@@ -95,7 +117,17 @@ def dequantize(q: QuantizedTensor) -> np.ndarray:
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor (from fp4sim.quantize), not {type(q).__name__}")
+    if _ue5m3(q.scheme):
+        from . import ue5m3
+        return ue5m3.dequantize(q)
     return planning.run_dequantize(_kernels(q.codes), q)
+
+
+def _no_extras(row_scaled, return_intermediates):
+    if row_scaled:
+        raise ValueError("row_scaled=True: the UE5M3 scheme has one tensor scale (or none: per_tensor_scale=False)")
+    if return_intermediates:
+        raise ValueError("return_intermediates: not kept for the UE5M3 scheme (fp4sim.ue5m3 states its constants)")
 
 
 def rht(x, d: int = 16, signs="te", axis: int = -1, out: str = "bf16", memory: str = "C") -> np.ndarray:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .formats import BF16, E2M1, E4M3, E5M2, UE8M0, Format
+from .formats import BF16, E2M1, E4M3, E5M2, UE5M3, UE8M0, Format
 
-__all__ = ["NVFP4", "MX", "FP8Tensor", "FP8Blockwise", "BF16Cast", "Scheme", "SCHEMES", "get_scheme",
+__all__ = ["NVFP4", "NVFP4UE5M3", "MX", "FP8Tensor", "FP8Blockwise", "BF16Cast", "Scheme", "SCHEMES", "get_scheme",
            "FLAVORS", "SCALE_MODES"]
 
 FLAVORS = ("te", "paper", "torchao", "modelopt")
@@ -103,6 +103,31 @@ class MX:
 
 
 @dataclass(frozen=True)
+class NVFP4UE5M3:
+    """E2M1 elements in 16-element blocks (or 16x16 tiles) with unsigned E5M3 block scales, under an FP32 tensor
+    scale that maps the tensor amax to ``scale_target`` x 6 (``per_tensor_scale=False``: none): Hu, Luschi and
+    Balanca's UE5M3 recipe (:mod:`fp4sim.ue5m3` states the rule)."""
+    block: tuple[int, int] = (1, 16)
+    scale_target: float = 448.0
+    per_tensor_scale: bool = True
+    elem: Format = E2M1
+    scale_fmt: Format = UE5M3
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", _check_block(self.block, (1, 16), 16))
+        t = self.scale_target
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < float(t) < float("inf")):
+            raise ValueError(f"scale_target={t!r}: a finite positive number (448 by default)")
+        object.__setattr__(self, "scale_target", float(t))
+        if not isinstance(self.per_tensor_scale, bool):
+            raise TypeError(f"per_tensor_scale={self.per_tensor_scale!r}: give True or False")
+
+    @property
+    def name(self) -> str:
+        return "nvfp4_ue5m3"
+
+
+@dataclass(frozen=True)
 class FP8Tensor:
     """FP8 with one FP32 scale per tensor from the current amax ("current scaling")."""
     elem: Format = E4M3
@@ -137,31 +162,33 @@ class BF16Cast:
         return "bf16"
 
 
-Scheme = NVFP4 | MX | FP8Tensor | FP8Blockwise | BF16Cast
+Scheme = NVFP4 | NVFP4UE5M3 | MX | FP8Tensor | FP8Blockwise | BF16Cast
 
 SCHEMES: dict[str, Scheme] = {
     "nvfp4": NVFP4(), "nvfp4_2d": NVFP4(block=(16, 16)),
     "mxfp4": MX(E2M1), "mxfp8_e4m3": MX(E4M3), "mxfp8_e5m2": MX(E5M2),
     "fp8_e4m3": FP8Tensor(E4M3), "fp8_e5m2": FP8Tensor(E5M2),
     "fp8_blockwise": FP8Blockwise(), "bf16": BF16Cast(),
+    "nvfp4_ue5m3": NVFP4UE5M3(), "nvfp4_ue5m3_2d": NVFP4UE5M3(block=(16, 16)),
 }
 
 
 def get_scheme(scheme, *, flavor=None, block=None, scale_mode=None, row_scaled=None,
                per_tensor_scale=None, four_over_six=None, four_over_six_fast_math=None,
-               four_over_six_e4m3_max=None, four_over_six_ties=None) -> Scheme:
+               four_over_six_e4m3_max=None, four_over_six_ties=None, scale_target=None) -> Scheme:
     """Resolve a scheme name or object and apply keyword overrides (``None`` keeps the scheme's own)."""
     if isinstance(scheme, str):
         if scheme.lower() not in SCHEMES:
             raise ValueError(f"scheme={scheme!r} is not known; use one of {sorted(SCHEMES)} or a scheme object")
         scheme = SCHEMES[scheme.lower()]
-    elif not isinstance(scheme, (NVFP4, MX, FP8Tensor, FP8Blockwise, BF16Cast)):
+    elif not isinstance(scheme, (NVFP4, NVFP4UE5M3, MX, FP8Tensor, FP8Blockwise, BF16Cast)):
         raise TypeError(f"scheme must be a scheme name or object, not {type(scheme).__name__}")
     changes = {}
     for key, val in (("flavor", flavor), ("block", block), ("scale_mode", scale_mode), ("row_scaled", row_scaled),
                      ("per_tensor_scale", per_tensor_scale), ("four_over_six", four_over_six),
                      ("four_over_six_fast_math", four_over_six_fast_math),
-                     ("four_over_six_e4m3_max", four_over_six_e4m3_max), ("four_over_six_ties", four_over_six_ties)):
+                     ("four_over_six_e4m3_max", four_over_six_e4m3_max), ("four_over_six_ties", four_over_six_ties),
+                     ("scale_target", scale_target)):
         if val is None:
             continue
         if not any(f.name == key for f in dataclasses.fields(scheme)):

@@ -27,11 +27,12 @@ __all__ = ["Operand", "Recipe", "PRESETS", "OPERANDS", "presets_markdown"]
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w": "dgrad", "wgrad_x": "wgrad",
            "wgrad_dy": "wgrad"}
-_SCHEMES = ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2", "bf16")
+_SCHEMES = ("nvfp4", "nvfp4_ue5m3", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2",
+            "bf16")
 SIGNS = ("te", "fixed", "per_transform", "per_layer", "none")
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 AMAX_MODES = ("current", "delayed", "history")
-TENSOR_SCALED = ("nvfp4", "fp8_e4m3", "fp8_e5m2")          # the schemes with a per-tensor amax
+TENSOR_SCALED = ("nvfp4", "nvfp4_ue5m3", "fp8_e4m3", "fp8_e5m2")   # the schemes with a per-tensor amax
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class Operand:
         one per tensor — per token for a row-wise operand (x, dy along the features), per feature for a
         column-wise one (the Wgrad operands, along the tokens) — TransformerEngine's
         ``NVFP4PerTokenBlockScaling``; fp4sim's ``row_scaled`` quantization along the operand's axis.
+    scale_target, per_tensor_scale : ``"nvfp4_ue5m3"`` only (UE5M3 block scales, :mod:`fp4sim.ue5m3`): the target
+        the tensor amax maps to over 6 (None: 448), and whether there is an FP32 tensor scale at all.
     """
     scheme: str | None = None
     block: tuple | None = None
@@ -80,6 +83,8 @@ class Operand:
     amax_window: int = 1
     rbits_mapping: str = "te"
     per_token: bool = False
+    scale_target: float | None = None
+    per_tensor_scale: bool = True
 
     def __post_init__(self):
         if self.scheme is not None and self.scheme not in _SCHEMES:
@@ -111,6 +116,14 @@ class Operand:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Operand {k}={v!r}: a number of calls >= 1")
+        if self.scheme != "nvfp4_ue5m3" and (self.scale_target is not None or self.per_tensor_scale is not True):
+            raise ValueError(f"Operand scale_target / per_tensor_scale: options of the 'nvfp4_ue5m3' scheme (UE5M3 "
+                             f"block scales), not of {self.scheme!r}")
+        if not isinstance(self.per_tensor_scale, bool):
+            raise TypeError(f"Operand per_tensor_scale={self.per_tensor_scale!r}: give True or False")
+        if self.scale_target is not None and (isinstance(self.scale_target, bool) or not isinstance(
+                self.scale_target, (int, float)) or not 0 < self.scale_target < float("inf")):
+            raise ValueError(f"Operand scale_target={self.scale_target!r}: a finite positive number")
         if not isinstance(self.per_token, bool):
             raise TypeError(f"Operand per_token={self.per_token!r}: give True or False")
         if self.per_token and (self.scheme != "nvfp4" or (self.block is not None and tuple(self.block) != (1, 16))
@@ -146,7 +159,9 @@ class Operand:
              if self.amax == "history" else "")
         m = "-mid" if self.rbits_mapping == "midpoint" else ""
         t = " per-token" if self.per_token else ""
-        return f"{self.scheme}{b} {self.rounding.upper()}{m}{r}{f}{a}{t}"
+        u = (f" T{self.scale_target:g}" if self.scale_target is not None else "") + \
+            ("" if self.per_tensor_scale else " no-tensor-scale")
+        return f"{self.scheme}{b} {self.rounding.upper()}{m}{r}{f}{a}{t}{u}"
 
 
 @dataclass(frozen=True)
@@ -298,7 +313,8 @@ class Recipe:
         (1x16 weights quantized once along K and reused in Dgrad), ``four_over_six="mae" | "mse"`` (TE's 4over6
         block scales on every round-to-nearest NVFP4 operand), ``delayed_amax=D`` / ``amax_history=N`` (every
         operand with a per-tensor scale takes :class:`Operand`'s ``amax="delayed"`` / ``"history"``),
-        ``per_token`` (every NVFP4 1x16 operand takes ``per_token=True``). Any other
+        ``per_token`` (every NVFP4 1x16 operand takes ``per_token=True``), ``scale_format="ue5m3"`` (every NVFP4
+        operand with UE5M3 block scales) and ``per_tensor_scale=False`` (those without a tensor scale). Any other
         keyword is a Recipe field (e.g.
         ``backward_override="dequantized"``, TransformerEngine's switch of that name).
         """
@@ -315,6 +331,12 @@ class Recipe:
             elif k == "four_over_six":
                 if v not in ("mae", "mse"):
                     raise ValueError(f"four_over_six={v!r}: use 'mae' or 'mse'")
+            elif k == "scale_format":
+                if v not in ("e4m3", "ue5m3"):
+                    raise ValueError(f"scale_format={v!r}: use 'e4m3' (NVFP4) or 'ue5m3'")
+            elif k == "per_tensor_scale":
+                if not isinstance(v, bool):
+                    raise TypeError(f"per_tensor_scale={v!r}: a switch takes True or False")
             elif k == "per_token":
                 if not isinstance(v, bool):
                     raise TypeError(f"per_token={v!r}: a switch takes True or False")
@@ -371,6 +393,20 @@ class Recipe:
                                  "preset such as 'nvfp4_paper'")
             for op in hit:
                 ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
+        if sw.get("scale_format") == "ue5m3":
+            hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4"]
+            if not hit:
+                raise ValueError(f"scale_format='ue5m3': preset {name!r} has no NVFP4 operand")
+            for op in hit:
+                if ops[op].four_over_six:
+                    raise ValueError("scale_format='ue5m3' with four_over_six: 4over6 is an E4M3 block-scale rule")
+                ops[op] = rep(ops[op], scheme="nvfp4_ue5m3")
+        if "per_tensor_scale" in sw:
+            hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4_ue5m3"]
+            if not hit:
+                raise ValueError("per_tensor_scale=: an option of UE5M3 block scales; add scale_format='ue5m3'")
+            for op in hit:
+                ops[op] = rep(ops[op], per_tensor_scale=sw["per_tensor_scale"])
         if sw.get("per_token"):
             hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4" and ops[op].block in (None, (1, 16))]
             if not hit:
@@ -439,6 +475,9 @@ SWITCH_DOCS = {
                       "byte) or `midpoint` (delta + (2r + 1) / 512 >= 1)",
     "per_token": "one FP32 outer scale per row (token) of every NVFP4 1x16 operand, per column for the Wgrad "
                  "operands (TE's NVFP4PerTokenBlockScaling); 16x16 weights keep theirs per tensor",
+    "scale_format=": "`e4m3` (NVFP4) or `ue5m3`: every NVFP4 operand with unsigned E5M3 block scales (Hu, Luschi, "
+                     "Balanca 2026)",
+    "per_tensor_scale=False": "UE5M3 block scales without the FP32 tensor scale",
     "delayed_amax=D": "every per-tensor scale from an amax measured every D calls and held in between",
     "amax_history=N": "every per-tensor scale from the largest amax of the previous N calls (TE's delayed "
                       "scaling)",
@@ -453,7 +492,8 @@ SWITCH_DOCS = {
 
 _SWITCHES = {"disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "sr_activations",
              "sr_weights", "sr_backward", "rht_fprop", "rht_dgrad", "rht_size", "rht_signs", "weights_1d_reuse",
-             "four_over_six", "delayed_amax", "amax_history", "rbits_mapping", "per_token"}
+             "four_over_six", "delayed_amax", "amax_history", "rbits_mapping", "per_token", "scale_format",
+             "per_tensor_scale"}
 
 
 def _uniform(op: Operand, name: str) -> Recipe:

@@ -377,8 +377,10 @@ FIGURES = {
                              "weights, BF16 last layer, late switch, ...), paired by seed", "own"),
     "teacher_depth": Figure("teacher_depth", "residual teacher-student regression (4 blocks): BF16 last block vs "
                             "first block, MXFP4, MXFP8 (loss spikes), per-layer gradient SNR, paired by seed", "own"),
+    "teacher_variants": Figure("teacher_variants", "teacher-student regression: delayed amax, midpoint SR, per-layer "
+                               "RHT signs, backward_override, per-token NVFP4 against the full recipe", "own"),
 }
-TEACHER = ("teacher_formats", "teacher_recipe", "teacher_depth")
+TEACHER = ("teacher_formats", "teacher_recipe", "teacher_depth", "teacher_variants")
 PART1 = ("fig1", "appB4", "fig2", "fig6a", "fig6b")
 
 

@@ -344,10 +344,36 @@ FIGS = {
                 "FP8 trains as BF16 does (deep MX proxies report sharp instabilities: see the loss spikes)", "same"),
     ]),
 }
+FIGS["teacher_variants"] = (
+    "Teacher-student regression: the recipe variants the field moved to, paired by seed with the full NVFP4 recipe", [
+        Variant("full recipe", {"preset": "nvfp4_paper"}, "reference", "reference"),
+        Variant("delayed amax D=50", {"switches": (("delayed_amax", 50),)},
+                "a tensor amax held for 50 steps costs nothing (Hu, Luschi, Balanca's UE5M3 recipe)", "same"),
+        Variant("midpoint SR", {"switches": (("rbits_mapping", "midpoint"),)},
+                "the 8-bit midpoint SR rule (unbiased at the lattice midpoints) trains as TE's", "same"),
+        Variant("per-layer RHT signs", {"switches": (("rht_signs", "per_layer"),)},
+                "a sign vector per layer (torchao) trains as TE's one fixed vector", "same"),
+        Variant("backward high precision", {"switches": (("backward_override", "high_precision"),)},
+                "Dgrad and Wgrad on the original operands in BF16 (TE's backward_override) lower the loss", "better"),
+        Variant("backward dequantized", {"switches": (("backward_override", "dequantized"),)},
+                "Dgrad and Wgrad on the dequantized forward operands in BF16 (gradients of the quantized forward) "
+                "lower the loss", "better"),
+        Variant("per-token NVFP4", {"switches": (("per_token", True),)},
+                "a per-token outer scale improves accuracy (TE's NVFP4PerTokenBlockScaling)", "better"),
+        Variant("UE5M3 block scales", {"switches": (("scale_format", "ue5m3"),)},
+                "UE5M3 block scales end closer to BF16 than E4M3's (8B runs: -1.93% vs -2.09% NLL, one seed)",
+                "better"),
+        Variant("UE5M3, no tensor scale", {"switches": (("scale_format", "ue5m3"), ("per_tensor_scale", False))},
+                "UE5M3's range makes the FP32 tensor scale unnecessary", "same", vs="UE5M3 block scales"),
+        Variant("UE5M3 + delayed amax D=50", {"switches": (("scale_format", "ue5m3"), ("delayed_amax", 50))},
+                "with UE5M3's range a tensor amax held for 50 steps costs nothing (their recipe)", "same",
+                vs="UE5M3 block scales"),
+    ])
 FULL_SEEDS, QUICK_SEEDS = 10, 2
 BASE = {"teacher_formats": Run(task="mlp", steps=1000), "teacher_recipe": Run(task="mlp", preset="nvfp4_paper",
                                                                            steps=1000),
-        "teacher_depth": Run(task="resmlp", steps=2000, batch=512)}
+        "teacher_depth": Run(task="resmlp", steps=2000, batch=512),
+        "teacher_variants": Run(task="mlp", preset="nvfp4_paper", steps=1000)}
 QUICK = {"steps": 40, "eval_points": 4}
 
 
@@ -396,7 +422,7 @@ def make(fig: str, out: Path, quick: bool = False, seeds: int | None = None, qui
         ratio = [final[v.label][s][0] / final[ref][s][0] for s in ss]
         summary["variants"][v.label] = {**paired_verdict(v, final, ss, ref, "val_mse"),
                                         "mse_ratio_to_reference_mean": float(np.mean(ratio))}
-    if fig == "teacher_recipe":            # effects in units of the full recipe's own gap to BF16, where known
+    if fig in ("teacher_recipe", "teacher_variants"):   # effects in units of the full recipe's gap to BF16, if known
         fmt = out / "teacher_formats.json"
         if fmt.is_file():
             g = json.loads(fmt.read_text())["variants"].get("NVFP4 (paper recipe)", {}).get("effect")
