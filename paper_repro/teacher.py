@@ -493,7 +493,9 @@ def _plot(fig, runs, res, summary, out, seeds):
     plt = plotting.pyplot()
     title, variants = FIGS[fig]
     by_layer = fig == "teacher_depth"       # a fourth panel: each layer's gradient SNR at the end, through the depth
-    f, axes = plt.subplots(1, 4 if by_layer else 3, figsize=(22 if by_layer else 17, 4.8))
+    wide = 1.4 if len(variants) > 8 else 1.0        # room for the effect panel's labels
+    f, axes = plt.subplots(1, 4 if by_layer else 3, figsize=((22 if by_layer else 17) * wide, 4.8 * wide),
+                           gridspec_kw=None if by_layer else {"width_ratios": [1, 1.3 if wide > 1 else 1, 1]})
     a0, a1, a2 = axes[:3]
     cmap = plt.get_cmap("tab20" if len(variants) > 10 else "tab10")
     for i, v in enumerate(variants):
