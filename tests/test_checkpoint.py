@@ -207,10 +207,15 @@ def test_analyze_reads_a_checkpoint_as_its_dequantized_weights(ckpt, tmp_path):
     want = qobj.dequantize(scale=mo[f"{Q}.weight_scale"], double_scale=mo[f"{Q}.weight_scale_2"],
                            block_sizes={-1: 16}).numpy()
     np.testing.assert_array_equal(got, want)
-    ds = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True)
+    ds = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True, blocks=str(tmp_path / "b.nc"))
     assert {f"{Q}.weight", f"{D}.weight", "lm_head.weight"} <= set(ds.tensor.values)
     hist = ds.scale_hist.sel(tensor=f"{Q}.weight", scheme="nvfp4").values
     assert hist.sum() == 384 * 24 and hist[0x7E] >= 1                    # the amax block's 448
+    # the per-block records of the dequantized export: NVFP4 (te) re-quantization gives back the stored bytes
+    import xarray as xr
+    b = xr.load_dataset(tmp_path / "b.nc")
+    r = b.isel(record=b.tensor == list(b.tensor_name.values).index(f"{Q}.weight"))
+    assert np.array_equal(r.scale_byte.values, mo[f"{Q}.weight_scale"].view(torch.uint8).numpy().ravel())
 
 
 def test_an_export_of_another_format_is_read_as_plain_files(ckpt, tmp_path):
