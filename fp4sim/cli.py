@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "analyze": "what NVFP4, MXFP4, FP8 and BF16 do to tensors (python -m fp4sim.analyze)",
     "validate": "check a kernel's quantized codes and scales against the emulator (python -m fp4sim.validate)",
+    "inspect": "a Hugging Face model folder and a text file to a per-layer NVFP4 report (python -m fp4sim.inspect_model)",
     "recipes": "print the training presets' six operands as a Markdown table",
     "spec": "print the element formats as a Markdown table",
     "formats": "the format table and a test tensor rounded through every scheme (python -m fp4sim)",
@@ -36,6 +37,9 @@ def main(argv=None) -> int:
         return run(rest)
     if cmd == "validate":
         from .validate.__main__ import main as run
+        return run(rest)
+    if cmd == "inspect":
+        from .inspect_model import main as run
         return run(rest)
     if cmd in ("recipes", "spec", "formats"):
         from .__main__ import main as run

@@ -1,0 +1,476 @@
+"""``fp4sim inspect MODEL_DIR --text FILE``: what a recipe does to a Hugging Face model, layer by layer.
+
+The model folder is read offline (config.json, safetensors weights, its tokenizer); FILE is tokenized with the
+folder's tokenizer into ``--batches`` fixed batches of ``--batch-size`` x ``--seq-len`` tokens (the text repeated
+when it is shorter, which the summary says). Every ``nn.Linear`` becomes a :class:`~fp4sim.torch.QuantLinear` under
+the recipe (the output head kept in BF16, as convert does), the weights in float32. The loss: next-token cross
+entropy for a causal LM; for an encoder without an LM head, a contrastive (InfoNCE) loss between the mean-pooled
+embeddings of each sequence's two halves, temperature 0.05.
+
+Per linear layer, over the batches:
+
+- the forward error of its operands (:func:`~fp4sim.torch.collect_stats`: relative MSE, underflow, ...);
+- its weight-gradient SNR and cosine against float32 on the same batch (:func:`~fp4sim.torch.gradient_fidelity`),
+  per batch and their mean and spread;
+- outlier channels of its input (``|x| > 6 sigma``, from the first batch) and its kurtosis;
+- the RHT's effect on its Wgrad operands (x and dy of the first batch, quantized along the tokens with NVFP4,
+  relative MSE without and with the 16-point RHT);
+- :func:`~fp4sim.torch.suggest_high_precision`'s ranking (relative Wgrad GEMM error), and the layers it
+  recommends for BF16 (``--fraction``, 0.15) against the paper's rule (the last ~15% of blocks), with the share of
+  the linear FLOPs each holds.
+
+Outputs in ``--out``: ``layers.nc`` (xarray), ``summary.json`` and ``report.html`` (one self-contained page, its
+figures embedded). Exit 0, or 2 with a one-line error for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["inspect_model", "main"]
+
+
+class BadInput(Exception):
+    pass
+
+
+def _load(model_dir: Path):
+    """(model, tokenizer, kind) from a local folder; BadInput naming what is missing."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError as e:
+        raise BadInput(f"fp4sim inspect needs torch and transformers: pip install 'fp4sim[inspect]' ({e})") from None
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers.utils.logging.set_verbosity_error()        # fp4sim's progress bar and errors, not the loader's
+    transformers.utils.logging.disable_progress_bar()
+    if not model_dir.is_dir():
+        raise BadInput(f"{model_dir}: not a folder (give a Hugging Face model folder: config.json and weights)")
+    if not (model_dir / "config.json").is_file():
+        raise BadInput(f"{model_dir}: no config.json (not a Hugging Face model folder)")
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise BadInput(f"{model_dir}/config.json: transformers cannot read it ({str(e).splitlines()[0]})") from None
+    archs = " ".join(getattr(cfg, "architectures", None) or [])
+    try:
+        if "CausalLM" in archs or getattr(cfg, "is_decoder", False) and "Masked" not in archs:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+                                                                       dtype="float32")
+            kind = "causal"
+        else:
+            model = transformers.AutoModel.from_pretrained(str(model_dir), local_files_only=True, dtype="float32")
+            kind = "encoder"
+    except Exception as e:  # noqa: BLE001
+        raise BadInput(f"{model_dir}: the model does not load offline ({str(e).splitlines()[0]})") from None
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise BadInput(f"{model_dir}: no tokenizer that loads offline ({str(e).splitlines()[0]})") from None
+    return model.float().eval(), tok, kind
+
+
+def _context(model) -> int | None:
+    c = model.config
+    for k in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = getattr(c, k, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _batches(tok, text: str, n: int, b: int, L: int):
+    """n tensors (b, L) of token ids from the text, repeated when too short; (batches, repeats)."""
+    import torch
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise BadInput("--text: the tokenizer finds no tokens in the file")
+    need = n * b * L
+    reps = -(-need // len(ids))
+    stream = (ids * reps)[:need]
+    t = torch.tensor(stream, dtype=torch.long).reshape(n, b, L)
+    return [t[i] for i in range(n)], reps
+
+
+def _loss(model, kind, ids):
+    import torch
+    if kind == "causal":
+        out = model(input_ids=ids)
+        logits = out.logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    h = model(input_ids=ids).last_hidden_state.float()
+    half = h.shape[1] // 2
+    a = torch.nn.functional.normalize(h[:, :half].mean(1), dim=-1)
+    p = torch.nn.functional.normalize(h[:, half:].mean(1), dim=-1)
+    logits = a @ p.T / 0.05
+    return torch.nn.functional.cross_entropy(logits, torch.arange(len(ids)))
+
+
+def _kind_of(name: str) -> str:
+    """A layer's kind from the last part of its name (q_proj -> attention, up_proj -> mlp, ...)."""
+    last = name.rsplit(".", 1)[-1].lower()
+    if any(k in name.lower() for k in ("attn", "attention")) or last in ("query", "key", "value", "q_proj", "k_proj",
+                                                                         "v_proj", "o_proj", "qkv"):
+        return "attention"
+    if any(k in name.lower() for k in ("mlp", "ffn", "intermediate", "feed_forward")) or last in (
+            "up_proj", "gate_proj", "down_proj", "fc1", "fc2", "dense"):
+        return "mlp"
+    return "other"
+
+
+def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_size=4, seq_len=128,
+                  fraction=0.15, seed=0, progress=None) -> tuple:
+    """Run the inspection; returns ``(dataset, summary)`` (see the module docstring)."""
+    import torch
+    import xarray as xr
+
+    from .analyze.studies import kurtosis, outliers
+    from .quantize import quantize, dequantize, rht
+    from .torch import QuantLinear, collect_stats, convert, gradient_fidelity, suggest_high_precision
+    from .training import Recipe
+    progress = progress or (lambda what: None)
+    model_dir, text_file = Path(model_dir), Path(text_file)
+    for k, v in (("--batches", batches), ("--batch-size", batch_size), ("--seq-len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadInput(f"{k} {v!r}: a whole number >= 1")
+    if not 0 < fraction <= 1:
+        raise BadInput(f"--fraction {fraction!r}: a share of the layers in (0, 1]")
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--text {text_file}: cannot read it as UTF-8 text ({e})") from None
+    if not text.strip():
+        raise BadInput(f"--text {text_file}: the file is empty")
+    try:
+        rec = Recipe.preset(recipe, seed=seed) if isinstance(recipe, str) else recipe
+    except ValueError as e:
+        raise BadInput(f"--recipe: {e}") from None
+    progress("loading the model")
+    model, tok, kind = _load(model_dir)
+    ctx = _context(model)
+    if ctx is not None and seq_len > ctx:
+        raise BadInput(f"--seq-len {seq_len}: longer than the model's context ({ctx} positions)")
+    data, reps = _batches(tok, text, batches, batch_size, seq_len)
+    try:
+        convert(model, rec)
+    except ValueError as e:                 # no nn.Linear at all, a keep glob that matches nothing
+        raise BadInput(f"{model_dir}: {e}") from None
+    # a layer the loss does not reach (a BERT pooler under mean pooling) has no weight gradient to inspect: it is
+    # put back as the plain nn.Linear it was (sharing its parameters), and listed as unused
+    model.zero_grad(set_to_none=True)
+    _loss(model, kind, data[0]).backward()
+    unused = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.weight.grad is None]
+    for n in unused:
+        q = model.get_submodule(n)
+        lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
+        lin.weight, lin.bias = q.weight, q.bias
+        parent, _, last = n.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, last, lin)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise BadInput(f"{model_dir}: no linear layer takes part in the loss")
+    for _, m in layers:
+        m._calls = 0                       # the probe pass leaves the stochastic-rounding calls where they were
+    model.zero_grad(set_to_none=True)
+    names = [n for n, _ in layers]
+    torch.manual_seed(seed)
+
+    def step(i):
+        def fn():
+            model.zero_grad(set_to_none=True)
+            _loss(model, kind, data[i]).backward()
+        return fn
+
+    # forward error of the operands, over every batch
+    progress("operand errors")
+    with collect_stats(model) as log:
+        losses = []
+        for i in range(batches):
+            model.zero_grad(set_to_none=True)
+            loss = _loss(model, kind, data[i])
+            loss.backward()
+            losses.append(float(loss.detach()))
+    stats = log.dataset()
+    # gradient fidelity per batch
+    snr = np.full((len(names), batches), np.nan)
+    cos = np.full((len(names), batches), np.nan)
+    for i in range(batches):
+        progress(f"gradient fidelity, batch {i + 1} of {batches}")
+        g = gradient_fidelity(model, step(i))
+        order = [names.index(str(n)) for n in g.layer.values]
+        snr[order, i] = g.snr.values
+        cos[order, i] = g.cosine.values
+    # the ranking and the recommendation
+    progress("ranking the layers")
+    keep, rel = suggest_high_precision(model, step(0), fraction=fraction)
+    # inputs and output gradients of the first batch: outliers and the Wgrad RHT
+    progress("outliers and the RHT on the Wgrad operands")
+    cap = {}
+    hooks = []
+    for n, m in layers:
+        hooks.append(m.register_forward_hook(lambda mod, inp, out, n=n: cap.__setitem__((n, "x"), inp[0].detach())))
+        hooks.append(m.register_full_backward_hook(lambda mod, gin, gout, n=n: cap.__setitem__((n, "dy"),
+                                                                                               gout[0].detach())))
+    model.zero_grad(set_to_none=True)
+    _loss(model, kind, data[0]).backward()
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    n_out = np.zeros(len(names), np.int64)
+    kurt = np.full(len(names), np.nan)
+    rht_err = np.full((len(names), 2, 2), np.nan)        # layer, operand (x, dy), rht (no, yes)
+    for j, n in enumerate(names):
+        x = cap[(n, "x")].reshape(-1, cap[(n, "x")].shape[-1]).float().numpy()
+        dy = cap[(n, "dy")].reshape(-1, cap[(n, "dy")].shape[-1]).float().numpy()
+        o = outliers(x)
+        n_out[j] = int(o["n_outlier_cols"])
+        kurt[j] = float(kurtosis(x))
+        M = x.shape[0] // 16 * 16
+        for k, a in enumerate((x[:M], dy[:M])):
+            if M == 0:
+                continue
+            ms = float(np.mean(a.astype(np.float64) ** 2))
+            for r in (0, 1):
+                b = rht(a, 16, "te", axis=0, out="bf16") if r else a
+                y = dequantize(quantize(b, "nvfp4", axis=0))
+                rht_err[j, k, r] = float(np.mean((y.astype(np.float64) - b.astype(np.float64)) ** 2)) / ms if ms \
+                    else np.nan
+    blocks = {n: rec.block_of(n) for n in names}
+    nb = max((b for b in blocks.values() if b is not None), default=-1) + 1
+    n_last = max(1, math.ceil(0.15 * nb)) if nb else 0
+    paper = [n for n in names if blocks[n] is not None and blocks[n] >= nb - n_last]
+    flops = {n: int(m.in_features) * int(m.out_features) for n, m in layers}
+    total = sum(flops.values())
+    share = lambda sel: sum(flops[n] for n in sel) / total if total else 0.0  # noqa: E731
+    ops = [str(o) for o in stats.operand.values]
+    ds = xr.Dataset(
+        {"snr": (("layer", "batch"), snr), "cosine": (("layer", "batch"), cos),
+         "snr_mean": ("layer", np.nanmean(snr, 1)), "snr_spread": ("layer", np.nanstd(snr, 1)),
+         "cosine_mean": ("layer", np.nanmean(cos, 1)),
+         "rel_mse": (("layer", "operand"), stats.rel_mse.sel(layer=names).values),
+         "underflow": (("layer", "operand"), stats.underflow.sel(layer=names).values),
+         "outlier_channels": ("layer", n_out), "input_kurtosis": ("layer", kurt),
+         "wgrad_rel_mse": (("layer", "wgrad_operand", "rht"), rht_err),
+         "wgrad_gemm_rel_error": ("layer", np.array([rel[n] for n in names])),
+         "recommended": ("layer", np.array([n in keep for n in names])),
+         "paper_rule": ("layer", np.array([n in paper for n in names])),
+         "block": ("layer", np.array([-1 if blocks[n] is None else blocks[n] for n in names])),
+         "kind": ("layer", np.array([_kind_of(n) for n in names])),
+         "flops_share": ("layer", np.array([flops[n] / total for n in names]))},
+        coords={"layer": names, "batch": np.arange(batches), "operand": ops, "wgrad_operand": ["x", "dy"],
+                "rht": [False, True]})
+    ds.attrs.update(model=str(model_dir), recipe=rec.name, loss=("next-token cross entropy" if kind == "causal"
+                                                                  else "contrastive InfoNCE, mean-pooled halves, "
+                                                                       "temperature 0.05"),
+                    sqrt3=math.sqrt(3.0))
+    summary = {
+        "model": str(model_dir), "kind": kind, "loss": ds.attrs["loss"], "recipe": rec.name,
+        "arguments": {"text": str(text_file), "batches": batches, "batch_size": batch_size, "seq_len": seq_len,
+                      "fraction": fraction, "seed": seed},
+        "text_repeated": reps, "losses": losses, "versions": _versions(), "unused_layers": unused,
+        "layers": [{"name": n, "block": blocks[n], "kind": _kind_of(n), "snr": _num(ds.snr_mean.values[j]),
+                    "snr_spread": _num(ds.snr_spread.values[j]), "cosine": _num(ds.cosine_mean.values[j]),
+                    "rel_mse": {o: _num(ds.rel_mse.values[j, k]) for k, o in enumerate(ops)},
+                    "outlier_channels": int(n_out[j]), "wgrad_gemm_rel_error": _num(rel[n]),
+                    "wgrad_rel_mse": {"x": _num(rht_err[j, 0, 0]), "x_rht": _num(rht_err[j, 0, 1]),
+                                      "dy": _num(rht_err[j, 1, 0]), "dy_rht": _num(rht_err[j, 1, 1])},
+                    "recommended": n in keep, "paper_rule": n in paper, "flops_share": flops[n] / total}
+                   for j, n in enumerate(names)],
+        "recommendation": keep, "paper_rule": paper, "blocks": nb,
+        "flops_share": {"recommended": share(keep), "paper_rule": share(paper)},
+        "overlap_with_paper_rule": sorted(set(keep) & set(paper)),
+        "below_sqrt3": [n for j, n in enumerate(names) if ds.snr_mean.values[j] < math.sqrt(3.0)],
+    }
+    return ds, summary
+
+
+def _num(v):
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _versions():
+    import importlib.metadata as md
+    out = {}
+    for p in ("fp4sim", "torch", "transformers", "numpy"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _figures(ds) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = []
+    names = [str(n) for n in ds.layer.values]
+    f, a = plt.subplots(figsize=(9, 3.6))
+    x = np.arange(len(names))
+    a.errorbar(x, ds.snr_mean.values, yerr=ds.snr_spread.values, fmt="o", ms=4, capsize=2, label="mean ± sd over "
+               "batches")
+    a.axhline(math.sqrt(3), color="k", ls="--", lw=1, label="sqrt(3)")
+    rec = ds.recommended.values
+    a.scatter(x[rec], ds.snr_mean.values[rec], s=80, facecolors="none", edgecolors="C3", label="recommended BF16")
+    a.set_yscale("log")
+    a.set_xlabel("layer (model order: input to output)")
+    a.set_ylabel("weight-gradient SNR")
+    a.set_title("Weight-gradient SNR against depth")
+    a.legend(fontsize=7, loc="best")
+    out.append(("Weight-gradient SNR by layer, against the sqrt(3) threshold", _png(f)))
+    plt.close(f)
+    f, a = plt.subplots(figsize=(9, 3.6))
+    kinds = sorted(set(str(k) for k in ds.kind.values))
+    ops = [str(o) for o in ds.operand.values]
+    for i, k in enumerate(kinds):
+        sel = ds.kind.values == k
+        vals = [np.nanmean(ds.rel_mse.values[sel, j]) for j in range(len(ops))]
+        a.bar(np.arange(len(ops)) + i * 0.8 / len(kinds), vals, width=0.8 / len(kinds), label=k)
+    a.set_xticks(np.arange(len(ops)) + 0.4 - 0.4 / len(kinds), ops, fontsize=8)
+    a.set_yscale("log")
+    a.set_ylabel("relative MSE (mean over layers)")
+    a.set_title("Operand error by layer kind")
+    a.legend(fontsize=7)
+    out.append(("Forward and backward operand error by layer kind", _png(f)))
+    plt.close(f)
+    return out
+
+
+_SORT_JS = """
+document.querySelectorAll('th').forEach(function(th, col) {
+  th.addEventListener('click', function() {
+    var tb = th.closest('table').tBodies[0], rows = Array.from(tb.rows);
+    var asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
+    rows.sort(function(a, b) {
+      var x = a.cells[col].dataset.v, y = b.cells[col].dataset.v;
+      var nx = parseFloat(x), ny = parseFloat(y);
+      var c = (isNaN(nx) || isNaN(ny)) ? x.localeCompare(y) : nx - ny;
+      return asc ? c : -c;
+    });
+    rows.forEach(function(r) { tb.appendChild(r); });
+  });
+});
+"""
+
+
+def report_html(ds, summary) -> str:
+    """The self-contained report page."""
+    e = html.escape
+    cols = [("layer", "layer"), ("block", "block"), ("kind", "kind"), ("snr", "Wgrad SNR"),
+            ("cosine", "cosine"), ("fprop_x", "rel MSE x"), ("fprop_w", "rel MSE W"), ("dgrad_dy", "rel MSE dy"),
+            ("outlier_channels", "outlier channels"), ("x_rht", "Wgrad x: no RHT / RHT"),
+            ("wgrad_gemm_rel_error", "Wgrad GEMM rel. error"), ("recommended", "BF16 (recommended)"),
+            ("paper_rule", "BF16 (paper rule)")]
+    rows = []
+    for L in summary["layers"]:
+        def cell(v, text=None):
+            t = text if text is not None else ("—" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
+            return f'<td data-v="{e(str("" if v is None else v))}">{e(t)}</td>'
+        w = L["wgrad_rel_mse"]
+        rht_txt = "—" if w["x"] is None else f"{w['x']:.3g} / {w['x_rht']:.3g}"
+        cells = [cell(L["name"]), cell(L["block"]), cell(L["kind"]), cell(L["snr"]), cell(L["cosine"]),
+                 cell(L["rel_mse"].get("fprop_x")), cell(L["rel_mse"].get("fprop_w")),
+                 cell(L["rel_mse"].get("dgrad_dy")), cell(L["outlier_channels"]), cell(w["x"], rht_txt),
+                 cell(L["wgrad_gemm_rel_error"]), cell(int(L["recommended"]), "yes" if L["recommended"] else ""),
+                 cell(int(L["paper_rule"]), "yes" if L["paper_rule"] else "")]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    figs = "".join(f'<figure><img alt="{e(t)}" src="data:image/png;base64,{b}"><figcaption>{e(t)}</figcaption>'
+                   f'</figure>' for t, b in _figures(ds))
+    s = summary
+    rec = ", ".join(s["recommendation"]) or "none"
+    paper = ", ".join(s["paper_rule"]) or "none (no numbered blocks)"
+    below = ", ".join(s["below_sqrt3"]) or "none"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>fp4sim inspect: {e(s['model'])}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;font-size:12px}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}td:first-child{{text-align:left}}
+th{{cursor:pointer;background:#eee}}figure{{display:inline-block;margin:0 1em 1em 0}}img{{max-width:560px}}
+</style></head><body>
+<h1>fp4sim inspect</h1>
+<p>Model <code>{e(s['model'])}</code> ({e(s['kind'])}; loss: {e(s['loss'])}) under recipe <code>{e(s['recipe'])}</code>,
+{s['arguments']['batches']} batches of {s['arguments']['batch_size']} x {s['arguments']['seq_len']} tokens from
+<code>{e(s['arguments']['text'])}</code>{' (the text repeated ' + str(s['text_repeated']) + ' times)'
+if s['text_repeated'] > 1 else ''}.</p>
+<h2>Recommendation</h2>
+<p>Keep in BF16 (the worst {s['arguments']['fraction']:.0%} by Wgrad GEMM error): {e(rec)} —
+{s['flops_share']['recommended']:.1%} of the linear FLOPs.<br>
+The paper's rule (the last ~15% of the {s['blocks']} blocks): {e(paper)} — {s['flops_share']['paper_rule']:.1%} of
+the linear FLOPs. In both: {e(', '.join(s['overlap_with_paper_rule']) or 'none')}.<br>
+Layers whose weight-gradient SNR is below sqrt(3): {e(below)}.</p>
+{figs}
+<h2>Layers</h2><p>Click a column to sort.</p>
+<table><thead><tr>{''.join(f'<th>{e(t)}</th>' for _, t in cols)}</tr></thead>
+<tbody>{''.join(rows)}</tbody></table>
+<script>{_SORT_JS}</script>
+</body></html>
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="fp4sim inspect", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", help="a Hugging Face model folder (config.json, safetensors, tokenizer)")
+    ap.add_argument("--text", required=True, help="a UTF-8 text file to draw the batches from")
+    ap.add_argument("--recipe", default="nvfp4_paper", help="a fp4sim.training preset (default nvfp4_paper)")
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--fraction", type=float, default=0.15, help="share of the layers to recommend for BF16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="inspect_out", help="output folder (layers.nc, summary.json, report.html)")
+    ap.add_argument("--quick", action="store_true", help="2 batches of 2 x 32 tokens: a smoke test")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.batches, a.batch_size, a.seq_len = 2, 2, 32
+    from tqdm import tqdm
+    bar = None if a.quiet else tqdm(total=a.batches + 4, file=sys.stderr, bar_format="{l_bar}{bar}| {postfix}")
+
+    def progress(what):
+        if bar is not None:
+            bar.set_postfix_str(what)
+            bar.update(1)
+
+    out = Path(a.out)
+    try:
+        from .arrays_io import check_writable
+        try:
+            check_writable(out, "--out", directory=True)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        ds, summary = inspect_model(a.model_dir, a.text, a.recipe, a.batches, a.batch_size, a.seq_len, a.fraction,
+                                    a.seed, progress)
+    except BadInput as e:
+        if bar is not None:
+            bar.close()
+        print(f"fp4sim inspect: bad input: {e}", file=sys.stderr)
+        return 2
+    if bar is not None:
+        bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    ds.to_netcdf(out / "layers.nc")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "report.html").write_text(report_html(ds, summary), encoding="utf-8")
+    print(f"fp4sim inspect: {len(summary['layers'])} linear layers; recommended for BF16: "
+          f"{', '.join(summary['recommendation']) or 'none'}; wrote {out}/layers.nc, summary.json, report.html")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""fp4sim inspect on tiny Hugging Face models built here (a LlamaForCausalLM and a BertModel with random weights,
+saved as local folders with a word-level tokenizer trained on the text): every output present, the per-layer
+numbers those of collect_stats / gradient_fidelity / suggest_high_precision called directly on the same batches,
+the HTML holding one table row per linear layer, and bad inputs refused with one line and exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from peers import import_or_missing, torch_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat near the door. " * 3 +
+        "Numbers such as four and six appear in tables of formats, scales and blocks of sixteen values. " * 3)
+
+
+def _tokenizer(folder: Path, text: str):
+    tk = import_or_missing("tokenizers")
+    transformers = import_or_missing("transformers")
+    tok = tk.Tokenizer(tk.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], tk.trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    torch = torch_or_skip()
+    transformers = import_or_missing("transformers")
+    base = tmp_path_factory.mktemp("inspect")
+    text = base / "text.txt"
+    text.write_text(TEXT)
+    torch.manual_seed(0)
+    llama = base / "llama"
+    tok = _tokenizer(llama, TEXT)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(llama))
+    bert = base / "bert"
+    tok = _tokenizer(bert, TEXT)
+    cfg = transformers.BertConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64)
+    transformers.BertModel(cfg).save_pretrained(str(bert))
+    return base, text, llama, bert
+
+
+def _cli(*args):
+    """The console script, as a user types it."""
+    return subprocess.run([str(Path(sys.executable).parent / "fp4sim"), *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+
+
+class _Rows(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.rows, self.imgs, self.depth = 0, 0, 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tbody":
+            self.depth += 1
+        elif tag == "tr" and self.depth:
+            self.rows += 1
+        elif tag == "img" and dict(attrs).get("src", "").startswith("data:image/png;base64,"):
+            self.imgs += 1
+
+    def handle_endtag(self, tag):
+        if tag == "tbody":
+            self.depth -= 1
+
+
+def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_path):
+    torch = torch_or_skip()
+    import xarray as xr
+    from fp4sim.inspect_model import _batches, _load, _loss
+    from fp4sim.torch import collect_stats, convert, gradient_fidelity, suggest_high_precision
+    base, text, llama, bert = models
+    out = tmp_path / "out"
+    r = _cli("inspect", llama, "--text", text, "--batches", 2, "--batch-size", 2, "--seq-len", 16, "--out", out,
+             "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ds = xr.load_dataset(out / "layers.nc")
+    summ = json.loads((out / "summary.json").read_text())
+    page = (out / "report.html").read_text()
+    # the same computation by hand
+    model, tok, kind = _load(llama)
+    assert kind == "causal" and summ["kind"] == "causal" and "cross entropy" in summ["loss"]
+    data, reps = _batches(tok, TEXT, 2, 2, 16)
+    convert(model, "nvfp4_paper")
+    torch.manual_seed(0)
+    assert summ["unused_layers"] == []
+    names = [str(n) for n in ds.layer.values]
+    assert len(names) == 3 * 7 + 1 and names[-1] == "lm_head"
+
+    def step(i):
+        def fn():
+            model.zero_grad(set_to_none=True)
+            _loss(model, kind, data[i]).backward()
+        return fn
+
+    with collect_stats(model) as log:
+        for i in range(2):
+            step(i)()
+    st = log.dataset()
+    np.testing.assert_array_equal(ds.rel_mse.values, st.rel_mse.sel(layer=names).values)
+    for i in range(2):
+        g = gradient_fidelity(model, step(i))
+        np.testing.assert_array_equal(ds.snr.sel(batch=i).values, g.snr.sel(layer=names).values)
+        np.testing.assert_array_equal(ds.cosine.sel(batch=i).values, g.cosine.sel(layer=names).values)
+    keep, rel = suggest_high_precision(model, step(0), fraction=0.15)
+    assert summ["recommendation"] == keep and [n for n in names if ds.recommended.sel(layer=n)] == sorted(
+        keep, key=names.index)
+    np.testing.assert_array_equal(ds.wgrad_gemm_rel_error.values, [rel[n] for n in names])
+    assert summ["paper_rule"] == [n for n in names if n.startswith("model.layers.2.")]   # the last of 3 blocks
+    assert abs(sum(L["flops_share"] for L in summ["layers"]) - 1) < 1e-12
+    # the RHT study: the Wgrad operands' relative error without and with the RHT, finite for every layer
+    assert np.isfinite(ds.wgrad_rel_mse.values).all()
+    p = _Rows()
+    p.feed(page)
+    assert p.rows == len(names) and p.imgs == 2 and "sqrt(3)" in page and "<script>" in page
+
+
+def test_an_encoder_takes_the_contrastive_loss(models, tmp_path):
+    base, text, llama, bert = models
+    r = _cli("inspect", bert, "--text", text, "--quick", "--out", tmp_path / "o", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summ = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summ["kind"] == "encoder" and "contrastive" in summ["loss"]
+    assert len(summ["layers"]) == 2 * 6                           # q, k, v, attention out, intermediate, output
+    assert summ["unused_layers"] == ["pooler.dense"]              # mean pooling: the pooler takes no part
+
+
+def test_bad_inputs_get_one_line_and_exit_2(models, tmp_path):
+    base, text, llama, bert = models
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
+    cases = [
+        ((tmp_path / "noconfig", "--text", text), "no config.json"),
+        ((tmp_path / "nowhere", "--text", text), "not a folder"),
+        ((llama, "--text", tmp_path / "empty.txt"), "the file is empty"),
+        ((llama, "--text", tmp_path / "bin.txt"), "cannot read it as UTF-8"),
+        ((llama, "--text", tmp_path / "missing.txt"), "cannot read it"),
+        ((llama, "--text", text, "--seq-len", 100), "longer than the model's context (64 positions)"),
+        ((llama, "--text", text, "--recipe", "nvfp5"), "--recipe: preset 'nvfp5' is not known"),
+    ]
+    for args, phrase in cases:
+        r = _cli("inspect", *args, "--out", tmp_path / "x", "--quiet")
+        ours = [ln for ln in r.stderr.splitlines() if ln.startswith("fp4sim inspect:")]
+        assert r.returncode == 2 and len(ours) == 1 and phrase in ours[0], (args, r.stderr)
+        assert "Traceback" not in r.stderr and not (tmp_path / "x" / "summary.json").exists()
