@@ -45,7 +45,7 @@ class BadInput(Exception):
 def _load(model_dir: Path):
     """(model, tokenizer, kind) from a local folder; BadInput naming what is missing."""
     try:
-        import torch  # noqa: F401
+        import torch
         import transformers
     except ImportError as e:
         raise BadInput(f"fp4sim inspect needs torch and transformers: pip install 'fp4sim[inspect]' ({e})") from None
@@ -55,28 +55,42 @@ def _load(model_dir: Path):
     transformers.utils.logging.disable_progress_bar()
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a folder (give a Hugging Face model folder: config.json and weights)")
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    kw = dict(local_files_only=True)
     if not (model_dir / "config.json").is_file():
-        raise BadInput(f"{model_dir}: no config.json (not a Hugging Face model folder)")
+        if len(ggufs) != 1:
+            raise BadInput(f"{model_dir}: no config.json (not a Hugging Face model folder)" +
+                           (f", and {len(ggufs)} .gguf files (one is read where there is no config.json)"
+                            if ggufs else ""))
+        for need in ("gguf", "accelerate"):
+            try:
+                __import__(need)
+            except ImportError:
+                raise BadInput(f"{ggufs[0].name}: transformers reads GGUF files with the {need} package: "
+                               f"pip install {need}") from None
+        kw["gguf_file"] = ggufs[0].name          # a causal LM whose weights transformers dequantizes to float
     try:
-        cfg = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        cfg = transformers.AutoConfig.from_pretrained(str(model_dir), **kw)
     except Exception as e:  # noqa: BLE001
-        raise BadInput(f"{model_dir}/config.json: transformers cannot read it ({str(e).splitlines()[0]})") from None
+        raise BadInput(f"{model_dir}: transformers cannot read its configuration ({str(e).splitlines()[0]})") \
+            from None
     archs = " ".join(getattr(cfg, "architectures", None) or [])
     try:
-        if "CausalLM" in archs or getattr(cfg, "is_decoder", False) and "Masked" not in archs:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
-                                                                       dtype="float32")
+        if "CausalLM" in archs or "gguf_file" in kw or getattr(cfg, "is_decoder", False) and "Masked" not in archs:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="float32", **kw)
             kind = "causal"
         else:
-            model = transformers.AutoModel.from_pretrained(str(model_dir), local_files_only=True, dtype="float32")
+            model = transformers.AutoModel.from_pretrained(str(model_dir), dtype="float32", **kw)
             kind = "encoder"
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{model_dir}: the model does not load offline ({str(e).splitlines()[0]})") from None
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), **kw)
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{model_dir}: no tokenizer that loads offline ({str(e).splitlines()[0]})") from None
-    return model.float().eval(), tok, kind
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        model = model.float()                   # (a GGUF model, dequantized to float32 by the loader, refuses it)
+    return model.eval(), tok, kind
 
 
 def _context(model) -> int | None:
@@ -128,7 +142,7 @@ def _kind_of(name: str) -> str:
 
 
 def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_size=4, seq_len=128,
-                  fraction=0.15, seed=0, progress=None) -> tuple:
+                  fraction=0.15, seed=0, progress=None, accumulate="fast") -> tuple:
     """Run the inspection; returns ``(dataset, summary)`` (see the module docstring)."""
     import torch
     import xarray as xr
@@ -151,7 +165,7 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
     if not text.strip():
         raise BadInput(f"--text {text_file}: the file is empty")
     try:
-        rec = Recipe.preset(recipe, seed=seed) if isinstance(recipe, str) else recipe
+        rec = Recipe.preset(recipe, seed=seed, accumulate=accumulate) if isinstance(recipe, str) else recipe
     except ValueError as e:
         raise BadInput(f"--recipe: {e}") from None
     progress("loading the model")
@@ -275,7 +289,7 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
     summary = {
         "model": str(model_dir), "kind": kind, "loss": ds.attrs["loss"], "recipe": rec.name,
         "arguments": {"text": str(text_file), "batches": batches, "batch_size": batch_size, "seq_len": seq_len,
-                      "fraction": fraction, "seed": seed},
+                      "fraction": fraction, "seed": seed, "accumulate": rec.accumulate},
         "text_repeated": reps, "losses": losses, "versions": _versions(), "unused_layers": unused,
         "layers": [{"name": n, "block": blocks[n], "kind": _kind_of(n), "snr": _num(ds.snr_mean.values[j]),
                     "snr_spread": _num(ds.snr_spread.values[j]), "cosine": _num(ds.cosine_mean.values[j]),
@@ -433,6 +447,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--fraction", type=float, default=0.15, help="share of the layers to recommend for BF16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accumulate", default="fast",
+                    help="the GEMMs' accumulation model (default fast: dequantize + float32 BLAS; exact is slower)")
     ap.add_argument("--out", default="inspect_out", help="output folder (layers.nc, summary.json, report.html)")
     ap.add_argument("--quick", action="store_true", help="2 batches of 2 x 32 tokens: a smoke test")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -455,7 +471,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise BadInput(str(e)) from None
         ds, summary = inspect_model(a.model_dir, a.text, a.recipe, a.batches, a.batch_size, a.seq_len, a.fraction,
-                                    a.seed, progress)
+                                    a.seed, progress, a.accumulate)
     except BadInput as e:
         if bar is not None:
             bar.close()

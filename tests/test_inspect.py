@@ -81,6 +81,7 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
     import xarray as xr
     from fp4sim.inspect_model import _batches, _load, _loss
     from fp4sim.torch import collect_stats, convert, gradient_fidelity, suggest_high_precision
+    from fp4sim.training import Recipe
     base, text, llama, bert = models
     out = tmp_path / "out"
     r = _cli("inspect", llama, "--text", text, "--batches", 2, "--batch-size", 2, "--seq-len", 16, "--out", out,
@@ -93,7 +94,7 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
     model, tok, kind = _load(llama)
     assert kind == "causal" and summ["kind"] == "causal" and "cross entropy" in summ["loss"]
     data, reps = _batches(tok, TEXT, 2, 2, 16)
-    convert(model, "nvfp4_paper")
+    convert(model, Recipe.preset("nvfp4_paper", accumulate="fast"))     # the command's default accumulation
     torch.manual_seed(0)
     assert summ["unused_layers"] == []
     names = [str(n) for n in ds.layer.values]
@@ -156,3 +157,21 @@ def test_bad_inputs_get_one_line_and_exit_2(models, tmp_path):
         ours = [ln for ln in r.stderr.splitlines() if ln.startswith("fp4sim inspect:")]
         assert r.returncode == 2 and len(ours) == 1 and phrase in ours[0], (args, r.stderr)
         assert "Traceback" not in r.stderr and not (tmp_path / "x" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in (ROOT / "analyses" / "inspect").glob("*_*")
+                                          if (p / "layers.nc").is_file()))
+def test_the_committed_reports_regenerate_from_their_data(folder):
+    """analyses/inspect/*/report.html is what report_html makes from the committed layers.nc and summary.json
+    (python analyses/inspect_models.py --replot), without the models."""
+    import xarray as xr
+    from fp4sim.inspect_model import report_html
+    d = ROOT / "analyses" / "inspect" / folder
+    page = report_html(xr.load_dataset(d / "layers.nc"), json.loads((d / "summary.json").read_text()))
+    # the same page; the figures' PNG bytes compared as present only (they carry the matplotlib build)
+    import re
+    strip = lambda t: re.sub(r"base64,[A-Za-z0-9+/=]+", "base64,PNG", t)  # noqa: E731
+    assert strip(page) == strip((d / "report.html").read_text(encoding="utf-8"))
+    p = _Rows()
+    p.feed(page)
+    assert p.rows == xr.load_dataset(d / "layers.nc").sizes["layer"]
