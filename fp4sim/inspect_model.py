@@ -408,9 +408,17 @@ def report_html(ds, summary) -> str:
     figs = "".join(f'<figure><img alt="{e(t)}" src="data:image/png;base64,{b}"><figcaption>{e(t)}</figcaption>'
                    f'</figure>' for t, b in _figures(ds))
     s = summary
-    rec = ", ".join(s["recommendation"]) or "none"
-    paper = ", ".join(s["paper_rule"]) or "none (no numbered blocks)"
-    below = ", ".join(s["below_sqrt3"]) or "none"
+
+    def names(ns, empty="none", most=12):
+        """A list of layer names, at most ``most`` of them and the count of the rest (the table marks them all)."""
+        if not ns:
+            return empty
+        more = f" and {len(ns) - most} more" if len(ns) > most else ""
+        return f"{len(ns)} layers: " + ", ".join(ns[:most]) + more
+
+    rec = names(s["recommendation"])
+    paper = names(s["paper_rule"], "none (no numbered blocks)")
+    below = names(s["below_sqrt3"]) + f" (of {len(s['layers'])})"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fp4sim inspect: {e(s['model'])}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;font-size:12px}}
@@ -424,9 +432,10 @@ th{{cursor:pointer;background:#eee}}figure{{display:inline-block;margin:0 1em 1e
 if s['text_repeated'] > 1 else ''}.</p>
 <h2>Recommendation</h2>
 <p>Keep in BF16 (the worst {s['arguments']['fraction']:.0%} by Wgrad GEMM error): {e(rec)} —
-{s['flops_share']['recommended']:.1%} of the linear FLOPs.<br>
+{s['flops_share']['recommended']:.1%} of the linear FLOPs.</p><p>
 The paper's rule (the last ~15% of the {s['blocks']} blocks): {e(paper)} — {s['flops_share']['paper_rule']:.1%} of
-the linear FLOPs. In both: {e(', '.join(s['overlap_with_paper_rule']) or 'none')}.<br>
+the linear FLOPs. In both: {e(names(s['overlap_with_paper_rule']))}. The table's BF16 columns mark every
+layer of both.</p><p>
 Layers whose weight-gradient SNR is below sqrt(3): {e(below)}.</p>
 {figs}
 <h2>Layers</h2><p>Click a column to sort.</p>
