@@ -24,7 +24,7 @@ from . import fastpath
 from ._xp import xp_of
 from .gemm import gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
-from .schemes import NVFP4
+from .schemes import NVFP4, NVFP4UE5M3
 from .training import OPERANDS, Operand, Recipe
 
 __all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "held_amax", "quantize_operand", "Values",
@@ -241,7 +241,7 @@ def _operand_stats(a, q, name):
 def _family(q):
     """The format family of a quantized operand whose GEMM fs.gemm models; None for float32 arrays and for UE5M3
     block scales (no hardware GEMM: their dequantized values are multiplied in float32)."""
-    if not hasattr(q, "codes") or q.scheme.name == "nvfp4_ue5m3":
+    if not hasattr(q, "codes") or isinstance(q.scheme, NVFP4UE5M3):
         return None
     return (type(q.scheme), getattr(q.scheme, "elem", None))
 

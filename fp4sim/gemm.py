@@ -59,7 +59,7 @@ from .formats import E2M1, E4M3
 from .layout import unpack_fp4
 from .planning import POW2_DEC
 from .qtensor import QuantizedTensor
-from .schemes import MX, NVFP4, BF16Cast, FP8Blockwise, FP8Tensor
+from .schemes import MX, NVFP4, NVFP4UE5M3, BF16Cast, FP8Blockwise, FP8Tensor
 
 __all__ = ["gemm", "MODELS", "model_names"]
 
@@ -87,7 +87,7 @@ def _kind(sch):
         return f"fp8_{sch.elem.name}"
     if isinstance(sch, BF16Cast):
         return "bf16"
-    if getattr(sch, "name", None) == "nvfp4_ue5m3":
+    if isinstance(sch, NVFP4UE5M3):
         raise ValueError("UE5M3 block-scaled operands have no hardware GEMM to model: multiply their dequantized "
                          "values (fs.dequantize, then a float32 matmul), as fp4sim's emulated training does")
     raise TypeError(f"unsupported scheme {sch!r}")

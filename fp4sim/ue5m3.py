@@ -77,6 +77,8 @@ def quantize(x, sch, axis, rounding="rne", global_amax=None, rbits=None, seed=No
     xs = planning.as_float32(x) if xp is np else xp.asarray(x, dtype=np.float32)
     ax = _inputs.check_axis(axis, xs.ndim, "quantize")
     K = xs.shape[ax]
+    if K == 0 or xs.size == 0:
+        raise ValueError(f"x has shape {tuple(xs.shape)} with no elements along axis {axis}; nothing to quantize")
     Kp = -(-K // 16) * 16
     x2 = _rows(xs, ax)
     R = x2.shape[0]
@@ -94,15 +96,18 @@ def quantize(x, sch, axis, rounding="rne", global_amax=None, rbits=None, seed=No
             per = per & np.uint8((1 << sr.nsr) - 1)
         rb = xp.zeros((R, Kp), np.uint8)
         rb[:, :K] = _rows(per, ax)
+    nan = bool(xp.isnan(xs).any())
+    if nan:
+        import warnings
+        warnings.warn(planning.NAN_E2M1, RuntimeWarning, stacklevel=3)
     if global_amax is None:
-        with np.errstate(invalid="ignore"):
-            a = xp.where(xp.isnan(xs), 0, xp.abs(xs))
-            amax = f32(float(a.max())) if a.size else f32(0.0)
+        amax = f32(float(xp.where(xp.isnan(xs), 0, xp.abs(xs)).max()))
     else:
-        g = np.asarray(global_amax.get() if hasattr(global_amax, "get") else global_amax, np.float32)
-        if g.size != 1:
-            raise ValueError(f"global_amax: one tensor amax for UE5M3 NVFP4 (a per-tensor scale), not {g.size}")
-        amax = f32(g.reshape(-1)[0])
+        amax = planning.check_global_amax(global_amax.get() if hasattr(global_amax, "get") else global_amax)
+    if sch.per_tensor_scale and not np.isfinite(amax):
+        raise ValueError(f"{'global_amax' if global_amax is not None else 'x'}: the tensor amax is {float(amax)}; "
+                         "UE5M3 NVFP4's tensor scale 6 T / amax needs a finite one (the source's rule refuses "
+                         "non-finite tensors); pass a finite global_amax, or per_tensor_scale=False")
     s_enc, s_dec = tensor_constants(sch, amax)
     mult = f32(s_enc * R6)
     tile = sch.block[0]

@@ -233,3 +233,26 @@ def test_the_operation_order_is_the_kernels():
     _, e_want = oracle(x, 1, 448.0, True)
     got = fs.E2M1.values[fs.layout.unpack_fp4(q.codes)][0, 33]
     assert got == e_want[0, 33] and got != fs.E2M1.values[fs.encode(np.array([f(xe / dec)], f), fs.E2M1)[0]]
+
+
+def test_bad_input_is_refused_naming_it():
+    x = np.ones((4, 32), np.float32)
+    for g in (np.nan, -1.0):
+        with pytest.raises(ValueError, match="global_amax=.* must be a non-negative number"):
+            fs.quantize(x, "nvfp4_ue5m3", global_amax=g)
+    with pytest.raises(ValueError, match="global_amax: the tensor amax is inf"):
+        fs.quantize(x, "nvfp4_ue5m3", global_amax=np.inf)
+    xi = x.copy()
+    xi[1, 3] = np.inf
+    with pytest.raises(ValueError, match="x: the tensor amax is inf"):
+        fs.quantize(xi, "nvfp4_ue5m3")
+    q = fs.quantize(xi, "nvfp4_ue5m3", per_tensor_scale=False)      # no tensor scale: the block saturates
+    assert UE5M3.values[q.scales[1, 0]] == 61440.0 and np.isfinite(fs.dequantize(q)).all()
+    with pytest.raises(ValueError, match="no elements"):
+        fs.quantize(np.zeros((0, 16), np.float32), "nvfp4_ue5m3")
+    xn = x.copy()
+    xn[0, 0] = np.nan
+    with pytest.warns(RuntimeWarning, match="NaN in the input"):
+        q = fs.quantize(xn, "nvfp4_ue5m3")
+    assert fs.layout.unpack_fp4(q.codes)[0, 0] == 7 and q.global_amax == 1.0     # +6, as E2M1 encodes NaN;
+    assert np.isfinite(fs.dequantize(q)).all()                                   # NaN left out of the amax
