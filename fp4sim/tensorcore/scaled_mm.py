@@ -1,0 +1,174 @@
+"""``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales as a tensor core computes it."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .accumulate import accumulate
+from .models import MODELS, get_model
+
+__all__ = ["scaled_mm"]
+
+_FP8 = {"float8_e4m3fn": ("e4m3", ml_dtypes.float8_e4m3fn, 448.0),
+        "float8_e5m2": ("e5m2", ml_dtypes.float8_e5m2, 57344.0)}
+_OUT = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+_NP_OUT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+           "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+_CANON_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7FFF), "float16": (np.uint16, 0x7FFF),
+              "float8_e4m3fn": (np.uint8, 0x7F), "float8_e5m2": (np.uint8, 0x7F)}
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _dtype_name(dt) -> str:
+    s = str(dt).replace("torch.", "")
+    return {"float": "float32", "half": "float16", "<class 'numpy.float32'>": "float32"}.get(s, s)
+
+
+def _operand(x, name):
+    """(float32 values, FP8 format, dtype name, is_torch) of an FP8 matrix (torch tensor or ml_dtypes array)."""
+    if _is_torch(x):
+        n = _dtype_name(x.dtype)
+        if n not in _FP8:
+            raise TypeError(f"{name} is a {n} tensor: scaled_mm takes FP8 operands (torch.float8_e4m3fn or "
+                            f"torch.float8_e5m2), as torch._scaled_mm does; quantize it first")
+        import torch
+        codes = x.detach().cpu().contiguous().view(torch.uint8).numpy()
+        vals = codes.view(_FP8[n][1]).astype(np.float32)
+        return vals, _FP8[n][0], n, True
+    a = np.asarray(x)
+    n = _dtype_name(a.dtype)
+    if n not in _FP8:
+        raise TypeError(f"{name} has dtype {a.dtype}: scaled_mm takes FP8 operands (ml_dtypes.float8_e4m3fn or "
+                        f"float8_e5m2 arrays, or torch float8 tensors)")
+    return a.astype(np.float32), _FP8[n][0], n, False
+
+
+def _scale(s, name) -> np.float32:
+    if _is_torch(s):
+        if _dtype_name(s.dtype) != "float32" or s.numel() != 1:
+            raise ValueError(f"{name} must be a one-element float32 tensor (a per-tensor scale), got "
+                             f"{_dtype_name(s.dtype)} of shape {tuple(s.shape)}; row-wise and block scales are "
+                             f"not modelled here")
+        return np.float32(s.detach().cpu().reshape(()).item())
+    if isinstance(s, float) and not isinstance(s, bool):
+        if float(np.float32(s)) != s and not np.isnan(s):
+            raise ValueError(f"{name}={s!r} is not a float32 value: pass np.float32({s!r}) if its rounding is meant")
+        return np.float32(s)
+    a = np.asarray(s)
+    if a.dtype != np.float32 or a.size != 1:
+        raise ValueError(f"{name} must be a one-element float32 array or scalar (a per-tensor scale), got "
+                         f"{a.dtype} of shape {a.shape}; row-wise and block scales are not modelled here")
+    return np.float32(a.reshape(()))
+
+
+def _out_name(out_dtype, default: str) -> str:
+    if out_dtype is None:
+        return default
+    n = _dtype_name(out_dtype if not isinstance(out_dtype, np.dtype) else out_dtype.name)
+    try:
+        n = _dtype_name(np.dtype(out_dtype).name) if not (_is_torch(out_dtype) or isinstance(out_dtype, str)) else n
+    except TypeError:
+        pass
+    if n not in _OUT:
+        raise ValueError(f"out_dtype={out_dtype!r}: use one of {', '.join(_OUT)} (torch or NumPy / ml_dtypes "
+                         f"dtypes, or their names)")
+    return n
+
+
+def epilogue(acc: np.ndarray, scale_a, scale_b, out: str, scale_result=None) -> np.ndarray:
+    """cuBLAS's epilogue of a per-tensor FP8 GEMM (mmaemu's measured rules): alpha = RN32(scale_a · scale_b),
+    y = RN32(acc · alpha + (+0)) (an exact zero product is +0), then RNE to ``out``; FP8 outputs are multiplied by
+    ``scale_result`` (RN32) first and saturated to the format's largest finite value; NaN is canonical."""
+    alpha = np.float64(np.float32(np.float64(scale_a) * np.float64(scale_b)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = (acc.astype(np.float64) * alpha + 0.0).astype(np.float32)
+        if out in _FP8:
+            if scale_result is not None:
+                y = (y.astype(np.float64) * np.float64(scale_result)).astype(np.float32)
+            mx = np.float32(_FP8[out][2])
+            y = np.where(np.isnan(y), y, np.clip(y, -mx, mx))
+        r = y.astype(_NP_OUT[out])
+    nan = np.isnan(y)
+    if nan.any():
+        ut, bits = _CANON_NAN[out]
+        r = r.copy()
+        r.view(ut)[nan] = ut(bits)
+    return r
+
+
+def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = False, model: str = "hopper",
+              split_k=1, scale_result=None):
+    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=..., use_fast_accum=...)`` with per-tensor scales, as
+    ``model``'s tensor core and library compute it, bit for bit.
+
+    a: (M, K) FP8 (E4M3 or E5M2), b: (K, N) FP8 — typically ``w.t()`` of a (N, K) weight —, not both E5M2; K and N
+    multiples of 16 (torch's shape rules). scale_a, scale_b: one-element float32 tensors / arrays (the decode
+    scales: y = a·b · scale_a · scale_b). Torch tensors in give a torch tensor out; NumPy (ml_dtypes) arrays give
+    an array. out_dtype: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (default: a's dtype, as torch);
+    FP8 outputs saturate, after multiplication by ``scale_result`` if given.
+
+    model: ``"hopper"`` (H100 / H200, cuBLAS's FP8 GEMMs), ``"ada"`` (sm_89), ``"b200_mma"`` (B200 mma.sync; fast
+    accumulation only) or ``"exact"`` (fp4sim's exact rule: each 128-element block's exact inner product rounded to
+    float32, the blocks added in float32, the scales applied once). use_fast_accum=False restarts the chain every
+    128 K elements and adds the restarts in float32 (cuBLAS's slow accumulation). split_k: 1, or (S, scheme) with a
+    scheme the model's library uses ("contiguous" on hopper, "serial" / "pairwise" on ada); which split cuBLAS
+    picks for a shape is its heuristic and is not modelled. See docs/validation.md for the evidence behind each
+    model."""
+    A, fa, na, ta = _operand(a, "a")
+    Bk, fb, nb_, tb = _operand(b, "b")
+    if ta != tb:
+        raise TypeError("a and b must both be torch tensors or both NumPy arrays")
+    if A.ndim != 2 or Bk.ndim != 2:
+        raise ValueError(f"a and b must be matrices, got shapes {A.shape} and {Bk.shape}")
+    M, K = A.shape
+    if Bk.shape[0] != K:
+        raise ValueError(f"a ({M}x{K}) and b ({Bk.shape[0]}x{Bk.shape[1]}) cannot be multiplied: b is (K, N), "
+                         f"typically w.t()")
+    N = Bk.shape[1]
+    if K % 16 or N % 16:
+        raise ValueError(f"K = {K} and N = {N} must be multiples of 16 (torch._scaled_mm's rule); pad them")
+    if fa == "e5m2" and fb == "e5m2":
+        raise ValueError("a and b are both float8_e5m2: torch._scaled_mm refuses E5M2 x E5M2; use E4M3 for one")
+    sa, sb = _scale(scale_a, "scale_a"), _scale(scale_b, "scale_b")
+    out = _out_name(out_dtype, na)
+    if fa == fb == "e4m3" and out == "float8_e5m2":
+        raise ValueError("out_dtype=float8_e5m2 with two E4M3 operands: cuBLASLt refuses this combination "
+                         "(CUBLAS_STATUS_NOT_SUPPORTED), so no tensor core computes it")
+    if scale_result is not None:
+        scale_result = _scale(scale_result, "scale_result")
+    if not isinstance(use_fast_accum, (bool, np.bool_)):
+        raise TypeError(f"use_fast_accum={use_fast_accum!r}: pass True or False")
+    Bt = np.ascontiguousarray(Bk.T)
+    if model == "exact":
+        if split_k != 1:
+            raise ValueError(f"split_k={split_k!r}: the exact rule has no split")
+        acc = _exact(A, Bt)
+    else:
+        if get_model(model).steps.get("fp8") is None:
+            raise ValueError(f"model={model!r} has no FP8 inner-product model: use one of "
+                             f"{', '.join(repr(m) for m, v in MODELS.items() if 'fp8' in v.steps)} or 'exact'")
+        acc = accumulate(A, Bt, fa, fb, model, "fp8", fast=bool(use_fast_accum), split_k=split_k)
+    r = epilogue(acc, sa, sb, out, scale_result)
+    if not ta:
+        return r
+    import torch
+    ut = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[r.dtype.itemsize]
+    raw = torch.from_numpy(r.view({1: np.uint8, 2: np.int16, 4: np.int32}[r.dtype.itemsize]).copy())
+    return raw.view(ut).view(getattr(torch, out))
+
+
+def _exact(A, Bt):
+    """fp4sim's exact FP8 rule: each 128-element block's inner product in float64 (exact for FP8 products) rounded
+    once to float32, the blocks added in float32 in K order."""
+    M, K = A.shape
+    acc = np.zeros((M, Bt.shape[0]), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for k0 in range(0, K, 128):
+            acc = acc + (A[:, k0:k0 + 128].astype(np.float64) @ Bt[:, k0:k0 + 128].T.astype(np.float64)
+                         ).astype(np.float32)
+    nan = np.isnan(acc)
+    acc.view(np.uint32)[nan] = np.uint32(0x7FFFFFFF)
+    return acc
