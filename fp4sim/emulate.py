@@ -22,9 +22,9 @@ import numpy as np
 
 from . import fastpath
 from ._xp import xp_of
-from .gemm import gemm
+from .gemm import TENSOR_CORE, covers, gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
-from .schemes import NVFP4, NVFP4UE5M3
+from .schemes import NVFP4, NVFP4UE5M3, FP8Tensor
 from .training import OPERANDS, Operand, Recipe
 
 __all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "held_amax", "quantize_operand", "Values",
@@ -251,10 +251,12 @@ def _matmul(qa, qb, recipe, a_axis, b_axis):
     family; otherwise (e.g. NVFP4 weights with BF16 activations, the paper's weights-only ablation) a mixed GEMM
     that upcasts each quantized operand to its float32 values and multiplies in float32."""
     fa, fb = _family(qa), _family(qb)
+    acc, grid = recipe.accumulate, recipe.accumulate_grid
+    if fa is not None and fb is not None and fa[0] is fb[0] is FP8Tensor and acc in TENSOR_CORE:
+        return gemm(qa, qb, accumulate=acc)    # a tensor core multiplies E4M3 by E5M2 (the hybrid FP8 GEMMs)
     if fa is not None and fa == fb:
-        acc, grid = recipe.accumulate, recipe.accumulate_grid
-        if acc not in ("exact", "te_reference", "fast") and not isinstance(qa.scheme, NVFP4):
-            acc, grid = "exact", None         # an NVFP4 accumulation model; other formats take their exact rule
+        if not covers(acc, qa.scheme):
+            acc, grid = "exact", None         # a model of other formats: this format takes its exact rule
         return gemm(qa, qb, accumulate=acc, grid=grid)
     return _upcast_matmul(qa, qb, a_axis, b_axis)
 

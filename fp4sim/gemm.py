@@ -41,9 +41,22 @@ of 2^-20), with alpha applied last as above, ``y = fl(alpha · c)``:
 - ``"k64_rne"``: the same groups, added with nearest-even additions.
 - probes for other group widths: ``"k16_rtz"``, ``"k32_rtz"``, ``"k128_rtz"`` and the ``_rne`` forms.
 
-These models are NVFP4-only: the report measured NVFP4, and MXFP4's power-of-two scales span a range no
-integer lattice of fixed width holds, so fp4sim defines no MXFP4 hardware model (MXFP4 takes ``te_reference``
-and ``fast``). A block scale that is NaN makes every output it touches NaN, as in the reference.
+These models are NVFP4-only (the report measured NVFP4). A block scale that is NaN makes every output it
+touches NaN, as in the reference.
+
+Tensor-core models (:mod:`fp4sim.tensorcore`: published, hardware-validated models of the instructions):
+
+- ``"tcgen05"``: Blackwell's block-scaled ``tcgen05.mma`` as MMA-Sim models it, for NVFP4 (alpha applied last,
+  as above), MXFP4 and MXFP8 (E4M3 and E5M2 may be mixed): the instructions in physical K order through the
+  float32 accumulator. A second published model of the chip that makes NVFP4's ``k64_rtz``; the two disagree on
+  operands whose block scales spread over many binades.
+- ``"hopper"`` (cuBLAS's slow accumulation: the chain restarts every 128 K elements, the restarts added in
+  float32), ``"hopper_fast_accum"`` (one chain over K), ``"ada"``, ``"ada_fast_accum"``, ``"b200_mma"`` (one
+  chain) and ``"ampere"`` (BF16 only), for FP8 per-tensor operands (E4M3 and E5M2 may be mixed; then
+  ``RN32(acc · fl(s_a · s_b))``), FP8 blockwise operands (each 128-element block's chain from +0, promoted to
+  float32 and scaled as the exact rule does: DeepSeek-V3's promotion) and BF16 operands (one chain over K; the
+  ``_fast_accum`` names are FP8 settings and are refused). A model given operands of a format it does not
+  cover raises ValueError; in emulated training (``Recipe(accumulate=...)``) those GEMMs take their exact rule.
 
 ``accumulate="fast"`` dequantizes both
 operands and does one float32 BLAS matmul: faster, but it rounds differently (the scales are folded into the
@@ -61,7 +74,7 @@ from .planning import POW2_DEC
 from .qtensor import QuantizedTensor
 from .schemes import MX, NVFP4, NVFP4UE5M3, BF16Cast, FP8Blockwise, FP8Tensor
 
-__all__ = ["gemm", "MODELS", "model_names"]
+__all__ = ["gemm", "MODELS", "model_names", "covers"]
 
 f32 = np.float32
 NVFP4_ALPHA_DIV = f32(6.0 * 6.0 * 448.0 * 448.0)
@@ -120,8 +133,34 @@ def _block_scales(q, xp):
 
 
 GROUPS = (16, 32, 64, 128)
-MODELS = ("te_reference", "exact_sum", "k64_rtz", "k64_rne") + tuple(
+NVFP4_MODELS = ("exact_sum", "k64_rtz", "k64_rne") + tuple(
     f"k{g}_{r}" for g in GROUPS if g != 64 for r in ("rtz", "rne"))
+# the tensor-core models of fp4sim.tensorcore: FP8 (per-tensor and blockwise) and BF16 operands
+TENSOR_CORE = ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200_mma", "ampere")
+MODELS = ("te_reference",) + NVFP4_MODELS + ("tcgen05",) + TENSOR_CORE
+_TC_KINDS = ("fp8_e4m3", "fp8_e5m2", "fp8_blockwise", "bf16")
+_TCGEN05_KINDS = ("nvfp4", "mxfp4", "mx_e4m3", "mx_e5m2")
+
+
+def covers(accumulate: str, scheme) -> bool:
+    """Whether the accumulation model ``accumulate`` applies to operands of ``scheme`` (else a GEMM of that format
+    takes its exact rule, as emulated training does)."""
+    model = ALIASES.get(accumulate, accumulate)
+    if model in ("te_reference", "fast"):
+        return True
+    try:
+        kind = _kind(scheme)
+    except (TypeError, ValueError):
+        return False
+    if model in NVFP4_MODELS:
+        return kind == "nvfp4"
+    if model == "tcgen05":
+        return kind in _TCGEN05_KINDS
+    if model in TENSOR_CORE:
+        from .tensorcore import get_model
+        fam = "bf16" if kind == "bf16" else "fp8"
+        return kind in _TC_KINDS and fam in get_model(model.replace("_fast_accum", "")).steps
+    return False
 ALIASES = {"exact": "te_reference"}
 _E2M1_HALF = np.round(np.asarray(E2M1.values, np.float64) * 2).astype(np.int8)      # twice the E2M1 values
 _E4M3_512 = np.asarray(E4M3.values, np.float64) * 512                               # 512 x the E4M3 values
@@ -167,6 +206,9 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
     qa, qb = _check(qa, "qa"), _check(qb, "qb")
     model, grid = parse_accumulate(accumulate, grid)
     ka, kb = _kind(qa.scheme), _kind(qb.scheme)
+    if ((model in TENSOR_CORE and {ka, kb} <= {"fp8_e4m3", "fp8_e5m2"})
+            or (model == "tcgen05" and {ka, kb} <= {"mx_e4m3", "mx_e5m2"})):   # tensor cores mix E4M3 and E5M2
+        kb = ka
     if ka != kb:
         raise ValueError(f"qa is {qa.scheme.name} and qb is {qb.scheme.name}: a block-scaled GEMM takes two operands "
                          "of the same format (quantize both with one scheme family)")
@@ -174,6 +216,8 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
         raise ValueError(f"the dot-product lengths differ: qa has K={qa.K} (axis {qa.axis} of {qa.shape}), qb has "
                          f"K={qb.K} (axis {qb.axis} of {qb.shape})")
     xp = xp_of(qa.codes, qb.codes)
+    if model == "tcgen05" or model in TENSOR_CORE:
+        return _tensor_core(qa, qb, model, ka, xp)
     if model not in ("te_reference", "fast"):
         if ka != "nvfp4":
             raise ValueError(f"accumulate={accumulate!r} is an NVFP4 accumulation model; {qa.scheme.name} operands "
@@ -190,6 +234,56 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
         y = _e2m1_exact_cpu(qa, qb, 16 if ka == "nvfp4" else 32)
         return _nvfp4_alpha(qa, qb, xp) * y if ka == "nvfp4" else y
     return _blockwise(qa, qb, ka, xp)
+
+
+def _tensor_core(qa, qb, model, kind, xp):
+    """The hardware models of fp4sim.tensorcore (its docstring): ``tcgen05`` for NVFP4 / MXFP4 / MXFP8, the chip
+    models for FP8 (per-tensor: cuBLAS's K walk then RN32(acc · fl(s_a · s_b)); blockwise: each 128-element
+    block's chain from +0 promoted to float32 as the exact rule does) and BF16 (one chain over K)."""
+    from . import tensorcore as tc
+    if xp is not np:
+        raise ValueError(f"accumulate={model!r} runs on the CPU: pass NumPy operands (cupy.asnumpy / .get())")
+    if model == "tcgen05":
+        if kind not in _TCGEN05_KINDS:
+            raise ValueError(f"accumulate='tcgen05' models Blackwell's block-scaled instructions: NVFP4, MXFP4 and "
+                             f"MXFP8 operands, not {qa.scheme.name}")
+        va, vb = _values(qa, np), _values(qb, np)
+        sa, sb = _block_scales(qa, np), _block_scales(qb, np)
+        if kind == "nvfp4":
+            c = tc.tcgen05_fp4(va, sa, vb, sb, 16, "ue4m3")
+            with np.errstate(over="ignore", invalid="ignore"):
+                return _nvfp4_alpha(qa, qb, np) * c
+        if kind == "mxfp4":
+            return tc.tcgen05_fp4(va, sa, vb, sb, 32, "ue8m0")
+        return tc.tcgen05_fp8(va, qa.scheme.elem.name, sa, vb, qb.scheme.elem.name, sb)
+    name = model.replace("_fast_accum", "")
+    if kind not in _TC_KINDS or not covers(model, qa.scheme):
+        have = "FP8 and BF16" if "fp8" in tc.get_model(name).steps else "BF16"
+        raise ValueError(f"accumulate={model!r} models {tc.get_model(name).chip}'s tensor cores for {have} "
+                         f"operands, not {qa.scheme.name} (NVFP4 takes 'te_reference', 'k64_rtz' or 'tcgen05')")
+    va, vb = _values(qa, np), _values(qb, np)
+    if kind == "bf16":
+        if model.endswith("_fast_accum"):
+            raise ValueError(f"accumulate={model!r}: fast accumulation is an FP8 setting; BF16 GEMMs chain "
+                             f"through the whole K: use {name!r}")
+        return tc.accumulate(va, vb, "bf16", "bf16", name, "bf16", fast=True)
+    fa, fb = qa.scheme.elem.name, qb.scheme.elem.name
+    if kind == "fp8_blockwise":
+        step = tc.get_model(name).step("fp8")
+        Kp = -(-qa.K // 128) * 128
+        va, vb = _pad(va, Kp, np), _pad(vb, Kp, np)
+        sa, sb = _block_scales(qa, np), _block_scales(qb, np)
+        y = np.zeros((va.shape[0], vb.shape[0]), np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for j in range(Kp // 128):
+                part = tc.chain(va[:, j * 128:(j + 1) * 128], vb[:, j * 128:(j + 1) * 128], fa, fb, step)
+                y += (sa[:, j, None] * sb[None, :, j]) * part
+        return y
+    fast = model.endswith("_fast_accum") or tc.get_model(name).slow_chunk is None     # b200_mma: one chain
+    acc = tc.accumulate(va, vb, fa, fb, name, "fp8", fast=fast)
+    sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (acc.astype(np.float64) * np.float64(sab) + 0.0).astype(np.float32)
 
 
 def _lattice(q, xp):

@@ -183,9 +183,12 @@ class Recipe:
         re-quantized along the tokens (Fig. 14's "same dim" case for 1x16 activations); needs a Wgrad GEMM
         without an RHT (the Fprop copy is not rotated).
     accumulate : the GEMMs' accumulation model, any name :func:`fp4sim.gemm` takes: ``"exact"`` / ``"te_reference"``
-        (TE's reference rule), ``"fast"`` (dequantize + BLAS), or an NVFP4 model such as ``"k64_rtz"`` (the native
-        Blackwell model) — those apply to the NVFP4 x NVFP4 GEMMs; every other GEMM of the run (BF16 kept layers,
-        MX, FP8) then uses its exact rule.
+        (TE's reference rule), ``"fast"`` (dequantize + BLAS), an NVFP4 model such as ``"k64_rtz"`` (the native
+        Blackwell model, fitted through TE), ``"tcgen05"`` (MMA-Sim's Blackwell instructions: NVFP4, MXFP4, MXFP8)
+        or a chip's tensor-core model (``"hopper"``, ``"hopper_fast_accum"``, ``"ada"``, ``"ampere"``,
+        ``"b200_mma"``: FP8 and BF16 GEMMs as that chip computes them, so the FP8 and BF16 baselines train as
+        Hopper does) — each applies to the GEMMs of the formats it models; every other GEMM of the run then uses
+        its exact rule.
     accumulate_grid : ``grid`` of the kG models (None, or 1024: the accumulator rounded to multiples of 1/1024).
     backward_override : TransformerEngine's switch of the same name. None (default): the backward GEMMs quantize
         their operands as the recipe says. ``"high_precision"``: Dgrad and Wgrad run on the original x, W and dy in

@@ -292,3 +292,210 @@ def test_shape_and_format_refusals():
         tc.scaled_mm(a, w.t(), SA, SB, out_dtype=E5)
     with pytest.raises(TypeError, match="scaled_mm takes FP8 operands"):
         tc.scaled_mm(a.float(), w.t(), SA, SB)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MMA-Sim: the instructions (tcgen05 block-scaled, wgmma, mma)
+def _mmasim(cls, arch, shape_and_type):
+    from mmasim.nv_ptx import sim
+    return getattr(sim, cls)(arch, shape_and_type)
+
+
+def _spread_nvfp4(rng, rows, K):
+    """An NVFP4 operand whose block scales spread over many binades (codes and the scale bytes)."""
+    import fp4sim as fs
+    x = rng.standard_normal((rows, K)) * np.exp2(rng.integers(-10, 6, (rows, K // 16))).repeat(16, 1)
+    return fs.quantize(x.astype(np.float32), "nvfp4")
+
+
+def _sim_fp4_chain(op, va, vb, sa_codes, sb_codes, dt):
+    t = torch.from_numpy
+    return op(t(va).half(), t(np.ascontiguousarray(vb.T)).half(), torch.zeros(va.shape[0], vb.shape[0]),
+              t(np.ascontiguousarray(sa_codes)).view(dt), t(np.ascontiguousarray(sb_codes.T)).view(dt)).numpy()
+
+
+def test_tcgen05_nvfp4_equals_mmasim():
+    import fp4sim as fs
+    from fp4sim.gemm import _nvfp4_alpha, _values
+    rng = np.random.default_rng(12)
+    qa, qb = _spread_nvfp4(rng, 24, 320), _spread_nvfp4(rng, 16, 320)       # 320: a ragged last instruction
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", "m128n8k64.kind::mxf4nvf4.block16.f32.e2m1.e2m1.ue4m3")
+    va, vb = _values(qa, np), _values(qb, np)
+    pad = lambda v, n: np.pad(v, ((0, 0), (0, n - v.shape[1])))             # noqa: E731
+    acc = _sim_fp4_chain(op, pad(va, 384), pad(vb, 384), pad(qa.scales_per_row(), 24),
+                         pad(qb.scales_per_row(), 24), torch.float8_e4m3fn)
+    want = (_nvfp4_alpha(qa, qb, np) * acc).astype(np.float32)
+    got = fs.gemm(qa, qb, accumulate="tcgen05")
+    assert got.tobytes() == want.tobytes()
+    # the two published models of the one chip are told apart by these operands
+    assert (got != fs.gemm(qa, qb, accumulate="k64_rtz")).any()
+
+
+def test_tcgen05_mxfp4_and_mxfp8_equal_mmasim():
+    import fp4sim as fs
+    from fp4sim.gemm import _values
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((16, 256)) * np.exp2(rng.integers(-20, 20, (16, 8))).repeat(32, 1)).astype(np.float32)
+    y = (rng.standard_normal((8, 256)) * np.exp2(rng.integers(-20, 20, (8, 8))).repeat(32, 1)).astype(np.float32)
+    qa, qb = fs.quantize(x, "mxfp4"), fs.quantize(y, "mxfp4")
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", "m128n8k64.kind::mxf4.block32.f32.e2m1.e2m1.ue8m0")
+    want = _sim_fp4_chain(op, _values(qa, np), _values(qb, np), qa.linear_scales(), qb.linear_scales(),
+                          torch.float8_e8m0fnu)
+    assert fs.gemm(qa, qb, accumulate="tcgen05").tobytes() == want.tobytes()
+    for sch_a, sch_b in (("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3")):
+        qa, qb = fs.quantize(x, sch_a), fs.quantize(y, sch_b)
+        fa, fb = qa.scheme.elem.name, qb.scheme.elem.name
+        op = _mmasim("TCGen05MMABlockScale", "Blackwell", f"m128n8k32.kind::mxf8f6f4.block32.f32.{fa}.{fb}.ue8m0")
+        A = torch.from_numpy(qa.codes.reshape(16, 256)).view(getattr(torch, f"float8_{fa}" + ("fn" if fa == "e4m3" else "")))
+        B = torch.from_numpy(np.ascontiguousarray(qb.codes.reshape(8, 256).T)).view(
+            getattr(torch, f"float8_{fb}" + ("fn" if fb == "e4m3" else "")))
+        sa, sb = qa.linear_scales(), qb.linear_scales()
+        C = torch.zeros(16, 8)
+        for k in range(8):                                  # one K32 instruction per scale block
+            C = op(A[:, 32 * k:32 * k + 32], B[32 * k:32 * k + 32], C,
+                   torch.from_numpy(np.ascontiguousarray(sa[:, k:k + 1])).view(torch.float8_e8m0fnu),
+                   torch.from_numpy(np.ascontiguousarray(sb[:, k:k + 1].T)).view(torch.float8_e8m0fnu))
+        assert fs.gemm(qa, qb, accumulate="tcgen05").tobytes() == C.numpy().tobytes(), (sch_a, sch_b)
+
+
+@pytest.mark.parametrize("model,cls,arch,shapes", [
+    ("hopper", "WGMMA", "Hopper", {"bf16": "m64n8k16.f32.bf16.bf16", "fp16": "m64n8k16.f32.f16.f16",
+                                   "tf32": "m64n8k8.f32.tf32.tf32", "e4m3": "m64n8k32.f32.e4m3.e5m2"}),
+    ("ampere", "MMA", "Ampere", {"bf16": "m16n8k16.f32.bf16.bf16.f32", "fp16": "m16n8k16.f32.f16.f16.f32",
+                                 "tf32": "m16n8k8.f32.tf32.tf32.f32"}),
+    ("ada", "MMA", "Ada Lovelace", {"bf16": "m16n8k16.f32.bf16.bf16.f32", "tf32": "m16n8k8.f32.tf32.tf32.f32",
+                                    "e4m3": "m16n8k32.f32.e4m3.e5m2.f32"}),
+])
+def test_chip_models_equal_mmasim_instructions(model, cls, arch, shapes):
+    """fp4sim's chip models, fed the same operands, equal MMA-Sim's wgmma / mma models (chains over K = 256)."""
+    rng = np.random.default_rng(14)
+    for fmt, st in shapes.items():
+        op = _mmasim(cls, arch, st)
+        fb = "e5m2" if fmt == "e4m3" else fmt
+        x = rng.standard_normal((8, 256)) * np.exp2(rng.integers(-12, 12, (8, 256)))
+        w = rng.standard_normal((8, 256)) * np.exp2(rng.integers(-12, 12, (8, 256)))
+        tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "e4m3": E4, "e5m2": E5}
+        A, B = torch.from_numpy(x.astype(np.float32)).to(tdt[fmt]), torch.from_numpy(w.astype(np.float32)).to(tdt[fb])
+        if fmt == "tf32":
+            A = (A.view(torch.int32) >> 13 << 13).view(torch.float32)
+            B = (B.view(torch.int32) >> 13 << 13).view(torch.float32)
+        c = torch.from_numpy((rng.standard_normal((8, 8)) * 4).astype(np.float32))
+        want = op(A, B.t().contiguous(), c).numpy()
+        step = tc.get_model(model).step(FAMILY.get(fmt, fmt))
+        got = tc.chain(A.float().numpy(), B.float().numpy(), fmt, fb, step, C=c.numpy())
+        assert got.tobytes() == want.tobytes(), (model, fmt)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fs.gemm and training with the hardware models
+def test_gemm_fp8_per_tensor_equals_scaled_mm_and_mmaemu():
+    import fp4sim as fs
+    rng = np.random.default_rng(15)
+    x = (rng.standard_normal((16, 512)) * 3).astype(np.float32)
+    w = (rng.standard_normal((32, 512)) * 0.02).astype(np.float32)
+    qa, qb = fs.quantize(x, "fp8_e4m3"), fs.quantize(w, "fp8_e5m2")
+    A = torch.from_numpy(qa.codes.reshape(16, 512)).view(E4)
+    B = torch.from_numpy(qb.codes.reshape(32, 512)).view(E5)
+    sa = torch.tensor(np.float32(qa.scales.reshape(-1)[0]))
+    sb = torch.tensor(np.float32(qb.scales.reshape(-1)[0]))
+    for acc, fast in (("hopper", False), ("hopper_fast_accum", True), ("ada", False), ("ada_fast_accum", True)):
+        want = _mmaemu(A, B.t(), sa, sb, out_dtype=torch.float32, use_fast_accum=fast, profile=acc.split("_")[0],
+                       splitk=1).numpy()
+        assert fs.gemm(qa, qb, accumulate=acc).tobytes() == want.tobytes(), acc
+
+
+def test_gemm_fp8_blockwise_promotes_each_block():
+    """DeepSeek-V3's promotion: each 128-element block's chain from +0, scaled and added in float32."""
+    import fp4sim as fs
+    from fp4sim.gemm import _block_scales
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((8, 384)) * np.exp2(rng.integers(-4, 4, (8, 3))).repeat(128, 1)).astype(np.float32)
+    w = rng.standard_normal((16, 384)).astype(np.float32)
+    qa, qb = fs.quantize(x, "fp8_blockwise"), fs.quantize(w, fs.get_scheme("fp8_blockwise", block=(128, 128)))
+    A = torch.from_numpy(qa.codes.reshape(8, 384)).view(E4)
+    B = torch.from_numpy(qb.codes.reshape(16, 384)).view(E4)
+    sa, sb = _block_scales(qa, np), _block_scales(qb, np)
+    one = torch.tensor(1.0)
+    want = np.zeros((8, 16), np.float32)
+    for j in range(3):
+        part = _mmaemu(A[:, 128 * j:128 * j + 128].contiguous(), B[:, 128 * j:128 * j + 128].contiguous().t(), one,
+                       one, out_dtype=torch.float32, use_fast_accum=True, profile="hopper", splitk=1).numpy()
+        want += (sa[:, j, None] * sb[None, :, j]) * part
+    assert fs.gemm(qa, qb, accumulate="hopper").tobytes() == want.tobytes()
+
+
+def test_training_step_under_hopper_accumulation():
+    """Recipe(accumulate='hopper'): the FP8 GEMMs of fp8_blockwise and the BF16 kept layers run Hopper's models."""
+    from fp4sim.emulate import fprop
+    from fp4sim.training import Recipe
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((32, 256)).astype(np.float32)
+    w = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
+    import fp4sim as fs
+    for preset in ("fp8_blockwise", "bf16"):
+        y_hw, qw, qx = fprop(x, w, Recipe.preset(preset, accumulate="hopper"), return_qx=True)
+        y_ex, _ = fprop(x, w, Recipe.preset(preset))
+        assert y_hw.tobytes() == fs.gemm(qx, qw, accumulate="hopper").tobytes()
+        assert y_ex.tobytes() == fs.gemm(qx, qw).tobytes()
+        assert not np.array_equal(y_hw, y_ex)
+
+
+def test_gemm_refuses_models_of_other_formats():
+    import fp4sim as fs
+    x = np.ones((4, 64), np.float32)
+    with pytest.raises(ValueError, match="accumulate='hopper' models H100 / H200"):
+        fs.gemm(fs.quantize(x, "nvfp4"), fs.quantize(x, "nvfp4"), accumulate="hopper")
+    with pytest.raises(ValueError, match="accumulate='tcgen05' models Blackwell's block-scaled"):
+        fs.gemm(fs.quantize(x, "bf16"), fs.quantize(x, "bf16"), accumulate="tcgen05")
+    with pytest.raises(ValueError, match="fast accumulation is an FP8 setting"):
+        fs.gemm(fs.quantize(x, "bf16"), fs.quantize(x, "bf16"), accumulate="hopper_fast_accum")
+
+
+def test_tcgen05_corner_cases_equal_mmasim():
+    """All-zero groups under a large scale (exponent -139, not the scale's), groups whose products cancel (they
+    keep their scales' exponent), and accumulators in float32's subnormal range (their exponent read as -126),
+    from tiny UE8M0 scales."""
+    rng = np.random.default_rng(18)
+    E2 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    M, N, K = 8, 8, 256
+    va, vb = E2[rng.integers(0, 16, (M, K))], E2[rng.integers(0, 16, (N, K))]
+    va[:, 0:16] = 0                                           # group 0: all products zero ...
+    va[:, 16:32] = 1.0                                        # group 1: products that cancel exactly
+    vb[:, 16:32] = np.tile([1.0, -1.0], 8)
+    # NVFP4: the zero and the cancelling groups carry the largest scales
+    ca = rng.integers(0x01, 0x10, (M, K // 16)).astype(np.uint8)        # subnormal and small scales ...
+    cb = rng.integers(0x01, 0x10, (N, K // 16)).astype(np.uint8)
+    ca[:, 0] = cb[:, 0] = 0x7E                                             # ... under 448 (zero group)
+    ca[:, 1] = cb[:, 1] = 0x60                                             # ... and 32 (cancelling group)
+    dec = lambda c: c.view(ml_dtypes.float8_e4m3fn).astype(np.float32)      # noqa: E731
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", "m128n8k64.kind::mxf4nvf4.block16.f32.e2m1.e2m1.ue4m3")
+    want = _sim_fp4_chain(op, va, vb, ca, cb, torch.float8_e4m3fn)
+    assert tc.tcgen05_fp4(va, dec(ca), vb, dec(cb), 16, "ue4m3").tobytes() == want.tobytes()
+    # MXFP4: the first blocks' scales (2^-68 each side) leave a subnormal accumulator near 2^-132, the later
+    # blocks' (2^-82) add terms near 2^-164 that only an accumulator read at exponent -126 truncates away
+    ea = np.full((M, K // 32), 127 - 82, np.uint8)
+    eb = np.full((N, K // 32), 127 - 82, np.uint8)
+    ea[:, :2] = eb[:, :2] = 127 - 68
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", "m128n8k64.kind::mxf4.block32.f32.e2m1.e2m1.ue8m0")
+    want = _sim_fp4_chain(op, va, vb, ea, eb, torch.float8_e8m0fnu)
+    got = tc.tcgen05_fp4(va, np.exp2(ea - 127.0), vb, np.exp2(eb - 127.0), 32, "ue8m0")
+    assert got.tobytes() == want.tobytes()
+    assert ((np.abs(got) < 2.0 ** -126) & (got != 0)).mean() > 0.5
+    ea = rng.integers(50, 62, (M, K // 32)).astype(np.uint8)
+    eb = rng.integers(50, 62, (N, K // 32)).astype(np.uint8)
+    # MXFP8 the same way
+    xa = (rng.standard_normal((M, K)) * 4).astype(ml_dtypes.float8_e4m3fn)
+    xb = (rng.standard_normal((N, K)) * 4).astype(ml_dtypes.float8_e4m3fn)
+    ea[:, 0] = eb[:, 0] = 55
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", "m128n8k32.kind::mxf8f6f4.block32.f32.e4m3.e4m3.ue8m0")
+    A = torch.from_numpy(xa.view(np.uint8)).view(E4)
+    B = torch.from_numpy(np.ascontiguousarray(xb.view(np.uint8).T)).view(E4)
+    C = torch.zeros(M, N)
+    for k in range(K // 32):
+        C = op(A[:, 32 * k:32 * k + 32], B[32 * k:32 * k + 32], C,
+               torch.from_numpy(np.ascontiguousarray(ea[:, k:k + 1])).view(torch.float8_e8m0fnu),
+               torch.from_numpy(np.ascontiguousarray(eb[:, k:k + 1].T)).view(torch.float8_e8m0fnu))
+    got = tc.tcgen05_fp8(xa.astype(np.float32), "e4m3", np.exp2(ea - 127.0), xb.astype(np.float32), "e4m3",
+                         np.exp2(eb - 127.0))
+    assert got.tobytes() == C.numpy().tobytes()
+    assert (np.abs(got) < 2.0 ** -126).mean() > 0.5

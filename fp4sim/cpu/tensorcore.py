@@ -24,13 +24,13 @@ import math
 import numba as nb
 import numpy as np
 
-__all__ = ["chain", "ZERO_EXP"]
+__all__ = ["chain", "group_chain", "ZERO_EXP"]
 
 ZERO_EXP = -(1 << 20)          # the exponent given to a zero input: below every min_exp, even summed
 
 
 @nb.njit(parallel=True, cache=True)
-def _chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, C, out):
+def _chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, c_emin, C, out):
     M = A.shape[0]
     N = B.shape[0]
     L = idx.shape[0]
@@ -48,7 +48,7 @@ def _chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, C, out):
                         if ep > E:
                             E = ep
                 if not late and c != 0.0:
-                    ec = math.frexp(c)[1] - 1
+                    ec = max(math.frexp(c)[1] - 1, c_emin)
                     if ec > E:
                         E = ec
                 sc = math.ldexp(1.0, frac - E)
@@ -72,15 +72,77 @@ def _chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, C, out):
             out[i, j] = np.float32(c)
 
 
-def chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, C=None):
+def chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, c_emin=ZERO_EXP, C=None):
     """float32 (M, N): the chain over the K indices ``idx`` (int64, length a multiple of ``nfma``, -1 a zero
-    element) of A (M, K) and B (N, K) float32 values with their int32 exponents EA, EB, starting from ``C``
-    (float32 (M, N); None: +0)."""
+    element) of A (M, K) and B (N, K) float32 (or float64) values with their int32 exponents EA, EB, starting from
+    ``C`` (float32 (M, N); None: +0); the addend's exponent is clamped below at ``c_emin``."""
     M, N = A.shape[0], B.shape[0]
     out = np.empty((M, N), np.float32)
     if C is None:
         C = np.zeros((M, N), np.float32)
     if M and N:
         _chain(A, EA, B, EB, np.ascontiguousarray(idx, dtype=np.int64), int(nfma), int(frac), int(frac_out),
-               int(min_exp), bool(late), np.ascontiguousarray(C, dtype=np.float32), out)
+               int(min_exp), bool(late), int(c_emin), np.ascontiguousarray(C, dtype=np.float32), out)
+    return out
+
+
+@nb.njit(parallel=True, cache=True)
+def _group_chain(A, B, SA, SB, ESA, ESB, L, G, bs, F, e_zero, out):
+    M, K = A.shape
+    N = B.shape[0]
+    ng = L // G
+    for i in nb.prange(M):
+        v = np.empty(ng, np.float64)
+        e = np.empty(ng, np.int64)
+        for j in range(N):
+            c = 0.0
+            for k0 in range(0, K, L):
+                if not math.isfinite(c):                  # an infinite or NaN accumulator stays so
+                    break
+                emax = e_zero
+                if c != 0.0:
+                    ec = math.frexp(c)[1] - 1
+                    emax = max(emax, max(ec, -126))
+                for g in range(ng):
+                    p = 0.0
+                    nz = False
+                    for k in range(k0 + g * G, k0 + (g + 1) * G):
+                        q = np.float64(A[i, k]) * np.float64(B[j, k])
+                        p += q
+                        nz = nz or q != 0.0
+                    b = (k0 + g * G) // bs
+                    s = SA[i, b] * SB[j, b]
+                    v[g] = p * s
+                    e[g] = ESA[i, b] + ESB[j, b] if (nz and s != 0.0) else e_zero
+                    if e[g] > emax:
+                        emax = e[g]
+                sc = math.ldexp(1.0, F - emax)
+                acc = 0.0
+                for g in range(ng):
+                    acc += np.trunc(v[g] * sc)
+                acc += np.trunc(c * sc)
+                d = acc * math.ldexp(1.0, emax - F)
+                if d != 0.0 and math.isfinite(d):
+                    ed = max(math.frexp(d)[1] - 1, -126)
+                    d = np.trunc(d * math.ldexp(1.0, 23 - ed)) * math.ldexp(1.0, ed - 23)
+                c = np.float64(np.float32(d)) + 0.0
+            out[i, j] = np.float32(c)
+
+
+def group_chain(A, B, SA, SB, ESA, ESB, L, G, bs, F, e_zero):
+    """float32 (M, N): Blackwell's block-scaled instruction chain (MMA-Sim's model of tcgen05.mma
+    kind::mxf4nvf4): per instruction of ``L`` elements, the exact sum of each group of ``G`` products times its
+    two block scales (``bs`` elements per scale), aligned with the accumulator to the largest scale exponent
+    (a group whose products are all zero, or whose scale is zero, counts as ``e_zero``; the accumulator's
+    exponent is clamped below at -126), each term truncated to ``F`` fraction bits, the sum truncated to a
+    float32 (23 bits below its exponent, at least -126) that is the next instruction's addend. A, B: (M, K),
+    (N, K) float32 element values (K a multiple of L); SA, SB: float64 scale values (M, K/bs), (N, K/bs); ESA,
+    ESB: int32 the scales' exponents (clamped below at their format's smallest normal exponent)."""
+    M, N = A.shape[0], B.shape[0]
+    out = np.empty((M, N), np.float32)
+    if M and N:
+        _group_chain(np.ascontiguousarray(A, np.float32), np.ascontiguousarray(B, np.float32),
+                     np.ascontiguousarray(SA, np.float64), np.ascontiguousarray(SB, np.float64),
+                     np.ascontiguousarray(ESA, np.int64), np.ascontiguousarray(ESB, np.int64),
+                     int(L), int(G), int(bs), int(F), int(e_zero), out)
     return out

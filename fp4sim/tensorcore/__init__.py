@@ -14,8 +14,9 @@ The epilogue (``scaled_mm.epilogue``): alpha = RN32(scale_a · scale_b), y = RN3
 dtype. ``scaled_mm`` puts the three together with the arguments of ``torch._scaled_mm``.
 """
 from .accumulate import accumulate, chain, plan
+from .blockscaled import tcgen05_fp4, tcgen05_fp8
 from .models import MODELS, BlockFMA, TensorCoreModel, get_model
 from .scaled_mm import epilogue, scaled_mm
 
-__all__ = ["scaled_mm", "accumulate", "chain", "plan", "epilogue", "MODELS", "BlockFMA", "TensorCoreModel",
-           "get_model"]
+__all__ = ["scaled_mm", "accumulate", "chain", "plan", "epilogue", "tcgen05_fp4", "tcgen05_fp8", "MODELS",
+           "BlockFMA", "TensorCoreModel", "get_model"]

@@ -8,7 +8,7 @@ import numpy as np
 from ..cpu import tensorcore as _cpu
 from .models import BlockFMA, TensorCoreModel, get_model
 
-__all__ = ["EMIN", "chain", "plan", "accumulate", "exponents"]
+__all__ = ["EMIN", "chain", "chain_exp", "plan", "accumulate", "exponents"]
 
 EMIN = {"e4m3": -6, "e5m2": -14, "bf16": -126, "fp16": -14, "tf32": -126}
 _CANON_NAN32 = np.uint32(0x7FFFFFFF)
@@ -34,9 +34,18 @@ def chain(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, idx=None, C=None) -> np.
     B = np.ascontiguousarray(B, np.float32)
     if idx is None:
         idx = np.arange(A.shape[1], dtype=np.int64)
+    return chain_exp(A, exponents(A, fmt_a), B, exponents(B, fmt_b), step, idx, C)
+
+
+def chain_exp(A, EA, B, EB, step: BlockFMA, idx=None, C=None) -> np.ndarray:
+    """:func:`chain` with the inputs' exponents given (int32, as :func:`exponents` makes them): A and B may then
+    be float64 values whose exponents include a power-of-two block scale."""
+    if idx is None:
+        idx = np.arange(A.shape[1], dtype=np.int64)
     idx = _pad(np.asarray(idx, np.int64), step.nfma)
-    return _cpu.chain(A, exponents(A, fmt_a), B, exponents(B, fmt_b), idx, step.nfma, step.frac, step.frac_out,
-                      step.min_exp, step.late, C)
+    c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
+    return _cpu.chain(A, np.ascontiguousarray(EA, np.int32), B, np.ascontiguousarray(EB, np.int32), idx,
+                      step.nfma, step.frac, step.frac_out, step.min_exp, step.late, c_emin, C)
 
 
 def plan(K: int, model: TensorCoreModel, *, fast: bool, split_k=1) -> tuple:

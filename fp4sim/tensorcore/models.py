@@ -25,12 +25,14 @@ class BlockFMA:
     below the step's alignment exponent (the largest product exponent, and the addend's unless ``late``, clamped
     below at ``min_exp``); the exact sum truncated to ``frac_out`` fraction bits below its own exponent (at least
     -126); ``late``: the addend is not aligned with the products but added after them with a float32 nearest-even
-    addition."""
+    addition; ``c_emin``: the addend's exponent is clamped below at this value (MMA-Sim reads a subnormal addend
+    at exponent -126; None: its own exponent, as mmaemu)."""
     nfma: int
     frac: int
     frac_out: int
     min_exp: int
     late: bool = False
+    c_emin: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.nfma, int) and 1 <= self.nfma <= 64):
