@@ -91,17 +91,39 @@ def _setup(recipe: str, seed: int):
     return model, tok, opt, keep
 
 
+def _has_step0(path: Path) -> bool:
+    return path.is_file() and any(r["step"] == "0" for r in csv.DictReader(open(path)))
+
+
+def _write_log(path: Path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["step", "train_loss", "val_loss"])
+        w.writeheader()
+        w.writerows(rows)
+
+
 def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_every: int, quiet=False):
     """Train one run to ``steps`` (resuming from its checkpoint); its log rows."""
     import torch
     d = OUT / "runs" / f"{recipe}_s{seed}"
     d.mkdir(parents=True, exist_ok=True)
     done = d / "done.json"
-    if done.is_file() and json.loads(done.read_text())["steps"] >= steps:
+    finished = done.is_file() and json.loads(done.read_text())["steps"] >= steps
+    if finished and _has_step0(d / "log.csv"):
         return
     model, tok, opt, keep = _setup(recipe, seed)
     train, val = _data(tok, seq_len)
     vt = torch.from_numpy(val)
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            return float(np.mean([float(_loss(model, vt[i:i + 1])) for i in range(len(vt))]))
+
+    if finished:                 # a run logged before the step-0 row existed: the untrained model's loss added
+        rows = list(csv.DictReader(open(d / "log.csv")))
+        _write_log(d / "log.csv", [{"step": 0, "train_loss": None, "val_loss": evaluate()}] + rows)
+        return
     ck = d / "ckpt.pt"
     step, rows = 0, []
     if ck.is_file():
@@ -110,9 +132,11 @@ def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_e
         opt.load_state_dict(st["opt"])
         torch.set_rng_state(st["rng"])
         step, rows = st["step"], st["rows"]
+    if step == 0:
+        rows = [{"step": 0, "train_loss": None, "val_loss": evaluate()}]    # the converted, untrained model
     rng = np.random.default_rng(1000 + seed)
     starts = rng.integers(0, len(train) - seq_len - 1, (steps, batch))        # the whole run's batch order
-    t0 = time.time()
+    t0, step_at_start = time.time(), step
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = 2e-5 * min(1.0, (step + 1) / 10)
@@ -125,23 +149,18 @@ def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_e
         step += 1
         row = {"step": step, "train_loss": float(loss.detach()), "val_loss": None}
         if step % eval_every == 0 or step == steps:
-            model.eval()
-            with torch.no_grad():
-                row["val_loss"] = float(np.mean([float(_loss(model, vt[i:i + 1])) for i in range(len(vt))]))
+            row["val_loss"] = evaluate()
         rows.append(row)
         if not quiet:
             print(f"{recipe} s{seed} step {step}/{steps} loss {row['train_loss']:.4f}"
                   + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None else "")
-                  + f" ({(time.time() - t0) / max(1, len(rows)):.1f} s/step)", file=sys.stderr, flush=True)
+                  + f" ({(time.time() - t0) / (step - step_at_start):.1f} s/step)", file=sys.stderr, flush=True)
         if step % eval_every == 0 and step < steps:
             tmp = d / "ckpt.pt.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
                         "step": step, "rows": rows}, tmp)
             os.replace(tmp, ck)
-    with open(d / "log.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["step", "train_loss", "val_loss"])
-        w.writeheader()
-        w.writerows(rows)
+    _write_log(d / "log.csv", rows)
     done.write_text(json.dumps({"steps": steps, "recipe": recipe, "seed": seed, "kept_bf16": list(keep),
                                 "batch": batch, "seq_len": seq_len}))
     if ck.is_file():
