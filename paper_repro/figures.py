@@ -267,6 +267,12 @@ def fig1(out: Path, quick: bool = False) -> dict:
     return summary
 
 
+def fp8_accumulation(out: Path, quick: bool = False) -> dict:
+    """DeepSeek-V3's FP8 accumulation claim (paper_repro/fp8_accumulation.py)."""
+    from . import fp8_accumulation as fa
+    return fa.make(out, quick)
+
+
 def appb4(out: Path, quick: bool = False) -> dict:
     """MXFP4's lost binade. A 32-element block (real activation values rescaled so the amax is exactly 3.01):
     MXFP4's power-of-two scale puts amax/scale in (3, 6], so 3.01 decodes to 3 (and the codes for 4 and 6 go
@@ -371,6 +377,9 @@ FIGURES = {
                       "against sqrt(3), beside the excess loss over BF16", "own"),
     "accumulation": Figure("accumulation", "the final loss of NVFP4 D/N 10 runs under each GEMM accumulation model "
                            "(exact, exact_sum, k64_rtz, fast), paired by seed, against NVFP4's gap to BF16", "own"),
+    "fp8_accumulation": Figure("fp8_accumulation", "DeepSeek-V3's FP8 accumulation claim on the Hopper tensor-core "
+                                "model: relative error against K, fast accumulation vs promotion every 128",
+                                "none"),
     "teacher_formats": Figure("teacher_formats", "teacher-student regression (precision-limited): BF16, FP8, "
                               "MXFP8, MXFP4, NVFP4, NVFP4 + 4over6, paired by seed; gradient SNR", "own"),
     "teacher_recipe": Figure("teacher_recipe", "teacher-student regression: the NVFP4 recipe's parts (SR, RHT, 2D "
