@@ -499,3 +499,67 @@ def test_tcgen05_corner_cases_equal_mmasim():
                          np.exp2(eb - 127.0))
     assert got.tobytes() == C.numpy().tobytes()
     assert (np.abs(got) < 2.0 ** -126).mean() > 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validate: which model a kernel's FP8 GEMM output is
+@pytest.mark.parametrize("profile,fast,label", [("hopper", False, "hopper"), ("hopper", True, "hopper_fast_accum"),
+                                                 ("ada", False, "ada"), ("ada", True, "ada_fast_accum")])
+@pytest.mark.parametrize("od", [torch.float32, torch.bfloat16])
+def test_compare_scaled_mm_names_mmaemus_configuration(profile, fast, label, od):
+    from fp4sim.validate import compare_scaled_mm
+    rng = np.random.default_rng(19)
+    a, w = _operands(rng, 16, 1024, 32, "random")
+    out = _mmaemu(a, w.t(), SA, SB, out_dtype=od, use_fast_accum=fast, profile=profile, splitk=1)
+    rep = compare_scaled_mm(a, w.t(), SA, SB, out)
+    assert rep.best == label and rep.matches == [label], rep.summary()
+    assert rep.dtype == str(od).replace("torch.", "")
+
+
+def test_compare_scaled_mm_recognises_emulating_kernels():
+    from fp4sim.validate import compare_scaled_mm
+    rng = np.random.default_rng(20)
+    a, w = _operands(rng, 8, 512, 16, "random")
+    af, wf = a.float() * SA, w.float() * SB                     # the torchao-style route: decode, then matmul
+    seq = torch.zeros(8, 16)
+    for k in range(512):
+        seq = seq + af[:, k, None] * wf[None, :, k]
+    rep = compare_scaled_mm(a, w.t(), SA, SB, seq)
+    assert rep.best == "dequant_f32"
+    rep = compare_scaled_mm(a, w.t(), SA, SB, af @ wf.t())      # a BLAS: another summation order
+    assert rep.best is None and any("summation-order" in n for n in rep.notes), rep.summary()
+    exact = tc.scaled_mm(a, w.t(), SA, SB, out_dtype=torch.float32, model="exact")
+    assert compare_scaled_mm(a, w.t(), SA, SB, exact).best == "exact"
+    bad = exact.clone()
+    bad[3, 4] = bad[3, 4] * 1.5
+    rep = compare_scaled_mm(a, w.t(), SA, SB, bad)
+    assert rep.best is None and rep.closest == "exact" and rep.mismatches[0]["row"] == 3
+    assert not any("summation-order" in n for n in rep.notes)
+    with pytest.raises(ValueError, match=r"out has shape \(16, 8\)"):
+        compare_scaled_mm(a, w.t(), SA, SB, exact.t())
+    with pytest.raises(ValueError, match="candidates \\['tpu'\\]"):
+        compare_scaled_mm(a, w.t(), SA, SB, exact, candidates=["tpu"])
+
+
+def test_validate_gemm_cli_takes_fp8_operands(tmp_path):
+    import subprocess
+    import sys
+    rng = np.random.default_rng(21)
+    a, w = _operands(rng, 8, 512, 16, "random", E4, E5)
+    out = _mmaemu(a, w.t(), SA, SB, out_dtype=torch.bfloat16, use_fast_accum=True, profile="hopper", splitk=1)
+    np.save(tmp_path / "a.npy", a.view(torch.uint8).numpy())
+    np.save(tmp_path / "w.npy", w.view(torch.uint8).numpy())
+    np.save(tmp_path / "out.npy", out.view(torch.int16).numpy().view(np.uint16))
+    args = [sys.executable, "-m", "fp4sim.validate", "gemm", "--a-fp8", str(tmp_path / "a.npy"), "--a-format", "e4m3",
+            "--b-fp8", str(tmp_path / "w.npy"), "--b-format", "e5m2", "--a-scale", repr(float(SA)),
+            "--b-scale", repr(float(SB)),
+            "--out", str(tmp_path / "out.npy"), "--out-dtype", "bfloat16", "--json", str(tmp_path / "r.json")]
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MATCHES hopper_fast_accum" in r.stdout
+    r = subprocess.run(args + ["--expect", "hopper"], capture_output=True, text=True)
+    assert r.returncode == 1
+    r = subprocess.run(args[:8] + args[10:], capture_output=True, text=True)        # no --b-fp8
+    assert r.returncode == 2 and "needs both --a-fp8 and --b-fp8" in r.stderr
+    r = subprocess.run([a_ for a_ in args if a_ not in ("--a-format", "e4m3")], capture_output=True, text=True)
+    assert r.returncode == 2 and "name their format with --a-format" in r.stderr

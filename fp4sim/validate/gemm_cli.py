@@ -11,8 +11,10 @@ from ..arrays_io import check_writable, load_array, number_or_array
 GEMM_DOC = """python -m fp4sim.validate gemm: which accumulation model reproduces a GEMM kernel's output, y = A . B^T.
 
 The operands, either as the kernel's quantized inputs (NVFP4: --a-codes, --a-scales, --a-amax and the same for
-B) or as high-precision inputs that fp4sim quantizes (--a, --b, --scheme); --out the kernel's output (M, N),
-float32 or bfloat16. Or --witnesses DIR --outputs DIR: every witness written by gemm-witnesses against the
+B; FP8 with per-tensor scales, as torch._scaled_mm takes them: --a-fp8, --a-format, --a-scale and the same for
+B, and the tensor-core models of fp4sim.tensorcore as candidates) or as high-precision inputs that fp4sim
+quantizes (--a, --b, --scheme); --out the kernel's output (M, N), float32 or bfloat16 (FP8 GEMMs also float16,
+float8_e4m3fn, float8_e5m2). Or --witnesses DIR --outputs DIR: every witness written by gemm-witnesses against the
 device's outputs, and the models consistent with all of them.
 
 Exit status: 0 a model reproduces every output element bit for bit (with --expect: that model does), 1 none
@@ -54,13 +56,20 @@ def gemm_main(argv) -> int:
         ap.add_argument(f"--{side}-block", help=f"{S}'s NVFP4 block, 1x16 (default) or 16x16")
         ap.add_argument(f"--{side}", help=f"instead of the codes: {S}'s high-precision input (rows, K), which fp4sim "
                                           "quantizes along K with --scheme")
+        ap.add_argument(f"--{side}-fp8", help=f"an FP8 GEMM: {S}'s FP8 bytes, (rows, K) uint8 (B as its N rows of K, "
+                                              "i.e. w, not w.t()), with --{side}-format")
+        ap.add_argument(f"--{side}-format", choices=["e4m3", "e5m2"], help=f"with --{side}-fp8: the bytes' format")
+        ap.add_argument(f"--{side}-scale", help=f"with --{side}-fp8: {S}'s float32 per-tensor decode scale (a number "
+                                                "or a one-element file)")
     ap.add_argument("--k", type=int, help="the dot-product length K (default: twice the codes' width)")
     ap.add_argument("--scheme", default="nvfp4", help="with --a / --b: the scheme both are quantized with")
     ap.add_argument("--scale-layout", default="linear", choices=["linear", "swizzled"])
     ap.add_argument("--out", help="the kernel's output (M, N)")
-    ap.add_argument("--out-dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--out-dtype", default="float32",
+                    choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
                     help="bfloat16: the output file holds bfloat16 bits as uint16 (an ml_dtypes bfloat16 .npy is "
-                         "read as bfloat16 without it)")
+                         "read as bfloat16 without it); float16 and the FP8 dtypes: FP8 GEMMs only")
+    ap.add_argument("--split-k", help="FP8: the split the kernel used, S,scheme (e.g. 2,contiguous; default 1)")
     ap.add_argument("--models", help=f"comma-separated candidates (default: all of {', '.join(CANDIDATES)})")
     ap.add_argument("--expect", help="exit 0 only if this model reproduces the output")
     ap.add_argument("--witnesses", help="a folder written by gemm-witnesses (with --outputs)")
@@ -71,7 +80,7 @@ def gemm_main(argv) -> int:
     try:
         if a.json:
             check_writable(a.json, "--json")
-        if a.expect and a.expect not in CANDIDATES:
+        if a.expect and a.expect not in CANDIDATES and not (a.a_fp8 or a.b_fp8):
             raise ValueError(f"--expect {a.expect!r}: one of {', '.join(CANDIDATES)}")
         if a.witnesses or a.outputs:
             if not (a.witnesses and a.outputs):
@@ -98,6 +107,10 @@ def gemm_main(argv) -> int:
         if not a.out:
             raise ValueError("--out (the kernel's output) is required, or --witnesses with --outputs")
         models = [m.strip() for m in a.models.split(",")] if a.models else None
+        if a.a_fp8 or a.b_fp8:
+            return _fp8_main(a, models)
+        if a.out_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--out-dtype {a.out_dtype}: NVFP4 GEMM outputs are float32 or bfloat16")
         if a.a or a.b:
             if not (a.a and a.b) or a.a_codes or a.b_codes:
                 raise ValueError("give both --a and --b (high-precision inputs), or the codes, scales and amax of both")
@@ -125,6 +138,57 @@ def gemm_main(argv) -> int:
         rep = compare_gemm(qa, qb, load_output(a.out, a.out_dtype), models=models, max_mismatches=a.max_mismatches)
     except (ValueError, TypeError, OSError) as e:
         return _fail(e)
+    print(rep.summary())
+    if a.json:
+        Path(a.json).write_text(rep.to_json() + "\n")
+    return 0 if (a.expect in rep.matches if a.expect else rep.ok) else 1
+
+
+def _fp8_operand(path, fmt, flag):
+    """An FP8 operand from a file: an ml_dtypes float8 array, or uint8 bytes with their format named."""
+    import ml_dtypes
+    import numpy as np
+    x = load_array(path)
+    if x.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+        if fmt and fmt != ("e4m3" if x.dtype == np.dtype(ml_dtypes.float8_e4m3fn) else "e5m2"):
+            raise ValueError(f"--{flag}-fp8 {path} holds {x.dtype} but --{flag}-format says {fmt}")
+        return x
+    if x.dtype != np.uint8:
+        raise ValueError(f"--{flag}-fp8 {path}: dtype {x.dtype}; give the FP8 bytes as uint8 (with --{flag}-format) "
+                         "or an ml_dtypes float8 array")
+    if not fmt:
+        raise ValueError(f"--{flag}-fp8 holds raw bytes: name their format with --{flag}-format e4m3 or e5m2")
+    return x.view(ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2)
+
+
+def _fp8_main(a, models) -> int:
+    import numpy as np
+
+    from .scaled_mm import SCALED_MM_CANDIDATES, compare_scaled_mm
+    if not (a.a_fp8 and a.b_fp8):
+        raise ValueError("an FP8 GEMM needs both --a-fp8 and --b-fp8")
+    missing = [f for f, v in (("--a-scale", a.a_scale), ("--b-scale", a.b_scale)) if v is None]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (the per-tensor decode scales)")
+    if a.expect and a.expect not in SCALED_MM_CANDIDATES:
+        raise ValueError(f"--expect {a.expect!r}: for an FP8 GEMM one of {', '.join(SCALED_MM_CANDIDATES)}")
+    A = _fp8_operand(a.a_fp8, a.a_format, "a")
+    B = _fp8_operand(a.b_fp8, a.b_format, "b")
+    sa = np.float32(number_or_array(a.a_scale, True, "--a-scale")).reshape(-1)
+    sb = np.float32(number_or_array(a.b_scale, True, "--b-scale")).reshape(-1)
+    if sa.size != 1 or sb.size != 1:
+        raise ValueError("--a-scale and --b-scale are one value each (per-tensor scales)")
+    split = 1
+    if a.split_k:
+        try:
+            S, scheme = a.split_k.split(",")
+            split = (int(S), scheme.strip())
+        except ValueError:
+            raise ValueError(f"--split-k {a.split_k!r}: write it as S,scheme, e.g. 2,contiguous") from None
+    from .gemm import load_output
+    o = load_array(a.out) if a.out_dtype not in ("float32", "bfloat16") else load_output(a.out, a.out_dtype)
+    rep = compare_scaled_mm(A, B.T, sa[0], sb[0], o, out_dtype=a.out_dtype, candidates=models, split_k=split,
+                            max_mismatches=a.max_mismatches)
     print(rep.summary())
     if a.json:
         Path(a.json).write_text(rep.to_json() + "\n")

@@ -1,0 +1,134 @@
+"""``compare_scaled_mm``: which tensor-core model reproduces an FP8 GEMM kernel's output (``torch._scaled_mm``,
+cuBLAS, TransformerEngine, a custom kernel), bit for bit.
+
+Candidates (the labels of ``.best`` / ``.matches``): ``"hopper"`` and ``"hopper_fast_accum"`` (cuBLAS's FP8
+GEMMs on H100 / H200: slow accumulation restarts the chain every 128 K elements, fast accumulation does not),
+``"ada"`` and ``"ada_fast_accum"`` (sm_89), ``"b200_mma"`` (B200's mma.sync, one chain), ``"exact"`` (fp4sim's
+exact rule: each 128-element block rounded once to float32) and ``"dequant_f32"`` (the emulation route: both
+operands decoded and scaled to float32, float32 products added in K order, as a kernel that dequantizes and calls
+a float32 matmul computes them — up to its summation order, which a BLAS chooses: an output that agrees with it
+only within float32 summation-order error is reported as such in the notes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..tensorcore.scaled_mm import _CANON_NAN, _FP8, _NP_OUT, _operand, _out_name, _scale, epilogue, scaled_mm
+from .gemm import GemmReport, _ordered, _same
+
+__all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES"]
+
+# label -> (model, use_fast_accum)
+SCALED_MM_CANDIDATES = {"hopper": ("hopper", False), "hopper_fast_accum": ("hopper", True),
+                        "ada": ("ada", False), "ada_fast_accum": ("ada", True), "b200_mma": ("b200_mma", True),
+                        "exact": ("exact", False), "dequant_f32": (None, None)}
+
+
+def _dequant_f32(A, Bt, sa, sb):
+    """float32 (M, N): fl(a · scale_a) and fl(b · scale_b) in float32, their float32 products added in K order."""
+    Af = (A * np.float32(sa)).astype(np.float32)
+    Bf = (Bt * np.float32(sb)).astype(np.float32)
+    acc = np.zeros((A.shape[0], Bt.shape[0]), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for k in range(A.shape[1]):
+            acc = acc + Af[:, k, None] * Bf[None, :, k]
+    return acc, Af, Bf
+
+
+def _to_out(y32, out):
+    """A float32 result in the output dtype: RNE, FP8 saturating, canonical NaN (cuBLAS's conversion)."""
+    return epilogue(y32, np.float32(1.0), np.float32(1.0), out)
+
+
+def _out_array(o, want_dtype):
+    """(the output as a NumPy array of its dtype, dtype name)."""
+    if type(o).__module__.startswith("torch"):
+        import torch
+        t = o.detach().cpu().contiguous()
+        name = str(t.dtype).replace("torch.", "")
+        if name not in _NP_OUT:
+            raise TypeError(f"out is a {name} tensor: give the kernel's output in its dtype (float32, bfloat16, "
+                            "float16, float8_e4m3fn or float8_e5m2)")
+        bits = t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]).numpy()
+        return bits.view(_NP_OUT[name]), name
+    o = np.asarray(o)
+    name = {np.dtype(v): k for k, v in _NP_OUT.items()}.get(o.dtype)
+    if name is None and want_dtype is not None and o.dtype.kind in "ui":
+        name = _out_name(want_dtype, None)                       # raw bits with the dtype named
+        o = o.view(_NP_OUT[name])
+    if name is None:
+        raise TypeError(f"out has dtype {o.dtype}: give the kernel's output in its dtype (float32, bfloat16, float16, "
+                        "float8_e4m3fn or float8_e5m2 as ml_dtypes arrays), or its bits with out_dtype=")
+    return o, name
+
+
+def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates=None, split_k=1,
+                      max_mismatches: int = 10) -> GemmReport:
+    """Which model reproduces ``out``, a kernel's ``a @ b · scale_a · scale_b`` of FP8 operands.
+
+    a: (M, K) FP8, b: (K, N) FP8 (``torch._scaled_mm``'s arguments: torch float8 tensors or ml_dtypes arrays);
+    scale_a, scale_b: the per-tensor float32 decode scales; out: the kernel's (M, N) output in its dtype (float32,
+    bfloat16, float16, float8_e4m3fn, float8_e5m2), or its raw bits with ``out_dtype`` naming the dtype.
+    candidates: labels of ``SCALED_MM_CANDIDATES`` to try (default: all); split_k: the split the kernel used, for
+    the models that know it (``fp4sim.tensorcore.scaled_mm``). Returns a GemmReport (``.best``: the first
+    candidate that reproduces every element, None if none does)."""
+    names = list(candidates or SCALED_MM_CANDIDATES)
+    bad = [n for n in names if n not in SCALED_MM_CANDIDATES]
+    if bad:
+        raise ValueError(f"candidates {bad}: choose from {', '.join(SCALED_MM_CANDIDATES)}")
+    A, fa, na, _ = _operand(a, "a")
+    Bk, fb, nb_, _ = _operand(b, "b")
+    o, dname = _out_array(out, out_dtype)
+    M, N = A.shape[0], Bk.shape[1] if Bk.ndim == 2 else 0
+    if o.shape != (M, N):
+        raise ValueError(f"out has shape {o.shape}; a @ b of a {A.shape} and b {Bk.shape} is ({M}, {N}) (b is "
+                         "(K, N), typically w.t())")
+    if o.size == 0:
+        raise ValueError(f"out has shape {o.shape}: an empty output matches every model")
+    sa, sb = _scale(scale_a, "scale_a"), _scale(scale_b, "scale_b")
+    ys, notes = {}, []
+    skipped = {}
+    for n in names:
+        model, fast = SCALED_MM_CANDIDATES[n]
+        if model is None:
+            continue
+        try:
+            ys[n] = scaled_mm(a, b, scale_a, scale_b, out_dtype=dname, use_fast_accum=fast, model=model,
+                              split_k=split_k if model != "exact" else 1)
+        except ValueError as e:
+            skipped[n] = str(e)
+    if "dequant_f32" in names:
+        acc, Af, Bf = _dequant_f32(A, np.ascontiguousarray(Bk.T), sa, sb)
+        ys["dequant_f32"] = _to_out(acc, dname)
+    ys = {n: (np.asarray(y) if not type(y).__module__.startswith("torch") else _out_array(y, None)[0])
+          for n, y in ys.items()}
+    frac = {n: float(_same(o, y).mean()) for n, y in ys.items()}
+    matches = [n for n in ys if frac[n] == 1.0]
+    closest = max(ys, key=lambda n: frac[n])
+    rep = GemmReport(shape=(M, N), dtype=dname, scheme=f"fp8 {fa} x {fb}", best=matches[0] if matches else None,
+                     matches=matches, match_fraction=frac, closest=closest)
+    for n, why in skipped.items():
+        rep.notes.append(f"{n} not tried: {why}")
+    same = _same(o, ys[closest])
+    bad_cells = np.argwhere(~same)
+    if len(bad_cells):
+        d = np.abs(_ordered(o) - _ordered(ys[closest]))
+        order = np.argsort(-d[~same], kind="stable")[:max_mismatches]
+        for r, c in bad_cells[order]:
+            rep.mismatches.append({"row": int(r), "col": int(c), "kernel": float(o[r, c]),
+                                   "model": float(ys[closest][r, c]), "ulps": int(d[r, c])})
+    if not matches and "dequant_f32" in ys and dname == "float32":
+        # within float32 summation-order error of the decoded product: |y - y_seq| <= 2 (K - 1) u sum |a_k b_k|
+        with np.errstate(invalid="ignore", over="ignore"):
+            absum = np.abs(Af.astype(np.float64)) @ np.abs(Bf.astype(np.float64)).T
+            bound = 2 * (A.shape[1] - 1) * 2.0 ** -24 * absum
+            ok = np.abs(o.astype(np.float64) - acc.astype(np.float64)) <= bound
+            ok |= np.isnan(o) & np.isnan(acc)
+        if ok.all():
+            rep.notes.append("the output agrees with dequant_f32 (decoded float32 operands, a float32 matmul) to "
+                             "within float32 summation-order error, not bit for bit: an emulating kernel that "
+                             "sums in another order (a BLAS), not a tensor core's FP8 GEMM")
+    if dname != "float32" and len(matches) > 1:
+        rep.notes.append(f"{dname} outputs hide float32 differences: compare float32 outputs where the kernel can "
+                         "write them")
+    return rep
