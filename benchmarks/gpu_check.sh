@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a machine with an NVIDIA GPU: install the gpu extra if CuPy is missing, run the GPU
-# test suite (CuPy results == Numba results, bit for bit) and the GPU benchmark, and write everything to
-# OUTDIR. Usage: benchmarks/gpu_check.sh [OUTDIR]   (about 3-6 minutes, most of it Numba/NVRTC compilation)
+# One-shot GPU check for a machine with an NVIDIA GPU: install the gpu extra if CuPy is missing, name the
+# tensor-core model the device's FP8 and 16-bit GEMMs match (benchmarks/tensorcore_check.py), run the GPU test
+# suite (CuPy results == Numba results, bit for bit) and the GPU benchmark, and write everything to OUTDIR.
+# Usage: benchmarks/gpu_check.sh [OUTDIR]   (about 4-6 minutes, most of it Numba/NVRTC compilation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_results}"
@@ -12,7 +13,8 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)" | tee "$out/versions.txt"
-timeout 420 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tee "$out/gpu_tests.log"
+timeout 150 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore" 2>&1 | tee "$out/tensorcore_check.log"
+timeout 360 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_kernels.py tests/test_training.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 180 "$py" benchmarks/bench_gpu.py --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.log"
 echo "gpu tests exit status: $tests_rc" | tee -a "$out/gpu_tests.log"

@@ -21,11 +21,12 @@ from .formats import BF16, E2M1, E4M3, E5M2, FORMATS, UE5M3, UE8M0, Format, get_
 from .qtensor import QuantizedTensor
 from .quantize import dequantize, fake_quantize, quantize, rht
 from .gemm import gemm
+from .tensorcore import scaled_mm
 from .schemes import SCHEMES, get_scheme
-from . import layout, rng, threads, training
+from . import layout, rng, tensorcore, threads, training
 
 threads._TORCH_POOL_SPINS, threads._BLAS_SPINS = _TORCH_POOL_SPINS, _BLAS_SPINS
 
 __version__ = "0.1.0"
-__all__ = ["layout", "rng", "threads", "training", "gemm", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
+__all__ = ["layout", "rng", "tensorcore", "threads", "training", "gemm", "scaled_mm", "encode", "decode", "quantize", "dequantize", "fake_quantize", "rht", "QuantizedTensor", "SCHEMES",
            "get_scheme", "Format", "get_format", "FORMATS", "E2M1", "E4M3", "E5M2", "UE8M0", "UE5M3", "BF16"]

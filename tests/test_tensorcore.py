@@ -563,3 +563,19 @@ def test_validate_gemm_cli_takes_fp8_operands(tmp_path):
     assert r.returncode == 2 and "needs both --a-fp8 and --b-fp8" in r.stderr
     r = subprocess.run([a_ for a_ in args if a_ not in ("--a-format", "e4m3")], capture_output=True, text=True)
     assert r.returncode == 2 and "name their format with --a-format" in r.stderr
+
+
+def test_device_check_script_runs_without_a_device(tmp_path):
+    """benchmarks/tensorcore_check.py --emulate: mmaemu's H100 stands in for the device, and the script must name
+    the configuration it ran (slow accumulation: hopper; fast: hopper_fast_accum)."""
+    import json
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "tensorcore_check.py"), "--out", str(tmp_path),
+                        "--emulate", "--quick", "--limit", "4"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "tensorcore_check.json").read_text())
+    assert [c["best"] for c in res["fp8"]] == ["hopper", "hopper", "hopper_fast_accum", "hopper_fast_accum"]
+    assert len(res["16bit"]) == 4 and all("exact" in c["match_fraction"] for c in res["16bit"])
+    assert len(list((tmp_path / "outputs").glob("*.npy"))) == 8
