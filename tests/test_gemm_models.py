@@ -70,8 +70,23 @@ def alpha(qa, qb):
     return (ga * gb) / div
 
 
+def parts(q):
+    """Each row's E2M1 element values and its decoded E4M3 block scales, as Fractions (None: a NaN scale)."""
+    codes = q.codes.reshape(q.lead[0], -1)
+    sb = q.scales_per_row()
+    return [([e2m1(int(c) & 15) if i % 2 == 0 else e2m1(int(c) >> 4) for c in codes[r] for i in (0, 1)]
+             [:16 * sb.shape[1]], [e4m3(int(b)) for b in sb[r]]) for r in range(codes.shape[0])]
+
+
 def cell(a, b, model, grid=None) -> float:
-    """The accumulator (before alpha) of one dot product of decoded rows under a model, from the rule."""
+    """The accumulator (before alpha) of one dot product of decoded rows under a model, from the rule (tcgen05:
+    ``a`` and ``b`` are (elements, block scales) pairs from :func:`parts`)."""
+    if model == "tcgen05":
+        from fp4sim.reference.tensorcore import tcgen05_fp4
+        (ea, sa), (eb, sb) = a, b
+        pad = (-len(ea)) % 64
+        return float(tcgen05_fp4(ea + [0] * pad, sa + [0] * (pad // 16), eb + [0] * pad, sb + [0] * (pad // 16),
+                                 16, -6))
     prods = [x * y for x, y in zip(a, b)]
     if model == "exact_sum":
         return round32(sum(prods, Fraction(0)), "rne")
@@ -91,6 +106,8 @@ def cell(a, b, model, grid=None) -> float:
 def oracle(qa, qb, model, grid=None):
     A, na = decoded(qa)
     B, nb = decoded(qb)
+    if model == "tcgen05":
+        A, B = parts(qa), parts(qb)
     c = np.zeros((len(A), len(B)), np.float32)
     for i, a in enumerate(A):
         for j, b in enumerate(B):
@@ -126,7 +143,7 @@ CASES = {"K=256": dict(M=5, N=4, K=256), "K=208 (a partial last group)": dict(M=
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("model", NVFP4_MODELS)
+@pytest.mark.parametrize("model", NVFP4_MODELS + ("tcgen05",))
 def test_models_against_the_rational_oracle(case, model):
     qa, qb = pair(**CASES[case])
     same_bits(fs.gemm(qa, qb, accumulate=model), oracle(qa, qb, model))

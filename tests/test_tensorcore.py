@@ -579,3 +579,77 @@ def test_device_check_script_runs_without_a_device(tmp_path):
     assert [c["best"] for c in res["fp8"]] == ["hopper", "hopper", "hopper_fast_accum", "hopper_fast_accum"]
     assert len(res["16bit"]) == 4 and all("exact" in c["match_fraction"] for c in res["16bit"])
     assert len(list((tmp_path / "outputs").glob("*.npy"))) == 8
+
+
+def test_fp8_witnesses_separate_every_pair_and_name_the_device(tmp_path):
+    """gemm-witnesses --format fp8: every pair of the seven candidates differs somewhere (each pair's first
+    separating cell recomputed by an independent oracle: mmaemu for hopper / ada, the rational model for
+    b200_mma and exact, a float32 loop for dequant_f32); a device that computes mmaemu's Hopper is named, fast and
+    slow accumulation apart."""
+    import json
+    import subprocess
+    import sys
+    from fp4sim.validate.scaled_mm import SCALED_MM_CANDIDATES, read_fp8_witness
+    wd = tmp_path / "w"
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "gemm-witnesses", "--format", "fp8", "--out",
+                        str(wd)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    man = json.loads((wd / "manifest.json").read_text())
+    labels = list(SCALED_MM_CANDIDATES)
+    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]]
+    assert min(man["separating_cells"][f"{a} | {b}"] for a, b in pairs) > 0
+
+    def oracle(label, a, b, sa, sb, r, c):
+        model, fast = SCALED_MM_CANDIDATES[label]
+        ta = torch.from_numpy(a[r:r + 1].view(np.uint8).copy()).view(E4 if a.dtype == ml_dtypes.float8_e4m3fn else E5)
+        tb = torch.from_numpy(b[c:c + 1].view(np.uint8).copy()).view(E4 if b.dtype == ml_dtypes.float8_e4m3fn else E5)
+        tb16 = torch.cat([tb] * 16)                                      # N a multiple of 16 for mmaemu
+        if model in ("hopper", "ada"):
+            return float(_mmaemu(ta, tb16.t(), torch.tensor(sa), torch.tensor(sb), out_dtype=torch.float32,
+                                 use_fast_accum=fast, profile=model, splitk=1)[0, 0])
+        av, bv = [Fraction(float(x)) for x in a[r].astype(np.float64)], [Fraction(float(x)) for x in b[c].astype(np.float64)]
+        alpha = ref.rne32(Fraction(float(sa)) * Fraction(float(sb)))
+        if model == "b200_mma":
+            acc = ref.dot(av, bv, tc.get_model("b200_mma").step("fp8"), EMIN[_f(a)], EMIN[_f(b)])
+        elif model == "exact":
+            acc = Fraction(0)
+            for k0 in range(0, len(av), 128):
+                acc = ref.rne32(acc + ref.rne32(sum((x * y for x, y in zip(av[k0:k0 + 128], bv[k0:k0 + 128])),
+                                                    Fraction(0))))
+        else:                                                            # dequant_f32
+            s = np.float32(0)
+            for x, y in zip(a[r].astype(np.float32) * np.float32(sa), b[c].astype(np.float32) * np.float32(sb)):
+                s = np.float32(s + np.float32(x * y))
+            return float(s)
+        return float(ref.rne32(Fraction(acc) * alpha))
+
+    def _f(x):
+        return "e4m3" if x.dtype == ml_dtypes.float8_e4m3fn else "e5m2"
+
+    found = set()
+    for name, entry in man["witnesses"].items():
+        a, b, sa, sb, exp = read_fp8_witness(wd / name, entry)
+        for p, q in pairs:
+            if (p, q) in found:
+                continue
+            diff = np.argwhere(exp[p].view(np.uint32) != exp[q].view(np.uint32))
+            if len(diff):
+                r, c = diff[0]
+                for lab in (p, q):
+                    assert np.float32(oracle(lab, a, b, sa, sb, r, c)) == exp[lab][r, c], (name, lab, r, c)
+                found.add((p, q))
+    assert found == set(pairs)
+    for fast, label in ((False, "hopper"), (True, "hopper_fast_accum")):
+        od = tmp_path / f"out_{label}"
+        od.mkdir()
+        for name, entry in man["witnesses"].items():
+            a, b, sa, sb, _ = read_fp8_witness(wd / name, entry)
+            ta = torch.from_numpy(a.view(np.uint8)).view(E4 if entry["a_format"] == "e4m3" else E5)
+            tb = torch.from_numpy(b.view(np.uint8)).view(E4 if entry["b_format"] == "e4m3" else E5)
+            y = _mmaemu(ta, tb.t(), torch.tensor(sa), torch.tensor(sb), out_dtype=torch.float32,
+                        use_fast_accum=fast, profile="hopper", splitk=1)
+            np.save(od / f"{name}.npy", y.numpy())
+        r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "gemm", "--witnesses", str(wd), "--outputs",
+                            str(od)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.splitlines()[-1] == f"consistent with every witness: {label}"

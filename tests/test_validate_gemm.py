@@ -16,7 +16,7 @@ import pytest
 import fp4sim as fs
 from fp4sim.validate import compare_gemm
 from fp4sim.validate.gemm import CANDIDATES, gemm_operand, model_outputs, read_witness
-from test_gemm_models import alpha, cell, decoded, spread
+from test_gemm_models import alpha, cell, decoded, parts, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,11 +113,12 @@ def test_the_witnesses_separate_every_pair_of_models_checked_with_the_oracle(wit
     rows = {}
     for (a, b), (name, qa, qb, (r, c), exp) in found.items():
         if name not in rows:
-            rows[name] = (decoded(qa)[0], decoded(qb)[0])
-        A, B = rows[name]
+            rows[name] = (decoded(qa)[0], decoded(qb)[0], parts(qa), parts(qb))
+        A, B, PA, PB = rows[name]
         for m in (a, b):
             acc, grid = CANDIDATES[m]
-            assert np.float32(cell(A[r], B[c], acc, grid)) == exp[m][r, c], (name, m, r, c)
+            x, y = (PA[r], PB[c]) if m == "tcgen05" else (A[r], B[c])
+            assert np.float32(cell(x, y, acc, grid)) == exp[m][r, c], (name, m, r, c)
 
 
 @pytest.mark.parametrize("model", ["k64_rtz", "te_reference", "k32_rne"])
@@ -305,3 +306,22 @@ def test_expect_passes_for_a_model_that_matches_after_an_earlier_candidate(tmp_p
     assert r.returncode == 0 and "MATCHES exact_sum" in r.stdout and "k128_rne" in r.stdout, r.stdout + r.stderr
     r = _cli(*base, "--expect", "te_reference")
     assert r.returncode == 1
+
+
+def test_outputs_for_some_witnesses_give_a_verdict_over_those(witnesses, tmp_path):
+    """A device run that saved only some witnesses' outputs: the verdict over those present, the others named;
+    an output folder with none of them is refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    names = list(json.loads((witnesses / "manifest.json").read_text())["witnesses"])
+    for n in names[:2]:
+        np.save(out / f"{n}.npy", np.load(witnesses / n / "expected" / "tcgen05.npy"))
+    r = _cli("gemm", "--witnesses", witnesses, "--outputs", out, "--json", tmp_path / "r.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"no output for {', '.join(names[2:])}: the verdict below is over the other 2 witnesses" in r.stdout
+    assert "consistent with every witness present: " in r.stdout and "tcgen05" in r.stdout.splitlines()[-1]
+    assert json.loads((tmp_path / "r.json").read_text())["missing"] == names[2:]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _cli("gemm", "--witnesses", witnesses, "--outputs", empty)
+    assert r.returncode == 2 and "no device output for any witness" in r.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-__all__ = ["ilog2", "rne32", "step", "dot", "gemm_entry"]
+__all__ = ["ilog2", "rne32", "step", "dot", "gemm_entry", "tcgen05_fp4"]
 
 INF = float("inf")
 
@@ -81,3 +81,33 @@ def gemm_entry(a, b, model_step, emin_a, emin_b, chunk=None):
         part = dot(a[k0:k0 + chunk], b[k0:k0 + chunk], model_step, emin_a, emin_b)
         acc = part if isinstance(part, float) else (acc if isinstance(acc, float) else rne32(acc + part))
     return acc
+
+
+def tcgen05_fp4(a, sa, b, sb, block: int, scale_emin: int):
+    """Blackwell's ``kind::mxf4nvf4`` instruction chain (MMA-Sim's model) for one output: a, b the E2M1 element
+    values (rationals, K a multiple of 64), sa, sb the decoded block scales (one per ``block`` elements;
+    ``scale_emin``: their format's smallest normal exponent, -6 for UE4M3, -127 for UE8M0). Per 64 elements:
+    each 16-product group's exact sum times its two scales is a term at exponent e(sa) + e(sb) (-139 when its
+    products are all zero or its scale product is zero); with the accumulator (exponent clamped at -126; -139
+    when zero) the terms are truncated to 35 fraction bits below the largest exponent, summed exactly, and the
+    sum truncated to a float32."""
+    c = Fraction(0)
+    for k0 in range(0, len(a), 64):
+        if isinstance(c, float):
+            return c
+        terms = []
+        for g in range(k0, k0 + 64, 16):
+            prods = [Fraction(x) * Fraction(y) for x, y in zip(a[g:g + 16], b[g:g + 16])]
+            s = Fraction(sa[g // block]) * Fraction(sb[g // block])
+            e = (max(ilog2(sa[g // block]), scale_emin) + max(ilog2(sb[g // block]), scale_emin)
+                 if any(p != 0 for p in prods) and s != 0 else -139)
+            terms.append((sum(prods, Fraction(0)) * s, e))
+        terms.append((c, max(ilog2(c), -126) if c != 0 else -139))
+        unit = _p2(max(e for _, e in terms) - 35)
+        d = sum((_trunc(v, unit) for v, _ in terms), Fraction(0))
+        if d != 0:
+            d = _trunc(d, _p2(max(ilog2(d), -126) - 23))
+        if abs(d) >= _p2(128):
+            return INF if d > 0 else -INF
+        c = d
+    return c

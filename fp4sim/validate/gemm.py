@@ -16,7 +16,7 @@ import numpy as np
 
 from ..gemm import gemm
 from ..qtensor import QuantizedTensor
-from ..schemes import NVFP4, get_scheme
+from ..schemes import MX, NVFP4, get_scheme
 
 __all__ = ["compare_gemm", "GemmReport", "CANDIDATES", "gemm_operand", "write_witnesses", "check_witnesses"]
 
@@ -24,8 +24,9 @@ __all__ = ["compare_gemm", "GemmReport", "CANDIDATES", "gemm_operand", "write_wi
 CANDIDATES = {"te_reference": ("te_reference", None), "exact_sum": ("exact_sum", None),
               "k64_rtz": ("k64_rtz", None), "k64_rtz_grid1024": ("k64_rtz", 1024), "k64_rne": ("k64_rne", None),
               "k32_rtz": ("k32_rtz", None), "k32_rne": ("k32_rne", None), "k128_rtz": ("k128_rtz", None),
-              "k128_rne": ("k128_rne", None), "k16_rtz": ("k16_rtz", None)}
+              "k128_rne": ("k128_rne", None), "k16_rtz": ("k16_rtz", None), "tcgen05": ("tcgen05", None)}
 NON_NVFP4 = ("te_reference",)          # the one exact model fp4sim defines for the other formats
+MX_MODELS = ("te_reference", "tcgen05")   # MXFP4 / MXFP8: the exact rule and Blackwell's instructions
 
 
 @dataclass
@@ -117,7 +118,8 @@ def _same(a, b):
 
 def model_outputs(qa, qb, models=None) -> dict:
     """{model: float32 output} of every candidate model for these operands (NVFP4: all; others: te_reference)."""
-    names = models or (list(CANDIDATES) if isinstance(qa.scheme, NVFP4) else list(NON_NVFP4))
+    names = models or (list(CANDIDATES) if isinstance(qa.scheme, NVFP4) else
+                       list(MX_MODELS) if isinstance(qa.scheme, MX) else list(NON_NVFP4))
     bad = [m for m in names if m not in CANDIDATES]
     if bad:
         raise ValueError(f"models {bad}: choose from {', '.join(CANDIDATES)}")
@@ -455,20 +457,33 @@ def load_output(spec, dtype: str = "float32"):
 
 def check_witnesses(witness_dir, outputs_dir, dtype: str = "float32") -> dict:
     """Every witness of ``witness_dir`` against the device's outputs ``outputs_dir/NAME.npy``: {"reports": {name:
-    GemmReport}, "consistent": the models that reproduce every witness bit for bit, in CANDIDATES order}."""
+    GemmReport}, "consistent": the models that reproduce every witness present bit for bit, in CANDIDATES order,
+    "missing": the witnesses without an output (the verdict is over the others; none present is an error)}."""
     witness_dir, outputs_dir = Path(witness_dir), Path(outputs_dir)
     man = witness_dir / "manifest.json"
     if not man.is_file():
         raise ValueError(f"{witness_dir}: no manifest.json (write the witnesses with python -m fp4sim.validate "
                          "gemm-witnesses --out DIR)")
-    names = list(json.loads(man.read_text())["witnesses"])
+    manifest = json.loads(man.read_text())
+    names = list(manifest["witnesses"])
+    models = manifest.get("models", list(CANDIDATES))
+    missing = [n for n in names if not (outputs_dir / f"{n}.npy").is_file()]
+    if len(missing) == len(names):
+        raise ValueError(f"{outputs_dir}: no device output for any witness (save the kernel's output for witness "
+                         f"NAME as {outputs_dir}/NAME.npy; the witnesses are {', '.join(names)})")
     reports, consistent = {}, None
     for n in names:
+        if n in missing:
+            continue
         p = outputs_dir / f"{n}.npy"
-        if not p.is_file():
-            raise ValueError(f"{p}: no device output for witness {n} (save the kernel's output there)")
-        qa, qb, exp = read_witness(witness_dir / n)
-        rep = compare_gemm(qa, qb, load_output(p, dtype), expected=exp)
+        if manifest.get("format") == "fp8":
+            from .scaled_mm import compare_scaled_mm, read_fp8_witness
+            a, b, sa, sb, exp = read_fp8_witness(witness_dir / n, manifest["witnesses"][n])
+            rep = compare_scaled_mm(a, b.T, sa, sb, load_output(p, dtype))
+        else:
+            qa, qb, exp = read_witness(witness_dir / n)
+            rep = compare_gemm(qa, qb, load_output(p, dtype), expected=exp)
         reports[n] = rep
         consistent = set(rep.matches) if consistent is None else consistent & set(rep.matches)
-    return {"reports": reports, "consistent": [m for m in CANDIDATES if m in (consistent or set())]}
+    return {"reports": reports, "consistent": [m for m in models if m in (consistent or set())],
+            "missing": missing}

@@ -99,9 +99,14 @@ def gemm_main(argv) -> int:
                     got = (f"NO MODEL MATCHES (closest: {rep.closest}, {100 * rep.match_fraction[rep.closest]:.2f}% "
                            "identical)" + "".join(f"; {f}" for f in rep.faults))
                 print(f"{n}: {got}")
-            print("consistent with every witness: " + (", ".join(res["consistent"]) or "no model"))
+            if res["missing"]:
+                print(f"no output for {', '.join(res['missing'])}: the verdict below is over the other "
+                      f"{len(res['reports'])} witnesses only")
+            print(("consistent with every witness present: " if res["missing"] else
+                   "consistent with every witness: ") + (", ".join(res["consistent"]) or "no model"))
             if a.json:
-                Path(a.json).write_text(json.dumps({"consistent": res["consistent"], "reports": {
+                Path(a.json).write_text(json.dumps({"consistent": res["consistent"], "missing": res["missing"],
+                                                    "reports": {
                     n: r.to_dict() for n, r in res["reports"].items()}}, indent=1, default=float) + "\n")
             return 0 if ok else 1
         if not a.out:
@@ -201,8 +206,18 @@ def witnesses_main(argv) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the folder to write (created; an existing one must be empty)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8"],
+                    help="nvfp4 (default): the NVFP4 accumulation models; fp8: the tensor-core models of "
+                         "torch._scaled_mm (hopper, ada, b200_mma, exact, dequant_f32, fast and slow accumulation)")
     a = ap.parse_args(argv)
     try:
+        if a.format == "fp8":
+            from .scaled_mm import write_fp8_witnesses
+            man = write_fp8_witnesses(a.out, a.seed)
+            print(f"wrote {len(man['witnesses'])} FP8 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
+                  f"pair of the {len(man['models'])} models differs in at least {min(man['separating_cells'].values())}"
+                  " cells (float32)")
+            return 0
         man = write_witnesses(a.out, a.seed)
     except ValueError as e:
         return _fail(f"--out {e}")

@@ -132,3 +132,107 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
         rep.notes.append(f"{dname} outputs hide float32 differences: compare float32 outputs where the kernel can "
                          "write them")
     return rep
+
+
+# ------------------------------------------------------------------------------------------ FP8 witnesses
+FP8_README = """fp4sim FP8 GEMM witnesses: operand sets whose outputs tell the tensor-core models apart.
+
+Each folder holds one FP8 GEMM as torch._scaled_mm computes it, y = (A . B^T) * scale_a * scale_b:
+  a.npy, b.npy              uint8 (M, K) and (N, K): the FP8 bytes (formats in manifest.json; B as its N rows,
+                            so the call is torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=torch.float32))
+  scale_a.npy, scale_b.npy  float32 (1,): the per-tensor decode scales
+  expected/LABEL.npy        float32 (M, N): each candidate's output, computed by fp4sim
+Run the GEMM on the device (float32 output; once with use_fast_accum=False, once with True), save each output as
+OUTDIR/NAME.npy and check with
+  python -m fp4sim.validate gemm --witnesses THIS_FOLDER --outputs OUTDIR
+"""
+
+
+def _fp8_witness_operands(seed: int = 0):
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+    def q(x, dt):
+        return np.clip(x, -448 if dt is e4 else -57344, 448 if dt is e4 else 57344).astype(dt)
+    out = {}
+    a, b = np.abs(rng.standard_normal((32, 1024))), np.abs(rng.standard_normal((32, 1024)))
+    out["positive_k1024"] = ("positive E4M3 operands, K = 1024: the running sum grows, so 13-bit truncation, "
+                             "the 128-element restarts and 16 against 32 products per step all show",
+                             q(a * 4, e4), q(b * 4, e4))
+    ea, eb = rng.integers(-9, 9, (32, 512)), rng.integers(-12, 12, (32, 512))
+    a = rng.choice([-1, 1], (32, 512)) * (1 + rng.integers(0, 8, (32, 512)) / 8) * np.exp2(ea)
+    b = rng.choice([-1, 1], (32, 512)) * (1 + rng.integers(0, 4, (32, 512)) / 4) * np.exp2(eb)
+    out["spread_e4m3_e5m2"] = ("E4M3 x E5M2 operands whose exponents spread over both formats' ranges: the "
+                               "alignment to each step's largest product", q(a, e4), q(b, e5))
+    a = rng.choice([-448.0, 448.0, -0.0625, 0.0625, 2.0 ** -6], (32, 256))
+    a[:, 1::2] = -a[:, ::2]
+    a[:, 5::16] = rng.standard_normal((32, 16))
+    b = np.repeat(rng.choice([-1.0, 1.0, 0.0078125], (32, 128)), 2, axis=1)
+    out["cancellation"] = ("large products cancelling in pairs beside small survivors: the truncation below "
+                           "each step's largest exponent", q(a, e4), q(b, e4))
+    return out
+
+
+def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
+    """Write the FP8 witness folders, their expected outputs and manifest.json under ``out_dir`` (new or empty);
+    return the manifest."""
+    import json
+    from pathlib import Path
+
+    from .gemm import separation
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} exists and is not an empty folder: write the witnesses into a new folder (or "
+                         "remove that one first), so that no file of an earlier set is mixed in")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sa, sb = np.float32(0.5), np.float32(0.25)
+    man = {"format": "fp8", "models": list(SCALED_MM_CANDIDATES), "seed": seed, "witnesses": {}}
+    total = {}
+    for name, (purpose, a, b) in _fp8_witness_operands(seed).items():
+        d = out_dir / name
+        (d / "expected").mkdir(parents=True)
+        np.save(d / "a.npy", a.view(np.uint8))
+        np.save(d / "b.npy", b.view(np.uint8))
+        np.save(d / "scale_a.npy", np.array([sa], np.float32))
+        np.save(d / "scale_b.npy", np.array([sb], np.float32))
+        ys = fp8_outputs(a, b, sa, sb)
+        for m, y in ys.items():
+            np.save(d / "expected" / f"{m}.npy", y)
+        sep = separation(ys)
+        for k, v in sep.items():
+            total[k] = total.get(k, 0) + v
+        man["witnesses"][name] = {"purpose": purpose, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1],
+                                  "a_format": _fmt(a), "b_format": _fmt(b), "separating_cells": sep}
+    man["separating_cells"] = total
+    (out_dir / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
+    (out_dir / "README.txt").write_text(FP8_README)
+    return man
+
+
+def _fmt(x) -> str:
+    return _FP8[str(x.dtype)][0] if str(x.dtype) in _FP8 else str(x.dtype)
+
+
+def fp8_outputs(a, b, sa, sb) -> dict:
+    """{label: float32 (M, N) output} of every candidate for FP8 operands a (M, K), b (N, K) (ml_dtypes)."""
+    out = {}
+    for n, (model, fast) in SCALED_MM_CANDIDATES.items():
+        if model is None:
+            A, Bt = a.astype(np.float32), b.astype(np.float32)
+            out[n] = _to_out(_dequant_f32(A, Bt, sa, sb)[0], "float32")
+        else:
+            out[n] = scaled_mm(a, b.T, sa, sb, out_dtype="float32", use_fast_accum=fast, model=model)
+    return out
+
+
+def read_fp8_witness(d, manifest_entry):
+    """(a, b, scale_a, scale_b, {label: expected output}) of one FP8 witness folder."""
+    import ml_dtypes
+    from pathlib import Path
+    d = Path(d)
+    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+    a = np.load(d / "a.npy").view(dt[manifest_entry["a_format"]])
+    b = np.load(d / "b.npy").view(dt[manifest_entry["b_format"]])
+    exp = {p.stem: np.load(p) for p in sorted((d / "expected").glob("*.npy"))}
+    return a, b, np.float32(np.load(d / "scale_a.npy")[0]), np.float32(np.load(d / "scale_b.npy")[0]), exp
