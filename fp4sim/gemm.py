@@ -217,7 +217,7 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
                          f"K={qb.K} (axis {qb.axis} of {qb.shape})")
     xp = xp_of(qa.codes, qb.codes)
     if model == "tcgen05" or model in TENSOR_CORE:
-        return _tensor_core(qa, qb, model, ka, xp)
+        return _tensor_core(qa, qb, model, ka, xp, backend)
     if model not in ("te_reference", "fast"):
         if ka != "nvfp4":
             raise ValueError(f"accumulate={accumulate!r} is an NVFP4 accumulation model; {qa.scheme.name} operands "
@@ -236,13 +236,14 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
     return _blockwise(qa, qb, ka, xp)
 
 
-def _tensor_core(qa, qb, model, kind, xp):
+def _tensor_core(qa, qb, model, kind, xp, backend=None):
     """The hardware models of fp4sim.tensorcore (its docstring): ``tcgen05`` for NVFP4 / MXFP4 / MXFP8, the chip
     models for FP8 (per-tensor: cuBLAS's K walk then RN32(acc · fl(s_a · s_b)); blockwise: each 128-element
     block's chain from +0 promoted to float32 as the exact rule does) and BF16 (one chain over K)."""
     from . import tensorcore as tc
     if xp is not np:
-        raise ValueError(f"accumulate={model!r} runs on the CPU: pass NumPy operands (cupy.asnumpy / .get())")
+        raise ValueError(f"accumulate={model!r} takes NumPy operands (cupy.asnumpy / .get()); backend= runs its "
+                         "kernels on a CUDA backend")
     if model == "tcgen05":
         if kind not in _TCGEN05_KINDS:
             raise ValueError(f"accumulate='tcgen05' models Blackwell's block-scaled instructions: NVFP4, MXFP4 and "
@@ -250,12 +251,12 @@ def _tensor_core(qa, qb, model, kind, xp):
         va, vb = _values(qa, np), _values(qb, np)
         sa, sb = _block_scales(qa, np), _block_scales(qb, np)
         if kind == "nvfp4":
-            c = tc.tcgen05_fp4(va, sa, vb, sb, 16, "ue4m3")
+            c = tc.tcgen05_fp4(va, sa, vb, sb, 16, "ue4m3", backend)
             with np.errstate(over="ignore", invalid="ignore"):
                 return _nvfp4_alpha(qa, qb, np) * c
         if kind == "mxfp4":
-            return tc.tcgen05_fp4(va, sa, vb, sb, 32, "ue8m0")
-        return tc.tcgen05_fp8(va, qa.scheme.elem.name, sa, vb, qb.scheme.elem.name, sb)
+            return tc.tcgen05_fp4(va, sa, vb, sb, 32, "ue8m0", backend)
+        return tc.tcgen05_fp8(va, qa.scheme.elem.name, sa, vb, qb.scheme.elem.name, sb, backend)
     name = model.replace("_fast_accum", "")
     if kind not in _TC_KINDS or not covers(model, qa.scheme):
         have = "FP8 and BF16" if "fp8" in tc.get_model(name).steps else "BF16"
@@ -266,7 +267,7 @@ def _tensor_core(qa, qb, model, kind, xp):
         if model.endswith("_fast_accum"):
             raise ValueError(f"accumulate={model!r}: fast accumulation is an FP8 setting; BF16 GEMMs chain "
                              f"through the whole K: use {name!r}")
-        return tc.accumulate(va, vb, "bf16", "bf16", name, "bf16", fast=True)
+        return tc.accumulate(va, vb, "bf16", "bf16", name, "bf16", fast=True, backend=backend)
     fa, fb = qa.scheme.elem.name, qb.scheme.elem.name
     if kind == "fp8_blockwise":
         step = tc.get_model(name).step("fp8")
@@ -276,11 +277,12 @@ def _tensor_core(qa, qb, model, kind, xp):
         y = np.zeros((va.shape[0], vb.shape[0]), np.float32)
         with np.errstate(over="ignore", invalid="ignore"):
             for j in range(Kp // 128):
-                part = tc.chain(va[:, j * 128:(j + 1) * 128], vb[:, j * 128:(j + 1) * 128], fa, fb, step)
+                part = tc.chain(va[:, j * 128:(j + 1) * 128], vb[:, j * 128:(j + 1) * 128], fa, fb, step,
+                                backend=backend)
                 y += (sa[:, j, None] * sb[None, :, j]) * part
         return y
     fast = model.endswith("_fast_accum") or tc.get_model(name).slow_chunk is None     # b200_mma: one chain
-    acc = tc.accumulate(va, vb, fa, fb, name, "fp8", fast=fast)
+    acc = tc.accumulate(va, vb, fa, fb, name, "fp8", fast=fast, backend=backend)
     sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
     with np.errstate(over="ignore", invalid="ignore"):
         return (acc.astype(np.float64) * np.float64(sab) + 0.0).astype(np.float32)

@@ -265,3 +265,46 @@ def test_nvfp4_gemm_models(dev, model, grid):
         gb = ops.quantize(dev.be, dev.dev(b), "nvfp4", block=wblock, **kw)
         got = dev.host(fs.gemm(ga, gb, accumulate=model, grid=grid, backend=dev.be))
         same_bits(got, want)
+
+
+def test_tensor_core_chains(dev):
+    """fp4sim.tensorcore's chains by the CUDA kernels (tc_chain, tc_group_chain) against the Numba kernels, bit
+    for bit: every chip model on FP8 (E4M3 x E5M2, fast and slow, blockwise) and BF16 operands, tcgen05 on NVFP4,
+    MXFP4 and MXFP8 with block scales over many binades, subnormal results and an overflowing BF16 chain."""
+    import ml_dtypes
+
+    from fp4sim import tensorcore as tc
+    rng = np.random.default_rng(31)
+
+    def spread(R, K, blk, binades):
+        return (rng.standard_normal((R, K)) * np.exp2(rng.integers(-binades, binades, (R, K // blk))).repeat(blk, 1)
+                ).astype(np.float32)
+
+    x, w = spread(24, 512, 16, 10), spread(16, 512, 16, 10)
+    for acc in ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200_mma"):
+        qa, qb = fs.quantize(x, "fp8_e4m3"), fs.quantize(w, "fp8_e5m2")
+        same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
+        qa, qb = fs.quantize(x, "fp8_blockwise"), fs.quantize(w, "fp8_blockwise")
+        same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
+    for acc in ("hopper", "ada", "ampere", "b200_mma"):
+        qa, qb = fs.quantize(x * np.float32(1e-37), "bf16"), fs.quantize(w, "bf16")     # subnormal results
+        same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
+        qa, qb = fs.quantize(x, "bf16"), fs.quantize(w, "bf16")
+        same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
+    big = np.full((2, 64), np.float32(ml_dtypes.bfloat16(2.0 ** 126)), np.float32)
+    step = tc.get_model("hopper").step("bf16")
+    got = tc.chain(big, big * np.float32(-1e-30) + np.float32(8), "bf16", "bf16", step, backend=dev.be)
+    same_bits(got, tc.chain(big, big * np.float32(-1e-30) + np.float32(8), "bf16", "bf16", step))
+    assert np.isinf(got).all()
+    for sch, blk in (("nvfp4", 16), ("mxfp4", 32), ("mxfp8_e4m3", 32)):
+        a, b = spread(24, 320 if sch == "nvfp4" else 256, blk, 12), spread(16, 320 if sch == "nvfp4" else 256, blk, 12)
+        qa, qb = fs.quantize(a, sch), fs.quantize(b, sch)
+        same_bits(fs.gemm(qa, qb, accumulate="tcgen05", backend=dev.be), fs.gemm(qa, qb, accumulate="tcgen05"))
+    # MXFP8 with a subnormal accumulator that meets tiny terms (its exponent read at -126)
+    xa = (rng.standard_normal((8, 256)) * 4).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    xb = (rng.standard_normal((8, 256)) * 4).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    s = np.full((8, 8), 2.0 ** -82)
+    s[:, :2] = 2.0 ** -68
+    got = tc.tcgen05_fp8(xa, "e4m3", s, xb, "e4m3", s, backend=dev.be)
+    same_bits(got, tc.tcgen05_fp8(xa, "e4m3", s, xb, "e4m3", s))
+    assert ((np.abs(got) < 2.0 ** -126) & (got != 0)).mean() > 0.5

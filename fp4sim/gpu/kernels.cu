@@ -605,3 +605,102 @@ extern "C" __global__ void nvfp4_gemm_models(const signed char* A, const signed 
     if (grid > 0) acc = rintf(acc * (float)grid) / (float)grid;
     out[t] = acc;
 }
+
+// ------------------------------------------------------------------------------------------ tensor cores
+// The block-FMA chain of fp4sim.tensorcore, the rules of the Numba kernel (fp4sim/cpu/tensorcore.py) operation for
+// operation: one thread per output; every operation is exact in float64 (a product of two inputs has at most 48
+// significant bits, power-of-two scalings, integer sums below 2^53) and float32 results are made by integer code
+// (r32), so FTZ cannot touch them. A, B: values (M, K), (N, K); EA, EB: their clamped exponents; idx: the K indices
+// of the chain (L of them, -1 a zero element); C, out: float32 bits (M, N).
+__device__ __forceinline__ bool finite_d(double v) { return (v - v) == 0.0; }
+__device__ __forceinline__ int ilog2_d(double v) { int e; frexp(v, &e); return e - 1; }
+
+extern "C" __global__ void tc_chain(const double* A, const int* EA, const double* B, const int* EB, const i64* idx,
+                                    i64 M, i64 N, i64 K, i64 L, int nfma, int frac, int frac_out, int min_exp,
+                                    int late, int c_emin, const u32* C, u32* out) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= M * N) return;
+    i64 i = t / N, j = t % N;
+    const double* a = A + i * K;
+    const double* b = B + j * K;
+    const int* ea = EA + i * K;
+    const int* eb = EB + j * K;
+    double c = f2d(C[t]);
+    for (i64 k0 = 0; k0 < L; k0 += nfma) {
+        if (!finite_d(c)) break;                    // an overflowed accumulator stays infinite
+        int E = min_exp;
+        for (i64 u = k0; u < k0 + nfma; ++u) {
+            i64 k = idx[u];
+            if (k >= 0 && ea[k] + eb[k] > E) E = ea[k] + eb[k];
+        }
+        if (!late && c != 0.0) {
+            int ec = ilog2_d(c);
+            if (ec < c_emin) ec = c_emin;
+            if (ec > E) E = ec;
+        }
+        double sc = ldexp(1.0, frac - E), s = 0.0;
+        for (i64 u = k0; u < k0 + nfma; ++u) {
+            i64 k = idx[u];
+            if (k >= 0) s += trunc(a[k] * b[k] * sc);
+        }
+        if (!late) s += trunc(c * sc);
+        double d = s * ldexp(1.0, E - frac);
+        if (d != 0.0) {
+            int ed = ilog2_d(d);
+            if (ed < -126) ed = -126;
+            d = trunc(d * ldexp(1.0, frac_out - ed)) * ldexp(1.0, ed - frac_out);
+        }
+        c = late ? r32(r32(d) + c) : r32(d) + 0.0;   // late: a float32 nearest-even addition
+    }
+    out[t] = d2f_bits(c);
+}
+
+// Blackwell's block-scaled instruction chain (fp4sim/tensorcore/blockscaled.py; the Numba kernel's rules): per L
+// elements, each group of G products summed exactly and times its two block scales (bs elements per scale) is a
+// term at the scales' exponent sum (e_zero for an all-zero group or a zero scale product); terms and accumulator
+// (exponent clamped at -126) truncated to F fraction bits below the largest, summed, truncated to a float32.
+extern "C" __global__ void tc_group_chain(const double* A, const double* B, const double* SA, const double* SB,
+                                          const i64* ESA, const i64* ESB, i64 M, i64 N, i64 K, i64 nb, int L, int G,
+                                          int bs, int F, int e_zero, u32* out) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= M * N) return;
+    i64 i = t / N, j = t % N;
+    const double* a = A + i * K;
+    const double* b = B + j * K;
+    double c = 0.0, v[8];
+    i64 e[8];
+    int ng = L / G;
+    for (i64 k0 = 0; k0 < K; k0 += L) {
+        if (!finite_d(c)) break;
+        i64 emax = e_zero;
+        if (c != 0.0) {
+            i64 ec = ilog2_d(c);
+            emax = emax > (ec > -126 ? ec : -126) ? emax : (ec > -126 ? ec : -126);
+        }
+        for (int g = 0; g < ng; ++g) {
+            double p = 0.0;
+            bool nz = false;
+            for (i64 k = k0 + (i64)g * G; k < k0 + (i64)(g + 1) * G; ++k) {
+                double q = a[k] * b[k];
+                p += q;
+                nz = nz || q != 0.0;
+            }
+            i64 blk = (k0 + (i64)g * G) / bs;
+            double s = SA[i * nb + blk] * SB[j * nb + blk];
+            v[g] = p * s;
+            e[g] = (nz && s != 0.0) ? ESA[i * nb + blk] + ESB[j * nb + blk] : (i64)e_zero;
+            if (e[g] > emax) emax = e[g];
+        }
+        double sc = ldexp(1.0, (int)(F - emax)), acc = 0.0;
+        for (int g = 0; g < ng; ++g) acc += trunc(v[g] * sc);
+        acc += trunc(c * sc);
+        double d = acc * ldexp(1.0, (int)(emax - F));
+        if (d != 0.0 && finite_d(d)) {
+            int ed = ilog2_d(d);
+            if (ed < -126) ed = -126;
+            d = trunc(d * ldexp(1.0, 23 - ed)) * ldexp(1.0, ed - 23);
+        }
+        c = r32(d) + 0.0;
+    }
+    out[t] = d2f_bits(c);
+}

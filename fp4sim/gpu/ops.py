@@ -194,6 +194,33 @@ class GpuKernels:
                        i64(N), i64(Kp), i32(group // 16), i32(mode), i32(grid), out)
         return out
 
+    def tc_chain(self, A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, c_emin, C):
+        """float32 (M, N): fp4sim.tensorcore's block-FMA chain (``fp4sim.cpu.tensorcore.chain``'s arguments)."""
+        xp = self.xp
+        M, K = A.shape
+        N = B.shape[0]
+        out = xp.empty((M, N), np.uint32)
+        C = xp.zeros((M, N), np.float32) if C is None else xp.asarray(C, dtype=np.float32)
+        self.be.launch("tc_chain", M * N, xp.ascontiguousarray(A, dtype=np.float64),
+                       xp.ascontiguousarray(EA, dtype=np.int32), xp.ascontiguousarray(B, dtype=np.float64),
+                       xp.ascontiguousarray(EB, dtype=np.int32), xp.ascontiguousarray(idx, dtype=np.int64), i64(M),
+                       i64(N), i64(K), i64(len(idx)), i32(nfma), i32(frac), i32(frac_out), i32(min_exp), i32(late),
+                       i32(c_emin), xp.ascontiguousarray(C).view(np.uint32), out)
+        return out.view(np.float32)
+
+    def tc_group_chain(self, A, B, SA, SB, ESA, ESB, L, G, bs, F, e_zero):
+        """float32 (M, N): Blackwell's block-scaled instruction chain (``fp4sim.cpu.tensorcore.group_chain``)."""
+        xp = self.xp
+        M, K = A.shape
+        N = B.shape[0]
+        out = xp.empty((M, N), np.uint32)
+        self.be.launch("tc_group_chain", M * N, xp.ascontiguousarray(A, dtype=np.float64),
+                       xp.ascontiguousarray(B, dtype=np.float64), xp.ascontiguousarray(SA, dtype=np.float64),
+                       xp.ascontiguousarray(SB, dtype=np.float64), xp.ascontiguousarray(ESA, dtype=np.int64),
+                       xp.ascontiguousarray(ESB, dtype=np.int64), i64(M), i64(N), i64(K), i64(SA.shape[1]), i32(L),
+                       i32(G), i32(bs), i32(F), i32(e_zero), out)
+        return out.view(np.float32)
+
     def rht(self, x2, d, sh, scale, to_bf16):
         y = self.xp.empty(x2.shape, np.uint32)
         self.be.launch("rht", x2.size, x2, i64(x2.shape[0]), i64(x2.shape[1]), i32(d), self.xp.asarray(sh),

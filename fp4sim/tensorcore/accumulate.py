@@ -27,23 +27,34 @@ def _pad(idx: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([idx, np.full(r, -1, np.int64)]) if r else idx
 
 
-def chain(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, idx=None, C=None) -> np.ndarray:
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def chain(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, idx=None, C=None, backend=None) -> np.ndarray:
     """float32 (M, N): the chain of block-FMA steps over K (or the K indices ``idx``, -1 a zero element) of A
     (M, K) and B (N, K) finite float32 values of formats fmt_a / fmt_b, from ``C`` (float32 (M, N); None: +0)."""
     A = np.ascontiguousarray(A, np.float32)
     B = np.ascontiguousarray(B, np.float32)
     if idx is None:
         idx = np.arange(A.shape[1], dtype=np.int64)
-    return chain_exp(A, exponents(A, fmt_a), B, exponents(B, fmt_b), step, idx, C)
+    return chain_exp(A, exponents(A, fmt_a), B, exponents(B, fmt_b), step, idx, C, backend)
 
 
-def chain_exp(A, EA, B, EB, step: BlockFMA, idx=None, C=None) -> np.ndarray:
+def chain_exp(A, EA, B, EB, step: BlockFMA, idx=None, C=None, backend=None) -> np.ndarray:
     """:func:`chain` with the inputs' exponents given (int32, as :func:`exponents` makes them): A and B may then
-    be float64 values whose exponents include a power-of-two block scale."""
+    be float64 values whose exponents include a power-of-two block scale. ``backend``: a CUDA backend
+    (:mod:`fp4sim.gpu.backend`) whose kernel runs the chain instead of Numba (the same bits)."""
     if idx is None:
         idx = np.arange(A.shape[1], dtype=np.int64)
     idx = _pad(np.asarray(idx, np.int64), step.nfma)
     c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
+    if backend is not None:
+        from ..gpu import ops
+        xp = backend.xp
+        return _host(ops.kernels(backend).tc_chain(xp.asarray(A), xp.asarray(EA), xp.asarray(B), xp.asarray(EB),
+                                                   xp.asarray(idx), step.nfma, step.frac, step.frac_out, step.min_exp,
+                                                   int(step.late), c_emin, None if C is None else xp.asarray(C)))
     return _cpu.chain(A, np.ascontiguousarray(EA, np.int32), B, np.ascontiguousarray(EB, np.int32), idx,
                       step.nfma, step.frac, step.frac_out, step.min_exp, step.late, c_emin, C)
 
@@ -116,9 +127,11 @@ def _combine(parts, scheme):
     return acc
 
 
-def accumulate(A, B, fmt_a: str, fmt_b: str, model, family: str, *, fast: bool, split_k=1) -> np.ndarray:
+def accumulate(A, B, fmt_a: str, fmt_b: str, model, family: str, *, fast: bool, split_k=1,
+               backend=None) -> np.ndarray:
     """float32 (M, N): the accumulator of A (M, K) · B (N, K)ᵀ (float32 values of formats fmt_a / fmt_b, NaN and
-    Inf allowed) before any scale, as ``model``'s tensor core and library compute it (canonical NaN 0x7FFFFFFF)."""
+    Inf allowed) before any scale, as ``model``'s tensor core and library compute it (canonical NaN 0x7FFFFFFF);
+    ``backend``: a CUDA backend that runs the chains (:func:`chain_exp`)."""
     model = get_model(model)
     step = model.step(family)
     A = np.asarray(A, np.float32)
@@ -135,7 +148,7 @@ def accumulate(A, B, fmt_a: str, fmt_b: str, model, family: str, *, fast: bool, 
     for runs in splits:
         part = np.zeros((M, N), np.float32)
         for idx in runs:
-            c = chain(As, Bs, fmt_a, fmt_b, step, idx)
+            c = chain(As, Bs, fmt_a, fmt_b, step, idx, backend=backend)
             part = c if (fast and len(runs) == 1) else part + c
         parts.append(part)
     acc = _combine(parts, scheme)

@@ -48,7 +48,7 @@ def _pad(v, n, axis_len):
     return out
 
 
-def tcgen05_fp4(va, sa, vb, sb, block: int, scale_fmt: str) -> np.ndarray:
+def tcgen05_fp4(va, sa, vb, sb, block: int, scale_fmt: str, backend=None) -> np.ndarray:
     """float32 (M, N) accumulator of ``kind::mxf4nvf4``: va (M, K), vb (N, K) E2M1 values; sa (M, K/block),
     sb (N, K/block) decoded block scales (``scale_fmt`` "ue4m3" for NVFP4 with block 16, "ue8m0" for MXFP4 with
     block 32)."""
@@ -58,10 +58,16 @@ def tcgen05_fp4(va, sa, vb, sb, block: int, scale_fmt: str) -> np.ndarray:
     va, vb = _pad(np.asarray(va, np.float32), 0, Kp), _pad(np.asarray(vb, np.float32), 0, Kp)
     sa, ea = _scale_parts(_pad(np.asarray(sa, np.float64), 0, nb), scale_fmt)
     sb, eb = _scale_parts(_pad(np.asarray(sb, np.float64), 0, nb), scale_fmt)
+    if backend is not None:                      # the CUDA kernel (the same bits)
+        from ..gpu import ops
+        xp = backend.xp
+        y = ops.kernels(backend).tc_group_chain(*(xp.asarray(v) for v in (va, vb, sa, sb, ea, eb)), 64, 16, block,
+                                                 35, -139)
+        return y.get() if hasattr(y, "get") else y
     return _cpu.group_chain(va, vb, sa, sb, ea, eb, 64, 16, block, 35, -139)
 
 
-def tcgen05_fp8(va, fmt_a: str, sa, vb, fmt_b: str, sb) -> np.ndarray:
+def tcgen05_fp8(va, fmt_a: str, sa, vb, fmt_b: str, sb, backend=None) -> np.ndarray:
     """float32 (M, N) accumulator of ``kind::mxf8f6f4`` with UE8M0 scales: va (M, K), vb (N, K) FP8 values of
     formats fmt_a / fmt_b ("e4m3" / "e5m2"); sa (M, K/32), sb (N, K/32) the decoded power-of-two scales."""
     K = va.shape[1]
@@ -77,4 +83,4 @@ def tcgen05_fp8(va, fmt_a: str, sa, vb, fmt_b: str, sb) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         A = va.astype(np.float64) * sa
         B = vb.astype(np.float64) * sb
-    return chain_exp(A, ea, B, eb, MXF8_STEP)
+    return chain_exp(A, ea, B, eb, MXF8_STEP, backend=backend)

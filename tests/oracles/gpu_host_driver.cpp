@@ -59,3 +59,12 @@ HOST(nvfp4_gemm_models)(i64 th, const signed char* A, const signed char* B, cons
                         i64 N, i64 Kp, int gb, int mode, int grid, float* out) {
     host_launch(nvfp4_gemm_models, th, A, B, SA, SB, M, N, Kp, gb, mode, grid, out);
 }
+HOST(tc_chain)(i64 th, const double* A, const int* EA, const double* B, const int* EB, const i64* idx, i64 M, i64 N,
+               i64 K, i64 L, int nfma, int frac, int frac_out, int min_exp, int late, int c_emin, const u32* C,
+               u32* out) {
+    host_launch(tc_chain, th, A, EA, B, EB, idx, M, N, K, L, nfma, frac, frac_out, min_exp, late, c_emin, C, out);
+}
+HOST(tc_group_chain)(i64 th, const double* A, const double* B, const double* SA, const double* SB, const i64* ESA,
+                     const i64* ESB, i64 M, i64 N, i64 K, i64 nb, int L, int G, int bs, int F, int e_zero, u32* out) {
+    host_launch(tc_group_chain, th, A, B, SA, SB, ESA, ESB, M, N, K, nb, L, G, bs, F, e_zero, out);
+}
