@@ -3,7 +3,9 @@
 With no PATH the bundled sample dump (real MiniLM weights, SmolLM2 activations and gradients) is analysed.
 Exit status: 0 every tensor analysed, 1 some skipped (listed), 2 nothing analysed or bad arguments. Entries that
 are no quantization target (integer buffers such as position_ids; biases and normalization weights unless
---include-vectors) are listed as not analysed and leave the status at 0.
+--include-vectors) are listed as not analysed and leave the status at 0. With --out, an interrupted analysis
+resumes where it stopped when rerun with the same arguments; on a Dask cluster a tensor whose worker dies is
+retried, and one that keeps killing workers (out of memory) is skipped with that reason.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", help=".npy / .npz / .safetensors / .pt / .pth files (a tensor, a state_dict or TE's dumps) or "
                          "directories of them (default: the bundled sample)")
-    ap.add_argument("--out", help="write the xarray Dataset to this netCDF file")
+    ap.add_argument("--out", help="write the xarray Dataset to this netCDF file (each tensor's result is kept in "
+                                  "OUT.parts/ as it finishes, so a rerun with the same arguments after an "
+                                  "interruption resumes; the folder goes once OUT is written)")
     ap.add_argument("--json", help="write a JSON summary here")
     ap.add_argument("--blocks", metavar="FILE.nc",
                     help="write per-block records here (netCDF): per tensor and scheme, every block's scale byte, "
@@ -91,7 +95,7 @@ def _run(a) -> int:
         client = _connect(a.scheduler)
     try:
         ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask, None, quiet=a.quiet, client=client,
-                     include_vectors=a.include_vectors, blocks=a.blocks)
+                     include_vectors=a.include_vectors, blocks=a.blocks, resume=_parts(a))
     except ValueError as e:  # a broken roles file, names that cannot be told apart
         raise BadInput(str(e)) from None
     finally:
@@ -116,6 +120,8 @@ def _run(a) -> int:
             _say(a, f"writing {a.out}")
             ds.to_netcdf(a.out)
             done.append(f"wrote {a.out}")
+            import shutil
+            shutil.rmtree(_parts(a), ignore_errors=True)        # the run is complete: its kept parts are done
         if a.json:
             Path(a.json).write_text(json.dumps(summary(ds), indent=1))
             done.append(f"wrote {a.json}")
@@ -134,6 +140,12 @@ def _run(a) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     return 1 if any(not sk.get("ignored") for sk in skipped) else 0
+
+
+def _parts(a):
+    """The folder beside --out where each tensor's result is kept as it finishes (None without --out): a rerun
+    with the same arguments after an interruption reads them back; removed once --out is written."""
+    return None if not a.out else str(a.out) + ".parts"
 
 
 def _say(a, what: str):

@@ -93,50 +93,131 @@ class _Progress:
             self.bar.close()
 
 
+class Parts:
+    """Per-tensor results kept as they finish (one file per tensor in a folder), so that an interrupted analysis
+    resumes: a tensor's file is used again only when its source (path, key, size and modification time of the
+    file) and every argument that changes its numbers are the same."""
+
+    def __init__(self, folder, config: dict):
+        from pathlib import Path
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+
+    def _file(self, src):
+        import hashlib
+        return self.dir / (hashlib.sha1(f"{src.path}\0{src.key}\0{src.name}".encode()).hexdigest() + ".pkl")
+
+    def _stamp(self, src) -> dict:
+        import os
+        st = os.stat(src.path)
+        return {"path": str(src.path), "key": src.key, "name": src.name, "role": src.role, "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns, **self.config}
+
+    def get(self, src):
+        """The stored outcome of ``src`` — ("result", dict) or ("skipped", dict) — or None."""
+        import pickle
+        f = self._file(src)
+        try:
+            with open(f, "rb") as fh:
+                stamp, outcome = pickle.load(fh)
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            return None
+        return outcome if stamp == self._stamp(src) else None
+
+    def put(self, src, kind: str, value: dict):
+        import os
+        import pickle
+        f = self._file(src)
+        tmp = f.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            pickle.dump((self._stamp(src), (kind, value)), fh, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, f)
+
+    def remove(self):
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _killed(name, e) -> dict:
+    return {"tensor": name, "reason": f"it killed every Dask worker that analysed it ({type(e).__name__}: "
+                                      f"{' '.join(str(e).split())[:200]}); most likely out of memory: analyse it "
+                                      "with fewer workers per machine or more memory per worker"}
+
+
 def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: bool = True, dask: bool = False,
             scheduler: str | None = None, chunk_elems: int | None = None, quiet: bool = False,
-            client=None, include_vectors: bool = False, blocks: str | None = None) -> xr.Dataset:
+            client=None, include_vectors: bool = False, blocks: str | None = None, resume=None) -> xr.Dataset:
     """Analyse every tensor under ``paths``; returns the Dataset (``ds.attrs['skipped']`` lists what was not
     analysed and why, as JSON; entries with ``"ignored": true`` are no quantization targets — integer buffers,
     and biases and normalization weights unless ``include_vectors`` — rather than failures). ``blocks``: also write
-    the per-block records of every tensor and scheme to this netCDF file (:func:`blocks_dataset`)."""
+    the per-block records of every tensor and scheme to this netCDF file (:func:`blocks_dataset`). ``resume``: a
+    folder where each tensor's result is kept as it finishes; a rerun with the same arguments reads them back
+    instead of analysing those tensors again, and returns the same Dataset as an uninterrupted run. On a Dask
+    cluster a tensor whose worker dies is retried on another (Dask's ``allowed-failures``); one that keeps
+    killing workers (out of memory) is reported as skipped with that reason."""
     specs = DEFAULT_SCHEMES if schemes is None else tuple(SCHEMES_BY_LABEL[s] if isinstance(s, str) else s
                                                           for s in schemes)
     sources, problems, meta = discover(paths, role_overrides)
     results, skipped = [], [{"tensor": p, "reason": r} for p, r in problems]
     n_pairs = len(meta.get("pairs", {}))
     prog = _Progress(len(sources) + n_pairs, quiet)        # the weight-gradient GEMMs of the pairs come last
-    if dask or scheduler or client is not None:
+    parts = None
+    if resume is not None:
+        parts = Parts(resume, {"schemes": [sp.label for sp in specs], "seed": int(seed), "hadamard": bool(hadamard),
+                               "chunk_elems": chunk_elems, "include_vectors": bool(include_vectors),
+                               "blocks": bool(blocks)})
+    todo = []
+    for s in sources:
+        got = parts.get(s) if parts is not None else None
+        if got is None:
+            todo.append(s)
+            continue
+        (results if got[0] == "result" else skipped).append(got[1])
+        prog.stage(s.name, "read back from an earlier run")
+        prog.done()
+
+    def finished(s, kind, value):
+        (results if kind == "result" else skipped).append(value)
+        if parts is not None:
+            parts.put(s, kind, value)
+
+    if todo and (dask or scheduler or client is not None):
         from dask.distributed import Client, LocalCluster, as_completed
+        from distributed.scheduler import KilledWorker
         own = client is None
         if own:
             client = Client(scheduler, timeout=10) if scheduler else Client(
                 LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None))
         try:
             futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, None, include_vectors,
-                                  bool(blocks), pure=False): s for s in sources}
+                                  bool(blocks), pure=False): s for s in todo}
             for f in as_completed(futs):
                 s = futs[f]
                 try:
-                    results.append(f.result())
+                    finished(s, "result", f.result())
                 except TensorError as e:
-                    skipped.append(_skip(s.name, e))
+                    finished(s, "skipped", _skip(s.name, e))
+                except KilledWorker as e:
+                    skipped.append(_killed(s.name, e))          # not kept: a rerun with more memory tries again
                 prog.stage(s.name, "analysed on the cluster")
                 prog.done()
         finally:
             if own:
                 client.close()
     else:
-        for s in sources:
+        for s in todo:
             try:
-                results.append(analyze_tensor(s, specs, seed, hadamard, chunk_elems,
-                                              stage=lambda what, s=s: prog.stage(s.name, what),
-                                              include_vectors=include_vectors, blocks=bool(blocks)))
+                finished(s, "result", analyze_tensor(s, specs, seed, hadamard, chunk_elems,
+                                                     stage=lambda what, s=s: prog.stage(s.name, what),
+                                                     include_vectors=include_vectors, blocks=bool(blocks)))
             except TensorError as e:
-                skipped.append(_skip(s.name, e))
+                finished(s, "skipped", _skip(s.name, e))
             prog.done()
     order = {s.name: i for i, s in enumerate(sources)}
     results.sort(key=lambda r: order[r["name"]])
+    skipped = ([k for k in skipped if k["tensor"] not in order]            # listing problems, then by source
+               + sorted((k for k in skipped if k["tensor"] in order), key=lambda k: order[k["tensor"]]))
     pairs = []
     byname = {r["name"]: r for r in results}
     for pname, (a, g) in meta.get("pairs", {}).items():

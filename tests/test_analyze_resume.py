@@ -1,0 +1,113 @@
+"""python -m fp4sim.analyze over an interruption: the process killed mid-run and rerun with the same arguments
+resumes from the per-tensor results kept beside --out and writes the Dataset an uninterrupted run writes; a Dask
+worker killed mid-tensor has its tensor retried; a tensor that keeps killing workers (out of memory) is skipped
+with that reason, the rest analysed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from fp4sim.analyze import analyze
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dump(d: Path, n=6, shape=(256, 512)):
+    rng = np.random.default_rng(3)
+    d.mkdir()
+    for i in range(n):
+        np.save(d / f"layer{i}.weight.npy", (rng.standard_normal(shape) * (i + 1)).astype(np.float32))
+    return d
+
+
+def _same(a: xr.Dataset, b: xr.Dataset):
+    assert a.attrs == b.attrs
+    xr.testing.assert_identical(a, b)
+
+
+def test_a_killed_process_resumes_and_gives_the_same_dataset(tmp_path):
+    d = _dump(tmp_path / "dump")
+    ref = tmp_path / "ref.nc"
+    args = [sys.executable, "-m", "fp4sim.analyze", str(d), "--quiet", "--schemes", "nvfp4,mxfp4_rceil,bf16"]
+    r = subprocess.run(args + ["--out", str(ref)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert not Path(str(ref) + ".parts").exists()                  # removed once the Dataset is written
+    out = tmp_path / "run.nc"
+    parts = Path(str(out) + ".parts")
+    p = subprocess.Popen(args + ["--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while len(list(parts.glob("*.pkl"))) < 2 and p.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    kept = len(list(parts.glob("*.pkl")))
+    assert 2 <= kept < 6 and not out.exists(), kept
+    r = subprocess.run(args + ["--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    _same(xr.open_dataset(out), xr.open_dataset(ref))
+    assert not parts.exists()
+
+
+def test_resume_reuses_kept_results_only_for_the_same_arguments(tmp_path):
+    d = _dump(tmp_path / "dump", n=3, shape=(64, 128))
+    keep = tmp_path / "parts"
+    a = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True, resume=keep)
+    files = sorted(keep.glob("*.pkl"))
+    assert len(files) == 3
+    before = {f: f.stat().st_mtime_ns for f in files}
+    b = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True, resume=keep)
+    _same(a, b)
+    assert {f: f.stat().st_mtime_ns for f in files} == before             # read back, not recomputed
+    c = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True, resume=keep, seed=5)
+    assert {f: f.stat().st_mtime_ns for f in files} != before             # another seed: recomputed
+    _same(c, analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True, seed=5))
+    np.save(d / "layer0.weight.npy", np.ones((64, 128), np.float32))      # a changed file is analysed again
+    e = analyze([str(d)], schemes=["nvfp4"], hadamard=False, quiet=True, resume=keep, seed=5)
+    assert float(e["rel_mse"].sel(tensor="layer0.weight", scheme="nvfp4")) == 0.0
+
+
+@pytest.mark.slow
+def test_dask_worker_killed_mid_tensor_and_an_out_of_memory_tensor(tmp_path):
+    pytest.importorskip("dask.distributed")
+    import dask
+    from dask.distributed import Client, LocalCluster
+    d = _dump(tmp_path / "dump", n=4, shape=(512, 1024))
+    kw = dict(schemes=["nvfp4", "bf16"], quiet=True)
+
+    def cluster():                                        # single-threaded workers: the numbers of a local run
+        return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+    with cluster() as c, Client(c) as client:
+        ref = analyze([str(d)], client=client, **kw)
+    with cluster() as c, Client(c) as client:
+        pids = client.run(os.getpid)
+
+        def kill_one():                                   # SIGKILL a worker process while it analyses a tensor
+            time.sleep(1.0)
+            busy = [w for w, ts in client.processing().items() if ts] or list(pids)
+            os.kill(pids[busy[0]], signal.SIGKILL)
+        import threading
+        t = threading.Thread(target=kill_one, daemon=True)
+        t.start()
+        got = analyze([str(d)], client=client, **kw)
+        t.join()
+    _same(got, ref)
+    big = tmp_path / "big"
+    big.mkdir()
+    np.save(big / "small.weight.npy", np.ones((64, 64), np.float32))
+    np.save(big / "huge.weight.npy", np.ones((12000, 12000), np.float32))         # 576 MB: its analysis needs more
+    with dask.config.set({"distributed.scheduler.allowed-failures": 2}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="700MiB",
+                         dashboard_address=None) as cluster, Client(cluster) as client:
+        got = analyze([str(big)], client=client, schemes=["nvfp4"], quiet=True, hadamard=False)
+    assert list(got.tensor.values) == ["small.weight"]
+    sk = json.loads(got.attrs["skipped"])
+    assert sk[0]["tensor"] == "huge.weight" and "killed every Dask worker" in sk[0]["reason"]
