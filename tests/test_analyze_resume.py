@@ -111,3 +111,47 @@ def test_dask_worker_killed_mid_tensor_and_an_out_of_memory_tensor(tmp_path):
     assert list(got.tensor.values) == ["small.weight"]
     sk = json.loads(got.attrs["skipped"])
     assert sk[0]["tensor"] == "huge.weight" and "killed every Dask worker" in sk[0]["reason"]
+
+
+def _sharded(d: Path, n: int, shape=(256, 1024), per_shard=2):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(9)
+    d.mkdir()
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(n)]
+    shards = -(-n // per_shard)
+    wmap = {}
+    for s in range(shards):
+        fn = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s * per_shard:(s + 1) * per_shard]
+        save_file({k: rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for k in part}, str(d / fn))
+        wmap.update({k: fn for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    return d, names
+
+
+def test_a_sharded_checkpoint_is_analysed_entry_by_entry(tmp_path):
+    """A sharded Hugging Face folder (BF16 entries, its index): every entry under its own name, the numbers of
+    the same tensors in one file, and the peak memory of 16 tensors that of 2 (one tensor at a time)."""
+    import tracemalloc
+
+    from safetensors.numpy import load_file, save_file
+    d, names = _sharded(tmp_path / "sharded", 16)
+    kw = dict(schemes=["nvfp4"], hadamard=False, quiet=True)
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()},
+              str(one / "model.safetensors"))
+    a = analyze([str(d)], **kw)
+    assert list(a.tensor.values) == names and json.loads(a.attrs["skipped"]) == []
+    b = analyze([str(one)], **kw)
+    assert sorted(b.tensor.values) == sorted(names)
+    _same(a.drop_attrs().sortby("tensor"), b.drop_attrs().sortby("tensor"))
+    d2, _ = _sharded(tmp_path / "two", 2)
+    peaks = []
+    for path in (d2, d):
+        tracemalloc.start()
+        analyze([str(path)], **kw)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.3 * peaks[0], peaks
