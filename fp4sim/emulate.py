@@ -24,7 +24,7 @@ from . import fastpath
 from ._xp import xp_of
 from .gemm import TENSOR_CORE, covers, gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
-from .schemes import NVFP4, NVFP4UE5M3, FP8Tensor
+from .schemes import NVFP4UE5M3, FP8Tensor
 from .training import OPERANDS, Operand, Recipe
 
 __all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "held_amax", "quantize_operand", "Values",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cpu import tensorcore as _cpu
-from .accumulate import EMIN, chain_exp, exponents
+from .accumulate import chain_exp, exponents
 from .models import BlockFMA
 
 __all__ = ["tcgen05_fp4", "tcgen05_fp8", "MXF8_STEP"]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensorcore.scaled_mm import _CANON_NAN, _FP8, _NP_OUT, _operand, _out_name, _scale, epilogue, scaled_mm
-from .gemm import GemmReport, _ordered, _same
+from ..tensorcore.scaled_mm import _FP8, _NP_OUT, _operand, _out_name, _scale, epilogue, scaled_mm
+from .gemm_report import GemmReport, _ordered, _same
 
 __all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES"]
 
@@ -86,7 +86,7 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
     if o.size == 0:
         raise ValueError(f"out has shape {o.shape}: an empty output matches every model")
     sa, sb = _scale(scale_a, "scale_a"), _scale(scale_b, "scale_b")
-    ys, notes = {}, []
+    ys = {}
     skipped = {}
     for n in names:
         model, fast = SCALED_MM_CANDIDATES[n]
@@ -180,7 +180,7 @@ def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
     import json
     from pathlib import Path
 
-    from .gemm import separation
+    from .gemm_report import separation
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir} exists and is not an empty folder: write the witnesses into a new folder (or "
