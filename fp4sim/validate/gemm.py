@@ -8,6 +8,7 @@ equals ``te_reference`` on every input (both exact per 16-element block, nearest
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ml_dtypes
@@ -16,7 +17,6 @@ import numpy as np
 from ..gemm import gemm
 from ..qtensor import QuantizedTensor
 from ..schemes import MX, NVFP4, get_scheme
-from .gemm_report import GemmReport, _ordered, _same, separation
 
 __all__ = ["compare_gemm", "GemmReport", "CANDIDATES", "gemm_operand", "write_witnesses", "check_witnesses"]
 
@@ -27,6 +27,63 @@ CANDIDATES = {"te_reference": ("te_reference", None), "exact_sum": ("exact_sum",
               "k128_rne": ("k128_rne", None), "k16_rtz": ("k16_rtz", None), "tcgen05": ("tcgen05", None)}
 NON_NVFP4 = ("te_reference",)          # the one exact model fp4sim defines for the other formats
 MX_MODELS = ("te_reference", "tcgen05")   # MXFP4 / MXFP8: the exact rule and Blackwell's instructions
+
+
+@dataclass
+class GemmReport:
+    """Outcome of :func:`compare_gemm`.
+
+    best: the first model (in ``CANDIDATES`` order) that reproduces every output element bit for bit, or None;
+    matches: every model that does (more than one: these operands do not tell them apart — use the witnesses);
+    match_fraction: {model: share of elements with identical bits}; closest: the model with the largest share;
+    mismatches: the closest model's worst elements (row, col, the kernel's value, the model's, the distance in
+    units in the last place of the output dtype); faults: for an output no model reproduces, the known faults
+    that do reproduce it (the transposed product B . A^T, bfloat16 bits truncated instead of rounded).
+    """
+    shape: tuple
+    dtype: str
+    scheme: str
+    best: str | None
+    matches: list
+    match_fraction: dict
+    closest: str
+    mismatches: list = field(default_factory=list)
+    nan_mismatches: int = 0
+    notes: list = field(default_factory=list)
+    faults: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.best is not None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), indent=kw.pop("indent", 1), default=float, **kw)
+
+    def summary(self) -> str:
+        M, N = self.shape
+        head = (f"fp4sim.validate gemm: {self.scheme}, {M}x{N} {self.dtype} outputs: "
+                + (f"MATCHES {self.best}" if self.best else "NO MODEL MATCHES"))
+        lines = [head]
+        if len(self.matches) > 1:
+            lines.append(f"  also reproduced by {', '.join(m for m in self.matches if m != self.best)}: these "
+                         "operands do not tell them apart (python -m fp4sim.validate gemm-witnesses)")
+        for m, f in sorted(self.match_fraction.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {m:18s} {100 * f:8.3f}% of elements identical")
+        if self.mismatches:
+            lines.append(f"  worst mismatches against the closest model, {self.closest} (row, col: kernel vs model, "
+                         "ulps):")
+            for e in self.mismatches:
+                lines.append(f"    [{e['row']}, {e['col']}]: {e['kernel']!r} vs {e['model']!r} ({e['ulps']})")
+        for f in self.faults:
+            lines.append(f"  fault: {f}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
 
 
 def _output(out):
@@ -43,6 +100,20 @@ def _output(out):
         raise TypeError(f"out has dtype {out.dtype}: give the kernel's float32 or bfloat16 output as it wrote it "
                         "(a bfloat16 array as ml_dtypes.bfloat16, or a torch.bfloat16 tensor)")
     return out, "float32"
+
+
+def _ordered(a):
+    """Integers in the order of the floats (adjacent floats differ by 1), for distances in ulps."""
+    bits = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32).astype(np.int64)
+    sign = np.int64(1) << (16 if a.dtype.itemsize == 2 else 32) - 1
+    return np.where(bits & sign, -(bits & (sign - 1)), bits)
+
+
+def _same(a, b):
+    """Elementwise: identical bits, or NaN on both sides (a NaN's payload is not the accumulation's)."""
+    na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    w = np.uint16 if a.dtype.itemsize == 2 else np.uint32
+    return np.where(na | nb, na & nb, a.view(w) == b.view(w))
 
 
 def model_outputs(qa, qb, models=None) -> dict:
@@ -294,6 +365,19 @@ def _bf16_cells(rng, n=64, K=512):
     return mk(ca[rows_], sa[rows_]), mk(cb[cols], sb[cols])
 
 
+def separation(ys: dict, bf16: bool = False) -> dict:
+    """{"m1 | m2": number of cells where the two models' outputs differ} for every pair."""
+    names = list(ys)
+    out = {}
+    for i, m1 in enumerate(names):
+        for m2 in names[i + 1:]:
+            a, b = ys[m1], ys[m2]
+            if bf16:
+                a, b = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+            out[f"{m1} | {m2}"] = int((~_same(a, b)).sum())
+    return out
+
+
 README = """fp4sim GEMM witnesses: operand sets whose outputs tell NVFP4 accumulation models apart.
 
 Each folder holds one NVFP4 x NVFP4 GEMM, y = A . B^T (A: M x K, B: N x K, both quantized along K):
@@ -371,10 +455,16 @@ def load_output(spec, dtype: str = "float32"):
     return o
 
 
-def check_witnesses(witness_dir, outputs_dir, dtype: str = "float32") -> dict:
+def _compare_nvfp4_witness(d, entry, out):
+    qa, qb, exp = read_witness(d)
+    return compare_gemm(qa, qb, out, expected=exp)
+
+
+def check_witnesses(witness_dir, outputs_dir, dtype: str = "float32", compare=_compare_nvfp4_witness) -> dict:
     """Every witness of ``witness_dir`` against the device's outputs ``outputs_dir/NAME.npy``: {"reports": {name:
     GemmReport}, "consistent": the models that reproduce every witness present bit for bit, in CANDIDATES order,
-    "missing": the witnesses without an output (the verdict is over the others; none present is an error)}."""
+    "missing": the witnesses without an output (the verdict is over the others; none present is an error)}.
+    ``compare(folder, manifest entry, output)``: the report of one witness (the FP8 witnesses pass theirs)."""
     witness_dir, outputs_dir = Path(witness_dir), Path(outputs_dir)
     man = witness_dir / "manifest.json"
     if not man.is_file():
@@ -392,13 +482,7 @@ def check_witnesses(witness_dir, outputs_dir, dtype: str = "float32") -> dict:
         if n in missing:
             continue
         p = outputs_dir / f"{n}.npy"
-        if manifest.get("format") == "fp8":
-            from .scaled_mm import compare_scaled_mm, read_fp8_witness
-            a, b, sa, sb, exp = read_fp8_witness(witness_dir / n, manifest["witnesses"][n])
-            rep = compare_scaled_mm(a, b.T, sa, sb, load_output(p, dtype))
-        else:
-            qa, qb, exp = read_witness(witness_dir / n)
-            rep = compare_gemm(qa, qb, load_output(p, dtype), expected=exp)
+        rep = compare(witness_dir / n, manifest["witnesses"][n], load_output(p, dtype))
         reports[n] = rep
         consistent = set(rep.matches) if consistent is None else consistent & set(rep.matches)
     return {"reports": reports, "consistent": [m for m in models if m in (consistent or set())],

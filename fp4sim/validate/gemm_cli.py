@@ -80,12 +80,20 @@ def gemm_main(argv) -> int:
     try:
         if a.json:
             check_writable(a.json, "--json")
-        if a.expect and a.expect not in CANDIDATES and not (a.a_fp8 or a.b_fp8):
-            raise ValueError(f"--expect {a.expect!r}: one of {', '.join(CANDIDATES)}")
+        from .scaled_mm import SCALED_MM_CANDIDATES
+        if a.expect and a.expect not in CANDIDATES and a.expect not in SCALED_MM_CANDIDATES:
+            raise ValueError(f"--expect {a.expect!r}: one of {', '.join(CANDIDATES)} (NVFP4) or "
+                             f"{', '.join(SCALED_MM_CANDIDATES)} (FP8)")
         if a.witnesses or a.outputs:
             if not (a.witnesses and a.outputs):
                 raise ValueError("--witnesses and --outputs go together (the witness folder and the device's outputs)")
-            res = check_witnesses(a.witnesses, a.outputs, a.out_dtype)
+            man = Path(a.witnesses) / "manifest.json"
+            fp8 = man.is_file() and json.loads(man.read_text()).get("format") == "fp8"
+            if fp8:
+                from .scaled_mm import check_fp8_witnesses
+                res = check_fp8_witnesses(a.witnesses, a.outputs, a.out_dtype)
+            else:
+                res = check_witnesses(a.witnesses, a.outputs, a.out_dtype)
             ok = (a.expect in res["consistent"]) if a.expect else bool(res["consistent"])
             for n, rep in res["reports"].items():
                 if len(rep.matches) == len(rep.match_fraction):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..tensorcore.scaled_mm import _FP8, _NP_OUT, _operand, _out_name, _scale, epilogue, scaled_mm
-from .gemm_report import GemmReport, _ordered, _same
+from .gemm import GemmReport, _ordered, _same
 
 __all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES"]
 
@@ -180,7 +180,7 @@ def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
     import json
     from pathlib import Path
 
-    from .gemm_report import separation
+    from .gemm import separation
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir} exists and is not an empty folder: write the witnesses into a new folder (or "
@@ -236,3 +236,14 @@ def read_fp8_witness(d, manifest_entry):
     b = np.load(d / "b.npy").view(dt[manifest_entry["b_format"]])
     exp = {p.stem: np.load(p) for p in sorted((d / "expected").glob("*.npy"))}
     return a, b, np.float32(np.load(d / "scale_a.npy")[0]), np.float32(np.load(d / "scale_b.npy")[0]), exp
+
+
+def _compare_fp8_witness(d, entry, out):
+    a, b, sa, sb, _ = read_fp8_witness(d, entry)
+    return compare_scaled_mm(a, b.T, sa, sb, out)
+
+
+def check_fp8_witnesses(witness_dir, outputs_dir, dtype: str = "float32") -> dict:
+    """:func:`fp4sim.validate.gemm.check_witnesses` for a folder written by :func:`write_fp8_witnesses`."""
+    from .gemm import check_witnesses
+    return check_witnesses(witness_dir, outputs_dir, dtype, compare=_compare_fp8_witness)
