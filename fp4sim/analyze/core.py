@@ -1,9 +1,13 @@
 """Running the analysis over a dump and assembling the xarray Dataset."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import xarray as xr
@@ -99,24 +103,20 @@ class Parts:
     file) and every argument that changes its numbers are the same."""
 
     def __init__(self, folder, config: dict):
-        from pathlib import Path
         self.dir = Path(folder)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = config
 
     def _file(self, src):
-        import hashlib
         return self.dir / (hashlib.sha1(f"{src.path}\0{src.key}\0{src.name}".encode()).hexdigest() + ".pkl")
 
     def _stamp(self, src) -> dict:
-        import os
         st = os.stat(src.path)
         return {"path": str(src.path), "key": src.key, "name": src.name, "role": src.role, "size": st.st_size,
                 "mtime_ns": st.st_mtime_ns, **self.config}
 
     def get(self, src):
         """The stored outcome of ``src`` — ("result", dict) or ("skipped", dict) — or None."""
-        import pickle
         f = self._file(src)
         try:
             with open(f, "rb") as fh:
@@ -126,17 +126,11 @@ class Parts:
         return outcome if stamp == self._stamp(src) else None
 
     def put(self, src, kind: str, value: dict):
-        import os
-        import pickle
         f = self._file(src)
         tmp = f.with_suffix(".tmp")
         with open(tmp, "wb") as fh:
             pickle.dump((self._stamp(src), (kind, value)), fh, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, f)
-
-    def remove(self):
-        import shutil
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _killed(name, e) -> dict:

@@ -63,12 +63,13 @@ def plan(K: int, model: TensorCoreModel, *, fast: bool, split_k=1) -> tuple:
     """(splits, scheme): ``splits[s]`` is the list of the K-index runs (int64, -1 padding) split s chains, each
     from +0; the runs of a split are added in order in float32 from +0 (one run under fast accumulation), the
     splits combined by ``scheme`` ("none", "serial", "pairwise", "contiguous")."""
-    S, scheme = (split_k, None) if isinstance(split_k, int) and not isinstance(split_k, bool) else (None, None)
-    if S is None:
-        if not (isinstance(split_k, tuple) and len(split_k) == 2 and isinstance(split_k[0], int)
-                and not isinstance(split_k[0], bool) and isinstance(split_k[1], str)):
-            raise ValueError(f"split_k={split_k!r}: use 1 (unsplit) or (S, scheme), e.g. (2, 'contiguous')")
+    if isinstance(split_k, int) and not isinstance(split_k, bool):
+        S, scheme = split_k, None
+    elif (isinstance(split_k, tuple) and len(split_k) == 2 and isinstance(split_k[0], int)
+          and not isinstance(split_k[0], bool) and isinstance(split_k[1], str)):
         S, scheme = split_k
+    else:
+        raise ValueError(f"split_k={split_k!r}: use 1 (unsplit) or (S, scheme), e.g. (2, 'contiguous')")
     if S < 1:
         raise ValueError(f"split_k={split_k!r}: the number of splits must be at least 1")
     if S > 1 and scheme is None:

@@ -40,7 +40,8 @@ def _scale_parts(s, fmt):
     return s, e
 
 
-def _pad(v, n, axis_len):
+def _pad(v, axis_len):
+    """v (rows, n) zero-padded to (rows, axis_len)."""
     if v.shape[1] == axis_len:
         return np.ascontiguousarray(v)
     out = np.zeros((v.shape[0], axis_len), v.dtype)
@@ -55,9 +56,9 @@ def tcgen05_fp4(va, sa, vb, sb, block: int, scale_fmt: str, backend=None) -> np.
     K = va.shape[1]
     Kp = -(-K // 64) * 64
     nb = Kp // block
-    va, vb = _pad(np.asarray(va, np.float32), 0, Kp), _pad(np.asarray(vb, np.float32), 0, Kp)
-    sa, ea = _scale_parts(_pad(np.asarray(sa, np.float64), 0, nb), scale_fmt)
-    sb, eb = _scale_parts(_pad(np.asarray(sb, np.float64), 0, nb), scale_fmt)
+    va, vb = _pad(np.asarray(va, np.float32), Kp), _pad(np.asarray(vb, np.float32), Kp)
+    sa, ea = _scale_parts(_pad(np.asarray(sa, np.float64), nb), scale_fmt)
+    sb, eb = _scale_parts(_pad(np.asarray(sb, np.float64), nb), scale_fmt)
     if backend is not None:                      # the CUDA kernel (the same bits)
         from ..gpu import ops
         xp = backend.xp
@@ -72,9 +73,9 @@ def tcgen05_fp8(va, fmt_a: str, sa, vb, fmt_b: str, sb, backend=None) -> np.ndar
     formats fmt_a / fmt_b ("e4m3" / "e5m2"); sa (M, K/32), sb (N, K/32) the decoded power-of-two scales."""
     K = va.shape[1]
     Kp = -(-K // 32) * 32
-    va, vb = _pad(np.asarray(va, np.float32), 0, Kp), _pad(np.asarray(vb, np.float32), 0, Kp)
-    sa = np.repeat(_pad(np.asarray(sa, np.float64), 0, Kp // 32), 32, axis=1)
-    sb = np.repeat(_pad(np.asarray(sb, np.float64), 0, Kp // 32), 32, axis=1)
+    va, vb = _pad(np.asarray(va, np.float32), Kp), _pad(np.asarray(vb, np.float32), Kp)
+    sa = np.repeat(_pad(np.asarray(sa, np.float64), Kp // 32), 32, axis=1)
+    sb = np.repeat(_pad(np.asarray(sb, np.float64), Kp // 32), 32, axis=1)
     _, esa = _scale_parts(sa, "ue8m0")
     _, esb = _scale_parts(sb, "ue8m0")
     ea, eb = exponents(va, fmt_a), exponents(vb, fmt_b)

@@ -65,13 +65,16 @@ def _scale(s, name) -> np.float32:
 
 
 def _out_name(out_dtype, default: str) -> str:
+    """The output dtype's name from a torch dtype, a NumPy / ml_dtypes dtype or a name (None: ``default``)."""
     if out_dtype is None:
         return default
-    n = _dtype_name(out_dtype if not isinstance(out_dtype, np.dtype) else out_dtype.name)
-    try:
-        n = _dtype_name(np.dtype(out_dtype).name) if not (_is_torch(out_dtype) or isinstance(out_dtype, str)) else n
-    except TypeError:
-        pass
+    if isinstance(out_dtype, str) or _is_torch(out_dtype):
+        n = _dtype_name(out_dtype)
+    else:
+        try:
+            n = np.dtype(out_dtype).name
+        except TypeError:
+            n = repr(out_dtype)
     if n not in _OUT:
         raise ValueError(f"out_dtype={out_dtype!r}: use one of {', '.join(_OUT)} (torch or NumPy / ml_dtypes "
                          f"dtypes, or their names)")
@@ -157,7 +160,7 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     import torch
     ut = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[r.dtype.itemsize]
     raw = torch.from_numpy(r.view({1: np.uint8, 2: np.int16, 4: np.int32}[r.dtype.itemsize]).copy())
-    return raw.view(ut).view(getattr(torch, out))
+    return raw.view(ut).view(getattr(torch, out)).to(a.device)          # where torch would return it
 
 
 def _exact(A, Bt):
