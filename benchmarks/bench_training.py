@@ -3,6 +3,7 @@
     python benchmarks/bench_training.py [--repeat 3] [--d-model 256] [--only gemm|step] [--json out.json]
     python benchmarks/bench_training.py --model paper [--presets nvfp4_paper,bf16] [--general] [--sizes 128x32,64x64]
                                         [--keep-last 0] [--accumulate fast|exact] [--json out.json]
+    python benchmarks/bench_training.py --model paper --import-order torch,numpy,fp4sim [--rounds 2] [...]
 
 1. fp4sim.gemm (exact and fast; for NVFP4 also the hardware accumulation models k64_rtz and exact_sum) for
    M = N = K = 1024 NVFP4 / MXFP4 operands, against a float32 BLAS matmul of the same shape (the quantization of
@@ -16,20 +17,30 @@ high precision as paper_repro keeps it, against the same model in plain torch fl
 same steps with the fast path turned off (what ``accumulate="fast"`` cost before it) are timed in the same
 rounds, so the before / after ratio comes from one run.
 Each ratio's two sides are timed in three alternating rounds (best of --repeat calls each), so a load spike
-on a shared machine does not fall on one side only.
+on a shared machine does not fall on one side only. torch is imported first, as a user's script does.
+``--import-order``: each listed order (torch, numpy or fp4sim imported first) in a fresh process of its own,
+and the plain float32 step in a process that never imports fp4sim (the baseline of every ratio, and what the
+plain step costs where fp4sim is imported: importing fp4sim must not slow torch's own work); the processes
+run in turn, ``--rounds`` times, best time of each kept.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-import fp4sim  # noqa: F401,I001  (first: its OpenMP and OpenBLAS thread settings apply only before NumPy, torch load)
-import numpy as np
+ORDERS = {"torch": ("torch", "numpy", "fp4sim"), "numpy": ("numpy", "fp4sim", "torch"),
+          "fp4sim": ("fp4sim", "numpy", "torch"), "none": ("torch", "numpy")}
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import best_alternating  # noqa: E402
+
+def _import(order: str):
+    """Import torch, NumPy and fp4sim in the given order (``none``: no fp4sim), then the benchmark helpers."""
+    import importlib
+    for name in ORDERS[order]:
+        importlib.import_module(name)
+    sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main():
@@ -45,11 +56,20 @@ def main():
     ap.add_argument("--accumulate", choices=("fast", "exact"), default="fast", help="the recipes' GEMM rule (--model paper)")
     ap.add_argument("--keep-last", type=int, default=0,
                     help="blocks at the end kept in BF16 (--model paper; paper_repro's full mode keeps 1)")
+    ap.add_argument("--import-order", help="--model paper: comma-separated orders among torch, numpy, fp4sim, "
+                    "each timed in a fresh process against a process without fp4sim")
+    ap.add_argument("--rounds", type=int, default=2, help="--import-order: rounds of the processes")
+    ap.add_argument("--child", choices=tuple(ORDERS), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.import_order:
+        return import_orders(a)
+    _import(a.child or "torch")
     if a.model == "paper":
         return paper_steps(a)
     import fp4sim as fs
+    import numpy as np
     import torch
+    from _common import best_alternating
     from fp4sim.torch import convert
     from fp4sim.training import Recipe
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -96,14 +116,65 @@ def main():
         Path(a.json).write_text(json.dumps(out, indent=1))
 
 
+def import_orders(a):
+    """Each order in a fresh process (``--child ORDER``), and the plain step in one without fp4sim, in turn,
+    ``a.rounds`` times; prints and returns the ratios to the fp4sim-free process's plain step."""
+    orders = a.import_order.split(",")
+    bad = [o for o in orders if o not in ORDERS or o == "none"]
+    if bad:
+        raise SystemExit(f"--import-order {a.import_order}: give orders among torch, numpy, fp4sim")
+    args = ["--model", "paper", "--repeat", str(a.repeat), "--sizes", a.sizes, "--presets", a.presets,
+            "--accumulate", a.accumulate, "--keep-last", str(a.keep_last)]
+    best: dict = {}
+    for _ in range(a.rounds):
+        for order in ["none"] + orders:
+            out = subprocess.run([sys.executable, __file__, *args, "--child", order], capture_output=True,
+                                 text=True)
+            if out.returncode:
+                raise SystemExit(f"the {order}-first process failed:\n{out.stderr[-3000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            for key, t in got["time"].items():
+                k = (order, key)
+                best[k] = min(best.get(k, float("inf")), t)
+    res = {"baseline_plain_s": {}, "orders": {}}
+    for size in a.sizes.split(","):
+        d, B = (int(v) for v in size.split("x"))
+        tok = B * 128
+        t0 = best[("none", f"d{d}_B{B}_plain")]
+        res["baseline_plain_s"][size] = t0
+        print(f"d_model {d}, {B} x 128 tokens: plain float32 step without fp4sim in the process {t0 * 1e3:.1f} ms "
+              f"({tok / t0:.0f} tokens/s)")
+        for order in orders:
+            tp = best[(order, f"d{d}_B{B}_plain")]
+            row = {"plain": tp / t0}
+            line = f"  {order:6} first: plain step {tp / t0:5.2f}x"
+            for preset in a.presets.split(","):
+                t = best[(order, f"d{d}_B{B}_{preset}")]
+                row[preset] = t / t0
+                line += f", {preset} {t / t0:5.2f}x ({tok / t:.0f} tokens/s)"
+            res["orders"].setdefault(size, {})[order] = row
+            print(line, flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return res
+
+
 def paper_steps(a):
     import torch
+    from _common import best
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    from fp4sim import fastpath
-    from paper_repro.model import GPTConfig, build
-    from paper_repro.train import make_recipe
+    from paper_repro.model import GPT, GPTConfig
 
-    out = {"step": {}, "tokens_per_s": {}, "threads": torch.get_num_threads()}
+    child = a.child is not None
+    if child and a.child == "none":
+        fastpath = build = make_recipe = None
+    else:
+        from fp4sim import fastpath
+        from paper_repro.model import build
+        from paper_repro.train import make_recipe
+    from _common import best_alternating
+
+    out = {"step": {}, "tokens_per_s": {}, "threads": torch.get_num_threads(), "time": {}}
     for size in a.sizes.split(","):
         d, B = (int(v) for v in size.split("x"))
         c = GPTConfig(d_model=d, n_layers=4)
@@ -113,7 +184,7 @@ def paper_steps(a):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
             def f():
-                old = fastpath._set_enabled(fast)
+                old = fastpath._set_enabled(fast) if fastpath else None
                 try:
                     logits = model(idx[:, :-1])
                     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, c.vocab), idx[:, 1:].reshape(-1))
@@ -121,10 +192,21 @@ def paper_steps(a):
                     loss.backward()
                     opt.step()
                 finally:
-                    fastpath._set_enabled(old)
+                    if fastpath:
+                        fastpath._set_enabled(old)
             return f
 
-        base = step_fn(build(c, "none", 0))
+        torch.manual_seed(0)
+        base = step_fn(GPT(c))                       # plain float32 (what build(c, "none", 0) gives)
+        if child:
+            out["time"][f"d{d}_B{B}_plain"] = best(base, a.repeat)
+            if a.child == "none":
+                continue
+            for preset in a.presets.split(","):
+                f = step_fn(build(c, make_recipe(preset, {}, a.keep_last, 0, a.accumulate), 0))
+                out["time"][f"d{d}_B{B}_{preset}"] = best(f, a.repeat)
+                out["time"][f"d{d}_B{B}_plain"] = min(out["time"][f"d{d}_B{B}_plain"], best(base, a.repeat))
+            continue
         for preset in a.presets.split(","):
             rec = make_recipe(preset, {}, a.keep_last, 0, a.accumulate)
             fns = [base, step_fn(build(c, rec, 0))]
@@ -143,6 +225,9 @@ def paper_steps(a):
                 out["tokens_per_s"][key]["general"] = tok / ts[2]
                 line += f"; fast path off: {ts[2] / t0:5.2f}x ({tok / ts[2]:6.0f} tokens/s)"
             print(line, flush=True)
+    if child:
+        print(json.dumps({"time": out["time"]}))
+        return out
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import fp4sim  # noqa: F401  (before torch: the OpenMP wait policy)
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))

@@ -1,6 +1,8 @@
 """The array module (NumPy or CuPy) an array belongs to, without importing CuPy unless it is in use."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 
 import numpy as np
@@ -20,3 +22,26 @@ def xp_of(*arrays):
 def table(xp, values: np.ndarray):
     """A (small) NumPy lookup table on the device of ``xp``."""
     return values if xp is np else xp.asarray(values)
+
+
+_MATMUL = contextvars.ContextVar("fp4sim_matmul", default=None)
+
+
+def matmul(a, b):
+    """``a @ b`` for fp4sim's GEMMs: NumPy's (or CuPy's) matmul, or for NumPy arrays the function
+    :func:`matmul_by` installed in this context (the torch bridge installs torch's, so that its GEMMs run on
+    torch's threads; see :mod:`fp4sim.threads`)."""
+    f = _MATMUL.get()
+    if f is not None and type(a) is np.ndarray and type(b) is np.ndarray:
+        return f(a, b)
+    return xp_of(a, b).matmul(a, b)
+
+
+@contextlib.contextmanager
+def matmul_by(f):
+    """Within the block, :func:`matmul` of NumPy arrays calls ``f(a, b)`` (which returns a NumPy array)."""
+    token = _MATMUL.set(f)
+    try:
+        yield
+    finally:
+        _MATMUL.reset(token)

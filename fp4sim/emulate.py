@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import fastpath
-from ._xp import xp_of
+from ._xp import matmul, xp_of
 from .gemm import TENSOR_CORE, covers, gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
 from .schemes import NVFP4UE5M3, FP8Tensor
@@ -209,7 +209,7 @@ def _shared(prev, op: Operand):
 
 def _fast_matmul(A, B):
     """A·Bᵀ of two operands with their dot axes last: the call and layouts of ``gemm(accumulate="fast")``."""
-    return np.matmul(A, B.T).astype(np.float32, copy=False)
+    return matmul(A, B.T).astype(np.float32, copy=False)
 
 
 def _operand_stats(a, q, name):
@@ -267,7 +267,7 @@ def _upcast_matmul(qa, qb, a_axis, b_axis):
     b = dequantize(qb) if hasattr(qb, "codes") else qb
     A = a if a_axis == 1 else a.T
     B = b if b_axis == 1 else b.T
-    return xp_of(a).matmul(A, B.T).astype(np.float32)
+    return matmul(A, B.T).astype(np.float32)
 
 
 def fprop(x2, w, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, return_qx=False, amax_state=None):
@@ -320,7 +320,7 @@ def dgrad(dy2, w, recipe: Recipe, layer: int = 0, call: int = 0, qw_fprop=None, 
         if cache is not None:
             cache["dy"] = dyv
         if recipe.dgrad_w_reuse_fprop and isinstance(qw_fprop, Values) and qw_fprop.reuse and recipe.dgrad_w.quantized:
-            return np.matmul(dyv.a, qw_fprop.a).astype(np.float32)     # the Fprop weight as it is, along N
+            return matmul(dyv.a, qw_fprop.a).astype(np.float32)     # the Fprop weight as it is, along N
         B = _shared(qw_fprop, recipe.dgrad_w)
         if B is None:
             B = _operand_values(w, recipe.dgrad_w, 0, recipe, layer, call, "dgrad_w", s)
@@ -351,7 +351,7 @@ def wgrad(dy2, x2, recipe: Recipe, layer: int = 0, call: int = 0, stats=None, qx
         if A is None:
             A = _operand_values(dy2, recipe.wgrad_dy, 0, recipe, layer, call, "wgrad_dy", s)
         if recipe.wgrad_x_reuse_fprop and isinstance(qx_fprop, Values) and qx_fprop.reuse and recipe.wgrad_x.quantized:
-            return np.matmul(A, qx_fprop.a).astype(np.float32)          # Fprop's x as it is, along K
+            return matmul(A, qx_fprop.a).astype(np.float32)          # Fprop's x as it is, along K
         B = _shared(qx_fprop, recipe.wgrad_x)
         if B is None:
             B = _operand_values(x2, recipe.wgrad_x, 0, recipe, layer, call, "wgrad_x", s)

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._xp import xp_of
+from ._xp import matmul, xp_of
 from .formats import E2M1, E4M3
 from .layout import unpack_fp4
 from .planning import POW2_DEC
@@ -229,7 +229,7 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
         b = dequantize(qb)
         a = a if qa.axis == 1 else a.T                # BLAS takes a transposed operand as it lies: no copy
         b = b if qb.axis == 1 else b.T
-        return xp.matmul(a, b.T).astype(np.float32, copy=False)
+        return matmul(a, b.T).astype(np.float32, copy=False)
     if xp is np and ka in ("nvfp4", "mxfp4"):
         y = _e2m1_exact_cpu(qa, qb, 16 if ka == "nvfp4" else 32)
         return _nvfp4_alpha(qa, qb, xp) * y if ka == "nvfp4" else y
@@ -360,9 +360,9 @@ def _blockwise(qa, qb, ka, xp):
         for j in range(Kp // bk):
             a, b = va[:, j * bk:(j + 1) * bk], vb[:, j * bk:(j + 1) * bk]
             if exact_dot:
-                dot = xp.matmul(a, b.T)                       # exact: dyadic partial sums below 2^11
+                dot = matmul(a, b.T)                          # exact: dyadic partial sums below 2^11
             else:
-                dot = xp.matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
+                dot = matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
             if per_tensor:
                 y += dot
             else:

@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import fp4sim  # noqa: F401  (before torch: the OpenMP wait policy)
-
 from . import ablations, figures
 from .figures import FIGURES
 

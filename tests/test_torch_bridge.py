@@ -414,49 +414,109 @@ def test_four_over_six_operands_and_switch():
         Recipe.preset("nvfp4_paper", four_over_six="l1")
 
 
-@pytest.mark.parametrize("order,env,want", [
-    ("fp4sim, torch", {}, "False False None None"),
-    ("torch, fp4sim", {}, "True True 1 1"),                      # torch loads NumPy too
-    ("torch, fp4sim", {"OMP_WAIT_POLICY": "PASSIVE"}, "False True 1 None"),
-    ("torch, fp4sim", {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}, "False False None None"),
-    ("numpy, fp4sim", {}, "False True 1 None"),
-    ("fp4sim, torch", {"OMP_WAIT_POLICY": "ACTIVE"}, "True False 1 1")])
-def test_spinning_pools_follow_the_import_order_and_the_environment(order, env, want):
-    """torch's OpenMP workers spin when torch was imported before fp4sim with no wait policy set, or with
-    OMP_WAIT_POLICY=ACTIVE; OpenBLAS's when NumPy was loaded before fp4sim with no OPENBLAS_THREAD_TIMEOUT.
-    The bridge then runs its Numba kernels on one thread, and its BLAS calls too where torch's pool spins."""
+_ORDER_SCRIPT = """
+import {order}
+import hashlib, os, sys
+import numpy as np, torch
+before = dict(os.environ)
+import fp4sim
+from fp4sim.torch import QuantLinear
+from fp4sim.training import Recipe
+assert dict(os.environ) == before, "importing fp4sim changed the environment"
+torch.manual_seed(0)
+h = hashlib.sha256()
+for acc in ("fast", "exact"):
+    lin = QuantLinear(96, 80, recipe=Recipe.preset("nvfp4_paper", accumulate=acc))
+    x = torch.randn(64, 96, requires_grad=True)
+    y = lin(x)
+    y.backward(torch.randn_like(y))
+    for t in (y, x.grad, lin.weight.grad):
+        h.update(t.detach().numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_the_bridge_gives_the_same_bits_whatever_the_import_order():
+    """torch, NumPy or fp4sim imported first (fresh processes, with and without a Numba kernel run before torch
+    is imported): importing fp4sim changes no environment variable, and a QuantLinear's output and gradients
+    (fast and exact accumulation) are the same bytes."""
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")}
-    code = (f"import {order}; import os; from fp4sim import threads; "
-            "print(threads.torch_pool_spins(), threads.blas_spins(), threads.bridge_threads(), "
-            "threads.bridge_blas_threads(), os.environ['OPENBLAS_THREAD_TIMEOUT'])")
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.split() == want.split() + [env.get("OPENBLAS_THREAD_TIMEOUT", "4")]
+    outs = {}
+    for order in ("torch", "numpy", "fp4sim",
+                  "fp4sim, numpy; fp4sim.quantize(numpy.ones((64, 64), numpy.float32), 'nvfp4')"):
+        out = subprocess.run([sys.executable, "-c", _ORDER_SCRIPT.format(order=order)], env=base,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        outs[order] = out.stdout.split()[-1]
+    assert len(set(outs.values())) == 1, outs
 
 
-def test_bridge_threads_limit_numba_and_blas_inside_a_pass_only(monkeypatch):
-    """With bridge_threads(1), Fprop, Dgrad and Wgrad run with one Numba thread and one BLAS thread, and the
-    counts are back afterwards; bridge_threads(0) returns to the default; bad counts are refused."""
+def test_the_bridge_multiplies_with_torch_and_equals_the_numpy_rule_under_it(monkeypatch):
+    """Inside a pass the float32 GEMMs go through torch.matmul (torch's threads), nowhere else: the layer's
+    output and gradients equal fp4sim.emulate's with matmul_by(torch) bit for bit; with exact accumulation
+    (sums independent of the BLAS) they equal the plain NumPy rule too; outside a pass NumPy multiplies."""
+    from fp4sim import _xp
+    from fp4sim.torch.linear import _torch_matmul
+    calls = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    rng = np.random.default_rng(3)
+    x, dy = heavy((48, 64), 4), rng.standard_normal((48, 40)).astype(np.float32)
+    a1 = Operand("nvfp4", (1, 16))
+    reuse = dict(fprop_x=a1, wgrad_x=a1, wgrad_x_reuse_fprop=True, dgrad_w_reuse_fprop=True)
+    for acc, rec in (("fast", Recipe.preset("nvfp4_paper", accumulate="fast")),
+                     ("exact", Recipe.preset("nvfp4_paper", accumulate="exact")),
+                     ("fast", Recipe.preset("bf16", accumulate="fast", **reuse)),        # the reuse GEMMs
+                     ("exact", Recipe.preset("bf16", accumulate="exact", **reuse))):
+        lin = QuantLinear(64, 40, bias=False, recipe=rec)
+        w = lin.weight.detach().numpy().copy()
+        xt = torch.from_numpy(x.copy()).requires_grad_()
+        calls.clear()
+        y = lin(xt)
+        y.backward(torch.from_numpy(dy))
+        if acc == "fast":
+            assert len(calls) == 3, calls                          # Fprop, Dgrad, Wgrad
+        calls.clear()
+
+        def run(k=lin.layer_index):
+            y, qw, qx = emulate.fprop(x, w, rec, layer=k, return_qx=True)
+            return y, emulate.dgrad(dy, w, rec, layer=k, qw_fprop=qw), emulate.wgrad(dy, x, rec, layer=k, qx_fprop=qx)
+        with _xp.matmul_by(_torch_matmul):
+            want = run()
+        numpy_rule = run()
+        got = (y.detach().numpy(), xt.grad.numpy(), lin.weight.grad.numpy())
+        for g, wnt, ref in zip(got, want, numpy_rule):
+            assert np.array_equal(g.view(np.uint32), wnt.view(np.uint32))
+            if acc == "exact" and rec.fprop_w.scheme == "nvfp4":
+                assert np.array_equal(g.view(np.uint32), ref.view(np.uint32))
+    assert _xp._MATMUL.get() is None
+
+
+def test_bridge_threads_limit_numba_inside_a_pass_only(monkeypatch):
+    """With bridge_threads(1), Fprop, Dgrad and Wgrad run with one Numba thread, and the count is back
+    afterwards; bridge_threads(0) returns to the default (None: the process's count); bad counts are refused."""
     import numba
-    from fp4sim import emulate, threads
+    from fp4sim import threads
     seen = []
     for name in ("fprop", "dgrad", "wgrad"):
         real = getattr(emulate, name)
 
         def spy(*a, _real=real, **k):
-            seen.append((numba.get_num_threads(), [lib.num_threads for lib in threads.blas_controllers()]))
+            seen.append(numba.get_num_threads())
             return _real(*a, **k)
         monkeypatch.setattr(emulate, name, spy)
-    before = numba.get_num_threads(), [lib.num_threads for lib in threads.blas_controllers()]
+    before = numba.get_num_threads()
     try:
         assert threads.bridge_threads(1) == 1
         layer = QuantLinear(32, 16, recipe=Recipe.preset("nvfp4_paper", accumulate="fast"))
         layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
     finally:
-        threads.bridge_threads(0)
-    assert len(seen) == 3 and all(n == 1 and all(b == 1 for b in blas) for n, blas in seen)
-    assert (numba.get_num_threads(), [lib.num_threads for lib in threads.blas_controllers()]) == before
-    assert threads.blas_controllers(), "threadpoolctl finds NumPy's BLAS"
+        assert threads.bridge_threads(0) is None
+    assert seen == [1, 1, 1]
+    assert numba.get_num_threads() == before
+    seen.clear()
+    layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    assert seen == [before] * 3
     with pytest.raises(ValueError, match="threads"):
         threads.bridge_threads(-1)
 

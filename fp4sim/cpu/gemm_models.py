@@ -22,6 +22,7 @@ import numpy as np
 from ..ids import ACC_EXACT as MODE_EXACT
 from ..ids import ACC_RNE as MODE_RNE
 from ..ids import ACC_RTZ as MODE_RTZ
+from .._xp import matmul
 
 __all__ = ["nvfp4_models", "MODE_EXACT", "MODE_RNE", "MODE_RTZ", "UNIT"]
 UNIT = np.float32(2.0 ** -20)               # the product lattice of the integer operands
@@ -93,6 +94,6 @@ def nvfp4_models(A: np.ndarray, B: np.ndarray, SA: np.ndarray, SB: np.ndarray, g
     for r0 in range(0, M, rows):
         r1 = min(M, r0 + rows)
         Ac = np.ascontiguousarray(A[r0:r1].reshape(r1 - r0, nblk, 16).astype(np.float32).transpose(1, 0, 2))
-        D = np.matmul(Ac, Bt)                                                  # (nblk, rows, N), exact
+        D = matmul(Ac, Bt)                                                     # (nblk, rows, N), exact
         _models(D, SA[r0:r1], SBt, group // 16, mode, grid, out[r0:r1])
     return out

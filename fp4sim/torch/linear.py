@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import emulate, threads
+from .._xp import matmul_by
 from ..planning import NAN_E2M1
 from ..training import OPERANDS, Recipe
 
@@ -84,13 +85,25 @@ def _check_finite(layer, mode: str, which: str, t: torch.Tensor, uses):
 
 @contextlib.contextmanager
 def _kernel_threads():
-    """Numba's and the BLAS libraries' thread counts as :func:`fp4sim.threads.bridge_threads` says, for the
-    duration of one pass; fs.quantize's NaN warning is left to the layer's own (:func:`_check_finite`, which
-    names the layer and comes once)."""
+    """For the duration of one pass: Numba's thread count as :func:`fp4sim.threads.bridge_threads` says, the
+    GEMMs through ``torch.matmul`` (torch's threads, which Numba's kernels share: :mod:`fp4sim.threads`), and
+    fs.quantize's NaN warning left to the layer's own (:func:`_check_finite`, which names the layer and comes
+    once)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(NAN_E2M1[:60]), category=RuntimeWarning)
-        with _threads():
+        with _threads(), matmul_by(_torch_matmul):
             yield
+
+
+def _torch_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` of two NumPy arrays by torch (zero-copy views in and out; a read-only or negatively strided
+    operand is copied first)."""
+    def t(x):
+        try:
+            return torch.from_numpy(x) if x.flags.writeable else torch.from_numpy(x.copy())
+        except ValueError:                                    # negative strides
+            return torch.from_numpy(np.ascontiguousarray(x))
+    return torch.matmul(t(a), t(b)).numpy()
 
 
 @contextlib.contextmanager
@@ -102,16 +115,10 @@ def _threads():
     import numba
     old = numba.get_num_threads()
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    nb = threads.bridge_blas_threads()
-    blas = [(lib, lib.num_threads) for lib in threads.blas_controllers()] if nb else []
-    for lib, _ in blas:
-        lib.set_num_threads(nb)
     try:
         yield
     finally:
         numba.set_num_threads(old)
-        for lib, k in blas:
-            lib.set_num_threads(k)
 
 
 class _Fn(torch.autograd.Function):
