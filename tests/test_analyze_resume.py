@@ -132,7 +132,8 @@ def _sharded(d: Path, n: int, shape=(256, 1024), per_shard=2):
 
 def test_a_sharded_checkpoint_is_analysed_entry_by_entry(tmp_path):
     """A sharded Hugging Face folder (BF16 entries, its index): every entry under its own name, the numbers of
-    the same tensors in one file, and the peak memory of 16 tensors that of 2 (one tensor at a time)."""
+    the same tensors in one file, and the peak memory of 16 tensors that of 2 plus their small results (one tensor
+    at a time)."""
     import tracemalloc
 
     from safetensors.numpy import load_file, save_file
@@ -154,4 +155,6 @@ def test_a_sharded_checkpoint_is_analysed_entry_by_entry(tmp_path):
         analyze([str(path)], **kw)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
-    assert peaks[1] < 1.3 * peaks[0], peaks
+    # 14 more tensors add their small results (histograms, maps), not themselves: held at once they would add
+    # at least 14 float32 copies (1 MiB each)
+    assert peaks[1] - peaks[0] < 14 * 256 * 1024 * 4 / 4, peaks

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import xarray as xr
+from threadpoolctl import threadpool_limits
 
 from .inputs import NotATarget, Source, TensorError, discover, is_vector_param, load
 from .metrics import (BLOCK_FIELDS, DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics,
@@ -46,7 +47,9 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
         raise NotATarget("a 1-D bias or normalization weight: no GEMM operand, so no quantization target "
                          "(--include-vectors analyses it)")
     ch = chunk_size(x.size) if chunk_elems is None else chunk_elems
-    with warnings.catch_warnings():
+    # NumPy's BLAS on one thread: the studies' float64 dot products then give the same bits on any machine and
+    # in any Dask worker, and no BLAS worker spins on the cores the next Numba kernel needs
+    with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
         warnings.simplefilter("ignore", RuntimeWarning)
         res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {},
                "n_nan": int(np.count_nonzero(np.isnan(x))), "n_inf": int(np.count_nonzero(np.isinf(x)))}

@@ -101,8 +101,93 @@ def _window(spec: SchemeSpec) -> str | None:
     return "row" if spec.kwargs.get("row_scaled") else "tensor"
 
 
+def _scales(q, spec: SchemeSpec, c, acc: dict, scale_hist, scale_vals: list):
+    """The scale statistics of one chunk's FP4 quantization (its scale histogram, values and 4over6 choices)."""
+    if not spec.fp4:
+        return
+    if "map_to_4" in q.extras:
+        acc["map4"] = acc.get("map4", 0) + int(q.extras["map_to_4"].sum())
+        acc["map4_n"] = acc.get("map4_n", 0) + int(q.extras["map_to_4"].size)
+    s = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+    scale_hist += np.bincount(np.asarray(s).ravel(), minlength=256)
+    if spec.scheme.startswith("nvfp4"):
+        scale_vals.append(E4M3.values[s].ravel())
+    else:
+        scale_vals.append(np.exp2(s.astype(np.float64).ravel() - 127))
+
+
+def _block_records(q, spec: SchemeSpec, xm, eb, r0: int) -> dict:
+    """One chunk's per-block records (:data:`BLOCK_FIELDS`) from its block amaxes ``xm`` and squared errors ``eb``
+    (rows x blocks) and its quantization ``q``; ``r0``: the chunk's first row."""
+    nr, nbk = xm.shape
+    sb = np.full((nr, nbk), -1, np.int16)
+    if spec.fp4 or spec.scheme.startswith("mx"):
+        sb[:] = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+    return {"row": np.repeat(np.arange(r0, r0 + nr, dtype=np.int32), nbk),
+            "block": np.tile(np.arange(nbk, dtype=np.int32), nr), "scale_byte": sb.ravel(),
+            "amax": xm.ravel().astype(np.float32), "sq_err": eb.ravel()}
+
+
+def _chunk_fused(c, q, spec: SchemeSpec, win, amax, acc: dict, code_hist, blk_errs: list, blocks, r0: int) -> int:
+    """One chunk's share of every statistic but the scales', from one pass of
+    :func:`fp4sim.cpu.analysis.block_stats` and the pairwise sums of :func:`~fp4sim.cpu.analysis.chunk_sums`:
+    the same numbers as the NumPy expressions of the reference path, bit for bit. Returns the next chunk's
+    first row."""
+    from ..cpu import analysis as ka
+    R, K = c.shape
+    c = np.ascontiguousarray(c, np.float32)
+    y = np.ascontiguousarray(dequantize(q), np.float32)
+    B = spec.block if spec.block > 1 else K
+    nbk = -(-K // B)
+    codes = unpack_fp4(q.codes.reshape(R, -1)) if spec.fp4 else np.zeros((1, 1), np.uint8)
+    counts = np.empty((R, ka.N_COUNTS), np.int64)
+    max_err, row_amax = np.empty(R), np.empty(R)
+    eb, xm, ym = np.empty((R, nbk)), np.empty((R, nbk)), np.empty((R, nbk))
+    blk_max = np.zeros((R, nbk) if spec.fp4 else (1, 1), np.bool_)
+    binades = np.zeros((R, nbk) if spec.fp4 else (1, 1), np.uint8)
+    hist = np.zeros((R, 16) if spec.fp4 else (1, 16), np.int64)
+    window = {None: 0, "tensor": 1, "row": 2}[win]
+    ka.block_stats(c, y, codes, B, spec.fp4, window, float(amax), counts, max_err, row_amax, eb, xm, ym, blk_max,
+                   binades, hist)
+    tot = counts.sum(0)
+    acc["fin"] += int(tot[ka.FIN])
+    acc["lost"] += int(tot[ka.LOST])
+    cf, yf = c.reshape(-1), y.reshape(-1)
+    if tot[ka.FIN] == c.size:
+        acc["sx2"] += float(ka.chunk_sums(cf, yf, 1))
+    else:
+        c64 = c.astype(np.float64)
+        acc["sx2"] += float(np.sum(c64[np.isfinite(c64)] ** 2))
+    acc["se2"] += float(ka.chunk_sums(cf, yf, 0))
+    acc["max_err"] = max(acc["max_err"], float(max_err.max()))
+    acc["nz"] += int(tot[ka.NZ])
+    acc["under"] += int(tot[ka.UNDER])
+    acc["n"] += c.size
+    blk_errs.append(eb.ravel())
+    ok = xm > 0
+    acc["bm_err"] += float(np.sum(np.abs(ym[ok] - xm[ok]) / xm[ok]))
+    acc["bm_n"] += int(ok.sum())
+    if win is not None:
+        g = np.float64(amax) if win == "tensor" else row_amax[:, None]
+        acc["win_out"] += int((ok & (xm * WINDOW < g)).sum())
+        acc["dead"] += int(tot[ka.DEAD])
+    if blocks is not None:
+        blocks.append(_block_records(q, spec, xm, eb, r0))
+    acc["zero"] += int(tot[ka.ZERO])
+    if spec.fp4:
+        code_hist += hist.sum(0)
+        acc["sat"] += int(tot[ka.SAT])
+        acc["nblk"] += int(ok.sum())
+        acc["blk_max"] += int((blk_max & ok).sum())
+        acc["binades"] += float(binades[ok].sum())
+    return r0 + R
+
+
+_FUSED = True      # the one-pass kernels; False: the NumPy reference path (the tests compare the two)
+
+
 def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22,
-                   amax=None, blocks: list | None = None):
+                   amax=None, blocks: list | None = None, _fused: bool | None = None):
     """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``.
 
     Per-block statistics use 1 x B row segments (B = the scheme's block length along the last axis), also
@@ -117,6 +202,7 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     (``dead_zone_frac``: the share of nonzero elements below b / 24, which round to 0 even with the block's exact
     scale b / 6)."""
     x2 = as_rows(x)
+    _fused = _FUSED if _fused is None else _fused
     amax = tensor_amax(x2) if amax is None else np.float32(amax)
     acc = dict(sx2=0.0, se2=0.0, se=0.0, max_err=0.0, nz=0, under=0, sat=0, zero=0, n=0, bm_err=0.0, bm_n=0,
                nblk=0, blk_max=0, binades=0.0, fin=0, lost=0, win_out=0, dead=0)
@@ -127,6 +213,10 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     scale_vals, blk_errs = [], []
     for i, c in chunks(x2, chunk_elems):
         q = quantize_chunk(c, spec, role, amax, seed, i)
+        if _fused and c.size:
+            r0 = _chunk_fused(c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0)
+            _scales(q, spec, c, acc, scale_hist, scale_vals)
+            continue
         y = dequantize(q).astype(np.float64)
         c64 = c.astype(np.float64)
         fin = np.isfinite(c64)
@@ -160,13 +250,7 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
             acc["win_out"] += int((ok & (xm * WINDOW < g)).sum())     # (b <= g holds: g is the current amax)
             acc["dead"] += int(((xa > 0) & (xa < xm[..., None] / 24.0)).sum())
         if blocks is not None:
-            nr, nbk = xm.shape
-            sb = np.full((nr, nbk), -1, np.int16)
-            if spec.fp4 or spec.scheme.startswith("mx"):
-                sb[:] = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
-            blocks.append({"row": np.repeat(np.arange(r0, r0 + nr, dtype=np.int32), nbk),
-                           "block": np.tile(np.arange(nbk, dtype=np.int32), nr), "scale_byte": sb.ravel(),
-                           "amax": xm.ravel().astype(np.float32), "sq_err": eb.ravel()})
+            blocks.append(_block_records(q, spec, xm, eb, r0))
         r0 += c.shape[0]
         if spec.fp4:
             codes = unpack_fp4(q.codes.reshape(c.shape[0], -1))
@@ -180,15 +264,7 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
             binade = np.where(mb >= 2, mb >> 1, np.where(mb == 1, 0, -1))
             used = sum((binade == b).any(-1).astype(np.int64) for b in range(4))
             acc["binades"] += float(used[ok].sum())
-            if "map_to_4" in q.extras:
-                acc["map4"] = acc.get("map4", 0) + int(q.extras["map_to_4"].sum())
-                acc["map4_n"] = acc.get("map4_n", 0) + int(q.extras["map_to_4"].size)
-            s = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
-            scale_hist += np.bincount(np.asarray(s).ravel(), minlength=256)
-            if spec.scheme.startswith("nvfp4"):
-                scale_vals.append(E4M3.values[s].ravel())
-            else:
-                scale_vals.append(np.exp2(s.astype(np.float64).ravel() - 127))
+            _scales(q, spec, c, acc, scale_hist, scale_vals)
         else:
             acc["zero"] += int(((y == 0) & fin).sum())
     mse = acc["se2"] / max(acc["n"], 1)

@@ -1,0 +1,93 @@
+"""The one-pass analysis kernels give the NumPy reference path's numbers bit for bit: every scalar metric, the
+code and scale histograms and the per-block records, for every scheme and role, on the bundled sample's real
+tensors and on adversarial ones (zeros, constant blocks, extremes, subnormals, NaN / Inf, ragged blocks,
+several chunks)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fp4sim.analyze.metrics import DEFAULT_SCHEMES, EXTRA_SCHEMES, BLOCK_FIELDS, scheme_metrics
+from fp4sim.cpu import analysis as ka
+
+SCHEMES = DEFAULT_SCHEMES + EXTRA_SCHEMES
+
+
+def _same(a, b) -> bool:
+    """Equal as float64 bit patterns (NaN equal to NaN, -0 unequal to +0)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and np.array_equal(a.view(np.int64), b.view(np.int64))
+
+
+def _compare(x, role, chunk_elems=1 << 22):
+    for spec in SCHEMES:
+        if role not in spec.roles:
+            continue
+        got_blocks, ref_blocks = [], []
+        got = scheme_metrics(x, spec, role, 3, chunk_elems, blocks=got_blocks, _fused=True)
+        ref = scheme_metrics(x, spec, role, 3, chunk_elems, blocks=ref_blocks, _fused=False)
+        for k in ref[0]:
+            assert _same(got[0][k], ref[0][k]), (spec.label, role, k, got[0][k], ref[0][k])
+        assert np.array_equal(got[1], ref[1]) and np.array_equal(got[2], ref[2]), spec.label
+        assert len(got_blocks) == len(ref_blocks)
+        for g, r in zip(got_blocks, ref_blocks):
+            for f in BLOCK_FIELDS:
+                assert g[f].dtype == r[f].dtype and np.array_equal(g[f].view(np.uint8), r[f].view(np.uint8)), \
+                    (spec.label, f)
+
+
+@pytest.fixture(scope="module")
+def sample():
+    from fp4sim.analyze.__main__ import SAMPLE
+    with np.load(SAMPLE, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files if k != "__meta__"}
+
+
+def test_fused_metrics_equal_the_reference_on_the_bundled_sample(sample):
+    from fp4sim.analyze.inputs import infer_role
+    done = set()
+    for name, x in sample.items():
+        role = infer_role(name)
+        if x.ndim < 2 or role in done and role != "gradient":
+            continue
+        done.add(role)
+        _compare(x.astype(np.float32), role, chunk_elems=1 << 16)       # several chunks
+
+
+def _adversarial():
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal((256, 96)).astype(np.float32)
+    out = {"zeros": np.zeros((128, 64), np.float32),
+           "negative zeros": np.full((128, 64), -0.0, np.float32),
+           "constant blocks": np.repeat(rng.standard_normal((128, 4)).astype(np.float32), 16, axis=1),
+           "ragged K": rng.standard_normal((130, 50)).astype(np.float32),
+           "one row": rng.standard_normal((1, 300)).astype(np.float32),
+           "long rows": rng.standard_normal((4, 3000)).astype(np.float32),
+           "subnormals": (rng.standard_normal((128, 64)) * 1e-42).astype(np.float32),
+           "extremes": (np.sign(g) * np.float32(3.0e38) * (np.abs(g) > 1.5)).astype(np.float32),
+           "spread": (g * np.exp2(rng.integers(-100, 100, g.shape))).astype(np.float32)}
+    bad = g.copy()
+    bad[3, 5], bad[7, 1], bad[100, 90] = np.nan, np.inf, -np.inf
+    out["NaN and Inf"] = bad
+    mixed = g.copy()
+    mixed[:, :16] = 0
+    mixed[5] = 1e-40
+    out["zero blocks and tiny rows"] = mixed
+    return out
+
+
+@pytest.mark.parametrize("case", list(_adversarial()))
+@pytest.mark.parametrize("role", ["weight", "activation", "gradient"])
+def test_fused_metrics_equal_the_reference_on_adversarial_tensors(case, role):
+    _compare(_adversarial()[case], role, chunk_elems=1 << 13)
+
+
+def test_chunk_sums_are_numpys_pairwise_sums():
+    """chunk_sums against np.sum itself on lengths around the tree's boundaries (8, 128, odd splits)."""
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 8, 9, 127, 128, 129, 255, 1000, 8193, 100_003, 1_000_000):
+        x = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
+        y = (x + rng.standard_normal(n).astype(np.float32) * 1e-3).astype(np.float32)
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        assert ka.chunk_sums(x, y, 0) == np.sum((y64 - x64) ** 2), n
+        assert ka.chunk_sums(x, y, 1) == np.sum(x64 ** 2), n
