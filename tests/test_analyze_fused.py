@@ -91,3 +91,22 @@ def test_chunk_sums_are_numpys_pairwise_sums():
         x64, y64 = x.astype(np.float64), y.astype(np.float64)
         assert ka.chunk_sums(x, y, 0) == np.sum((y64 - x64) ** 2), n
         assert ka.chunk_sums(x, y, 1) == np.sum(x64 ** 2), n
+
+
+@pytest.mark.parametrize("case", ["sample", "spread", "NaN and Inf", "zeros", "ragged K"])
+def test_studies_kernels_equal_the_masked_numpy_path(case, sample, monkeypatch):
+    """The outlier study, the kurtosis and the Hadamard study with the finite-chunk kernels give the masked NumPy
+    path's numbers bit for bit (the same float64 vectors reach the same reductions)."""
+    from fp4sim.analyze import studies
+    x = next(v for k, v in sample.items() if k.endswith("ffn_down.input")) if case == "sample" else \
+        _adversarial()[case]
+    x = np.ascontiguousarray(x, np.float32)
+    got = {}
+    for fast in (True, False):
+        monkeypatch.setattr(studies, "_FAST", fast)
+        o = studies.outliers(x, chunk_elems=1 << 13)
+        dims, err, kur = studies.hadamard_effect(x, 1, chunk_elems=1 << 13)
+        got[fast] = (o, err, kur, studies.kurtosis(x))
+    (o1, e1, k1, q1), (o0, e0, k0, q0) = got[True], got[False]
+    assert o1.keys() == o0.keys() and all(_same(o1[k], o0[k]) for k in o0), (o1, o0)
+    assert _same(e1, e0) and _same(k1, k0) and _same(q1, q0)

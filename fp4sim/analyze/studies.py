@@ -1,9 +1,12 @@
 """Studies beyond plain error: outliers, the Hadamard transform, and gradient-rounding bias."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .. import dequantize, fake_quantize, quantize, rht
+from ..cpu import analysis as ka
 from .metrics import as_rows, chunks
 
 RHT_DIMS = (2, 4, 16, 32, 128)
@@ -31,7 +34,7 @@ class _Moments:
         self.amax = 0.0
 
     def add1(self, c):
-        v = c[np.isfinite(c)].astype(np.float64)
+        v = c.astype(np.float64).ravel() if _finite(c) else c[np.isfinite(c)].astype(np.float64)
         self.n += v.size
         self.s1 += float(v.sum())
         self.s2 += float(np.dot(v, v))
@@ -47,8 +50,12 @@ class _Moments:
         return float(np.sqrt(max(self.s2 / self.n - self.mean ** 2, 0.0))) if self.n else 0.0
 
     def add2(self, c):
-        d = c[np.isfinite(c)].astype(np.float64) - self.mean
-        d2 = d * d
+        if _finite(c):
+            d2 = _scratch(c.size, 1)[0]
+            ka.centred_sq_f64(np.ascontiguousarray(c, np.float32).reshape(c.shape[0], -1), self.mean, d2)
+        else:
+            d = c[np.isfinite(c)].astype(np.float64) - self.mean
+            d2 = d * d
         self.c2 += float(d2.sum())
         self.c4 += float(np.dot(d2, d2))
 
@@ -59,8 +66,33 @@ class _Moments:
         return float(self.c4 / self.n / m2 ** 2)
 
 
+_FAST = True       # the one-pass kernels for finite chunks; False: the masked NumPy path (the tests compare them)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int, k: int = 2):
+    """``k`` float64 buffers of ``n`` elements, kept per thread from call to call (fresh ones of a chunk's size
+    cost their page faults every time, more than filling them)."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None or len(bufs) < k or bufs[0].size < n:
+        bufs = _SCRATCH.bufs = [np.empty(max(n, bufs[0].size if bufs else 0)) for _ in range(max(k, 2))]
+    return [b[:n] for b in bufs[:k]]
+
+
+def _finite(c) -> bool:
+    """Whether the float32 chunk ``c`` is all finite and may take the kernels (then no mask is needed: the
+    masked copies equal the whole chunk, element for element in the same order)."""
+    return _FAST and c.dtype == np.float32 and c.ndim == 2 and ka.all_finite(c)
+
+
 def _err_sums(c, y):
     """(sum of squared error, sum of x^2) over the finite elements of a chunk."""
+    if _finite(c) and y.dtype == np.float32 and y.shape == c.shape:
+        x, e = _scratch(c.size)
+        ka.x_and_err_f64(c, y, x, e)
+        return float(np.dot(e, e)), float(np.dot(x, x))
     fin = np.isfinite(c)
     x = c[fin].astype(np.float64)
     e = y[fin].astype(np.float64) - x

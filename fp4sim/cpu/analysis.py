@@ -284,3 +284,39 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
             if fp4:
                 blk_max[r, b] = top == 7
                 binades[r, b] = (used & 1) + ((used >> 1) & 1) + ((used >> 2) & 1) + ((used >> 3) & 1)
+
+
+# ------------------------------------------------------------------------------------------- the studies' inputs
+@nb.njit(parallel=True, cache=True)
+def all_finite(c):
+    """Whether every element of the (R, K) float32 chunk is finite."""
+    R, K = c.shape
+    bad = np.zeros(R, np.bool_)
+    for r in nb.prange(R):
+        for k in range(K):
+            if not np.isfinite(c[r, k]):
+                bad[r] = True
+                break
+    return not bad.any()
+
+
+@nb.njit(parallel=True, cache=True)
+def x_and_err_f64(c, y, x_out, e_out):
+    """x_out = float64(c) and e_out = float64(y) - float64(c), flat in row-major order (what ``c.astype(f8)``
+    and ``y.astype(f8) - x`` give for a finite chunk), in one pass."""
+    R, K = c.shape
+    for r in nb.prange(R):
+        for k in range(K):
+            xd = np.float64(c[r, k])
+            x_out[r * K + k] = xd
+            e_out[r * K + k] = np.float64(y[r, k]) - xd
+
+
+@nb.njit(parallel=True, cache=True)
+def centred_sq_f64(c, mean, out):
+    """out = (float64(c) - mean)^2, flat in row-major order (``d = v - mean; d * d`` for a finite chunk)."""
+    R, K = c.shape
+    for r in nb.prange(R):
+        for k in range(K):
+            d = np.float64(c[r, k]) - mean
+            out[r * K + k] = d * d

@@ -1,0 +1,152 @@
+"""What ``fp4sim.analyze`` costs, as multiples of one NVFP4 ``fs.quantize`` of the same tensor in the same run.
+
+    python benchmarks/bench_analyze.py [--size 4096] [--repeat 2] [--json out.json]
+    python benchmarks/bench_analyze.py --checkpoint-elems 1e9 [--workers 1,2] [--json out.json]
+
+1. One size x size float32 tensor (Gaussian, heavy-tailed rows) analysed as an activation and as a gradient,
+   with every default scheme and study and with ``hadamard=False``, each stage timed (the schemes, the outlier
+   study, the Hadamard study, the gradient bias), against the best of ``--repeat`` NVFP4 quantizations of it.
+2. ``--checkpoint-elems N``: a sharded Hugging Face checkpoint of about N BF16 elements (4096 x 4096 entries,
+   two per ``model-0000k-of-0000m.safetensors`` shard, with its index) written to a temporary folder and
+   analysed as ``python -m fp4sim.analyze DIR --no-hadamard`` does, locally and on a Dask LocalCluster of 1 and
+   2 worker processes (one thread each): elements per second, the peak resident size of the process (and of
+   the workers), and the scaling from 1 to 2 workers.
+
+torch is imported first, as a user's script does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch  # noqa: F401  (first, as a user's script)
+import numpy as np
+
+import fp4sim as fs
+from fp4sim.analyze import analyze
+from fp4sim.analyze.core import analyze_tensor
+from fp4sim.analyze.inputs import discover
+
+
+def _tensor(n: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, n)).astype(np.float32)
+    x *= np.exp(rng.standard_normal((n, 1)).astype(np.float32))          # rows of different scales
+    x[:, ::97] *= 20                                                        # outlier channels
+    return x
+
+
+def stages(a, out):
+    x = _tensor(a.size)
+    fs.quantize(x, "nvfp4")
+    tq = min(_timed(lambda: fs.quantize(x, "nvfp4")) for _ in range(a.repeat))
+    out["quantize_s"] = tq
+    print(f"one NVFP4 fs.quantize of {a.size} x {a.size}: {tq * 1e3:.1f} ms")
+    with tempfile.TemporaryDirectory() as d:
+        for role in ("activation", "gradient"):
+            name = {"activation": "blk.mlp.input", "gradient": "blk.mlp.grad_output"}[role]
+            p = Path(d) / f"{name}.npy"
+            np.save(p, x)
+            src = discover([str(p)])[0][0]
+            analyze_tensor(src, chunk_elems=1 << 16, hadamard=True) if role == "activation" else None   # compile
+            for hadamard in (True, False):
+                best = None
+                for _ in range(a.repeat):
+                    t = {}
+                    last = [None, time.perf_counter()]
+
+                    def stage(s, t=t, last=last):
+                        now = time.perf_counter()
+                        if last[0] is not None:
+                            key = "schemes" if last[0].startswith("scheme") else last[0]
+                            t[key] = t.get(key, 0.0) + now - last[1]
+                        last[:] = [s, now]
+                    t0 = time.perf_counter()
+                    analyze_tensor(src, hadamard=hadamard, stage=stage)
+                    stage("end")
+                    t["total"] = time.perf_counter() - t0
+                    best = t if best is None or t["total"] < best["total"] else best
+                key = f"{role}{'' if hadamard else '_no_hadamard'}"
+                out[key] = {k: v / tq for k, v in best.items()}
+                parts = ", ".join(f"{k} {v / tq:.0f}x" for k, v in best.items() if k != "total")
+                print(f"{key:24}: {best['total']:6.2f} s = {best['total'] / tq:5.0f}x one quantize ({parts})",
+                      flush=True)
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def checkpoint(a, out):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    n = int(float(a.checkpoint_elems))
+    side = 4096
+    entries = max(1, round(n / side / side))
+    shards = -(-entries // 2)
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory() as d:
+        wmap = {}
+        t = time.perf_counter()
+        for s in range(shards):
+            fn = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {f"model.layers.{2 * s + i}.mlp.up_proj.weight":
+                    rng.standard_normal((side, side), np.float32).astype(ml_dtypes.bfloat16)
+                    for i in range(2) if 2 * s + i < entries}
+            save_file(part, str(Path(d) / fn))
+            wmap.update({k: fn for k in part})
+        (Path(d) / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+        elems = entries * side * side
+        print(f"wrote {entries} BF16 entries of {side} x {side} ({elems:.3g} elements, {shards} shards) in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        res = {"elements": elems}
+        t = time.perf_counter()
+        analyze([d], hadamard=False, quiet=True)
+        dt = time.perf_counter() - t
+        res["local"] = {"s": dt, "elems_per_s": elems / dt,
+                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        print(f"local: {dt:.0f} s, {elems / dt:.3g} elements/s, peak RSS {res['local']['peak_rss_mb']:.0f} MB",
+              flush=True)
+        from dask.distributed import Client, LocalCluster
+        for w in (int(v) for v in a.workers.split(",")):
+            with LocalCluster(n_workers=w, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
+                    Client(cl) as client:
+                t = time.perf_counter()
+                analyze([d], hadamard=False, quiet=True, client=client)
+                dt = time.perf_counter() - t
+                peaks = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            res[f"dask_{w}"] = {"s": dt, "elems_per_s": elems / dt, "worker_peak_rss_mb": max(peaks.values())}
+            print(f"Dask, {w} worker(s): {dt:.0f} s, {elems / dt:.3g} elements/s, worker peak RSS "
+                  f"{max(peaks.values()):.0f} MB", flush=True)
+        if "dask_1" in res and "dask_2" in res:
+            res["scaling_1_to_2"] = res["dask_1"]["s"] / res["dask_2"]["s"]
+            print(f"1 -> 2 workers: {res['scaling_1_to_2']:.2f}x faster")
+        out["checkpoint"] = res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--checkpoint-elems", default=None, help="run part 2 instead, with about this many elements")
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    out = {}
+    if a.checkpoint_elems:
+        checkpoint(a, out)
+    else:
+        stages(a, out)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
