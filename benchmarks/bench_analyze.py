@@ -78,6 +78,15 @@ def stages(a, out):
                       flush=True)
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident size (VmHWM: unlike getrusage's ru_maxrss, not inherited from the process
+    that forked it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _timed(fn):
     t = time.perf_counter()
     fn()
@@ -111,7 +120,7 @@ def checkpoint(a, out):
         analyze([d], hadamard=False, quiet=True)
         dt = time.perf_counter() - t
         res["local"] = {"s": dt, "elems_per_s": elems / dt,
-                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                        "peak_rss_mb": _peak_rss_mb()}
         print(f"local: {dt:.0f} s, {elems / dt:.3g} elements/s, peak RSS {res['local']['peak_rss_mb']:.0f} MB",
               flush=True)
         from dask.distributed import Client, LocalCluster
@@ -121,7 +130,7 @@ def checkpoint(a, out):
                 t = time.perf_counter()
                 analyze([d], hadamard=False, quiet=True, client=client)
                 dt = time.perf_counter() - t
-                peaks = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                peaks = client.run(_peak_rss_mb)
             res[f"dask_{w}"] = {"s": dt, "elems_per_s": elems / dt, "worker_peak_rss_mb": max(peaks.values())}
             print(f"Dask, {w} worker(s): {dt:.0f} s, {elems / dt:.3g} elements/s, worker peak RSS "
                   f"{max(peaks.values()):.0f} MB", flush=True)

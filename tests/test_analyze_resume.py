@@ -158,3 +158,54 @@ def test_a_sharded_checkpoint_is_analysed_entry_by_entry(tmp_path):
     # 14 more tensors add their small results (histograms, maps), not themselves: held at once they would add
     # at least 14 float32 copies (1 MiB each)
     assert peaks[1] - peaks[0] < 14 * 256 * 1024 * 4 / 4, peaks
+
+
+def test_a_scheduler_started_as_its_own_process_gives_the_local_dataset(tmp_path):
+    """``dask scheduler`` and two ``dask worker`` processes started from the command line, as on a real cluster;
+    ``python -m fp4sim.analyze DIR --scheduler ADDR --out OUT`` writes the Dataset of the local run (every study,
+    a sharded checkpoint and a dump), and a scheduler that does not answer is a clear error."""
+    pytest.importorskip("dask.distributed")
+    d, _ = _sharded(tmp_path / "sharded", 4, shape=(128, 256))
+    dump = _dump(tmp_path / "dump", n=2)
+    g = np.random.default_rng(5).standard_normal((256, 512)).astype(np.float32)
+    np.save(dump / "blk0.mlp.grad_output.npy", g * np.exp(g[:, :1]))          # a gradient: every study
+    sfile = tmp_path / "scheduler.json"
+    dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    procs = [subprocess.Popen(dask + ["--port", "0", "--no-dashboard", "--scheduler-file", str(sfile)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(300):
+            if sfile.exists() and sfile.stat().st_size:
+                break
+            time.sleep(0.1)
+        address = json.loads(sfile.read_text())["address"]
+        for _ in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
+                                           "--nthreads", "1", "--no-dashboard"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        from dask.distributed import Client
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+        kw = ["--quiet", "--schemes", "nvfp4,mxfp4_rceil,fp8_e4m3"]
+        out = tmp_path / "dist.nc"
+        r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(d), str(dump), *kw, "--scheduler", address,
+                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ref = tmp_path / "local.nc"
+        r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(d), str(dump), *kw, "--out", str(ref)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with xr.open_dataset(out) as a, xr.open_dataset(ref) as b:
+            assert a.sizes["tensor"] == 4 + 3
+            _same(a.load().drop_attrs(), b.load().drop_attrs())
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(dump), "--quiet", "--scheduler", address],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and "no Dask scheduler answered" in r.stderr

@@ -1,6 +1,7 @@
 """Running the analysis over a dump and assembling the xarray Dataset."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,8 +49,10 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
                          "(--include-vectors analyses it)")
     ch = chunk_size(x.size) if chunk_elems is None else chunk_elems
     # NumPy's BLAS on one thread: the studies' float64 dot products then give the same bits on any machine and
-    # in any Dask worker, and no BLAS worker spins on the cores the next Numba kernel needs
-    with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
+    # in any Dask worker, and no BLAS worker spins on the cores the next Numba kernel needs; in a Dask worker,
+    # Numba's kernels on the worker's own threads (its nthreads), so that workers do not share out the cores
+    # twice over
+    with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"), _worker_numba_threads():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {},
                "n_nan": int(np.count_nonzero(np.isnan(x))), "n_inf": int(np.count_nonzero(np.isinf(x)))}
@@ -74,6 +77,28 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
             stage("gradient bias")
             res["bias"] = gradient_bias(x, seed, chunk_elems=ch)
     return res
+
+
+@contextlib.contextmanager
+def _worker_numba_threads():
+    """Within a Dask worker, Numba's thread count (for the calling thread) set to the worker's ``nthreads``."""
+    n = None
+    if "distributed" in sys.modules:
+        try:
+            from distributed import get_worker
+            n = get_worker().state.nthreads
+        except (ValueError, AttributeError):
+            n = None                                     # not in a worker
+    if not n:
+        yield
+        return
+    import numba
+    old = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
 
 
 class _Progress:

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from .. import dequantize, fake_quantize, quantize, rht
+from .. import fake_quantize, rht
 from ..cpu import analysis as ka
 from .metrics import as_rows, chunks
 
