@@ -34,12 +34,16 @@ class _Moments:
         self.amax = 0.0
 
     def add1(self, c):
-        v = c.astype(np.float64).ravel() if _finite(c) else c[np.isfinite(c)].astype(np.float64)
+        if _finite(c):
+            v = _scratch(c.size, 1)[0]
+            ka.to_f64(np.ascontiguousarray(c, np.float32).reshape(c.shape[0], -1), v)
+        else:
+            v = c[np.isfinite(c)].astype(np.float64)
         self.n += v.size
         self.s1 += float(v.sum())
         self.s2 += float(np.dot(v, v))
         if v.size:
-            self.amax = max(self.amax, float(np.max(np.abs(v))))
+            self.amax = max(self.amax, abs(float(v.max())), abs(float(v.min())))      # max |v|, no |v| copy
 
     @property
     def mean(self):
@@ -97,6 +101,19 @@ def _err_sums(c, y):
     x = c[fin].astype(np.float64)
     e = y[fin].astype(np.float64) - x
     return float(np.dot(e, e)), float(np.dot(x, x))
+
+
+def _err_sums_pair(c, ya, yb):
+    """:func:`_err_sums` of one chunk under two quantizations (NVFP4's and MXFP4's): the same numbers, with the
+    chunk's float64 copy and its sum of squares made once for both."""
+    if _finite(c) and all(y.dtype == np.float32 and y.shape == c.shape for y in (ya, yb)):
+        x, e = _scratch(c.size)
+        ka.x_and_err_f64(c, ya, x, e)
+        sx = float(np.dot(x, x))
+        sa = float(np.dot(e, e))
+        ka.err_f64(c, yb, e)
+        return np.array([[sa, sx], [float(np.dot(e, e)), sx]])
+    return np.array([_err_sums(c, ya), _err_sums(c, yb)])
 
 
 def _ratio(a, b):
@@ -186,8 +203,7 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
     amax0 = _amax(x2) if amax is None else np.float32(amax)
     e = np.zeros((len(RHT_SCHEMES), 2))
     for _, c in chunks(x2, chunk_elems):  # d = 0: no transform, any signs
-        e[0] += _err_sums(c, fake_quantize(c, "nvfp4", global_amax=amax0))
-        e[1] += _err_sums(c, fake_quantize(c, "mxfp4"))
+        e += _err_sums_pair(c, fake_quantize(c, "nvfp4", global_amax=amax0), fake_quantize(c, "mxfp4"))
     err[0, :] = [_ratio(*v) for v in e]
     kur[0, :] = kurtosis(x2) if kurt0 is None else kurt0
     for di, d in enumerate(dims[1:], 1):
@@ -207,8 +223,7 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
             for _, c in chunks(x2, chunk_elems):
                 xr = rht(c, d, signs, out="fp32")
                 m.add2(xr)
-                e[0] += _err_sums(xr, fake_quantize(xr, "nvfp4", global_amax=a_r))
-                e[1] += _err_sums(xr, fake_quantize(xr, "mxfp4"))
+                e += _err_sums_pair(xr, fake_quantize(xr, "nvfp4", global_amax=a_r), fake_quantize(xr, "mxfp4"))
             kur[di, si] = m.kurtosis()
             err[di, si, :] = [_ratio(*v) for v in e]
     return dims, err, kur

@@ -320,3 +320,21 @@ def centred_sq_f64(c, mean, out):
         for k in range(K):
             d = np.float64(c[r, k]) - mean
             out[r * K + k] = d * d
+
+
+@nb.njit(parallel=True, cache=True)
+def err_f64(c, y, e_out):
+    """e_out = float64(y) - float64(c), flat in row-major order (:func:`x_and_err_f64` without x)."""
+    R, K = c.shape
+    for r in nb.prange(R):
+        for k in range(K):
+            e_out[r * K + k] = np.float64(y[r, k]) - np.float64(c[r, k])
+
+
+@nb.njit(parallel=True, cache=True)
+def to_f64(c, out):
+    """out = float64(c), flat in row-major order (``c.astype(np.float64).ravel()`` into a kept buffer)."""
+    R, K = c.shape
+    for r in nb.prange(R):
+        for k in range(K):
+            out[r * K + k] = np.float64(c[r, k])
