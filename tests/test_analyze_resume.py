@@ -209,3 +209,29 @@ def test_a_scheduler_started_as_its_own_process_gives_the_local_dataset(tmp_path
     r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(dump), "--quiet", "--scheduler", address],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0 and "no Dask scheduler answered" in r.stderr
+
+
+def test_a_dask_workers_kernels_use_its_own_thread_count():
+    """Inside a Dask worker of one thread, analysis runs Numba's kernels on one thread (two workers on two
+    cores would otherwise each start a pool of every core); outside a worker the count is left alone."""
+    pytest.importorskip("dask.distributed")
+    import numba
+    from dask.distributed import Client, LocalCluster
+
+    from fp4sim.analyze.core import _worker_numba_threads
+
+    def inside():
+        before = numba.get_num_threads()
+        with _worker_numba_threads():
+            n = numba.get_num_threads()
+        return before, n, numba.get_num_threads()
+
+    outside = numba.get_num_threads()
+    with _worker_numba_threads():
+        assert numba.get_num_threads() == outside
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one core: no second thread to hold back")
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+            Client(cl) as client:
+        before, n, after = client.submit(inside, pure=False).result()
+    assert before >= 2 and n == 1 and after == before

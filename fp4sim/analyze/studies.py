@@ -92,11 +92,8 @@ def _finite(c) -> bool:
 
 
 def _err_sums(c, y):
-    """(sum of squared error, sum of x^2) over the finite elements of a chunk."""
-    if _finite(c) and y.dtype == np.float32 and y.shape == c.shape:
-        x, e = _scratch(c.size)
-        ka.x_and_err_f64(c, y, x, e)
-        return float(np.dot(e, e)), float(np.dot(x, x))
+    """(sum of squared error, sum of x^2) over the finite elements of a chunk (the masked reference;
+    :func:`_err_sums_pair` takes finite chunks through the kernels)."""
     fin = np.isfinite(c)
     x = c[fin].astype(np.float64)
     e = y[fin].astype(np.float64) - x

@@ -100,55 +100,22 @@ def _sq(x):
     return xd * xd if np.isfinite(xd) else 0.0
 
 
-@nb.njit(inline="always", cache=True)
-def _val(xf, yf, i, which):
-    return _sq_err(xf[i], yf[i]) if which == 0 else _sq(xf[i])
-
-
-@nb.njit(cache=True)
-def _leaf(xf, yf, lo, n, which):
-    """NumPy's direct sum of one run: of squared errors (which 0) or of squared finite inputs (which 1)."""
-    if n < 8:
-        res = 0.0
-        for i in range(n):
-            res += _val(xf, yf, lo + i, which)
-        return res
-    r0, r1, r2, r3 = _val(xf, yf, lo, which), _val(xf, yf, lo + 1, which), _val(xf, yf, lo + 2, which), \
-        _val(xf, yf, lo + 3, which)
-    r4, r5, r6, r7 = _val(xf, yf, lo + 4, which), _val(xf, yf, lo + 5, which), _val(xf, yf, lo + 6, which), \
-        _val(xf, yf, lo + 7, which)
-    i = 8
-    m = n - n % 8
-    while i < m:
-        b = lo + i
-        r0 += _val(xf, yf, b, which)
-        r1 += _val(xf, yf, b + 1, which)
-        r2 += _val(xf, yf, b + 2, which)
-        r3 += _val(xf, yf, b + 3, which)
-        r4 += _val(xf, yf, b + 4, which)
-        r5 += _val(xf, yf, b + 5, which)
-        r6 += _val(xf, yf, b + 6, which)
-        r7 += _val(xf, yf, b + 7, which)
-        i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    while i < n:
-        res += _val(xf, yf, lo + i, which)
-        i += 1
-    return res
-
-
 @nb.njit(parallel=True, cache=True)
 def chunk_sums(xf, yf, which):
     """``np.sum`` over the flat chunk of the squared errors (which 0: ``np.sum(err ** 2)``) or of the squared
     inputs (which 1: ``np.sum(x64 ** 2)``, equal to ``np.sum(x64[fin] ** 2)`` when every input is finite), bit
-    for bit."""
+    for bit: each run of the tree's values goes to a small buffer and :func:`_buf_leaf` sums it."""
     n = xf.size
     los = np.empty(n // 64 + 2, np.int64)
     lens = np.empty(n // 64 + 2, np.int64)
     m = pairwise_leaves(n, los, lens)
     vals = np.empty(m, np.float64)
     for t in nb.prange(m):
-        vals[t] = _leaf(xf, yf, los[t], lens[t], which)
+        buf = np.empty(LEAF, np.float64)
+        lo = los[t]
+        for i in range(lens[t]):
+            buf[i] = _sq_err(xf[lo + i], yf[lo + i]) if which == 0 else _sq(xf[lo + i])
+        vals[t] = _buf_leaf(buf, 0, lens[t])
     return combine_leaves(vals, n)
 
 
