@@ -21,9 +21,10 @@ bridge's passes only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
-__all__ = ["configure", "idle_cores", "bridge_threads"]
+__all__ = ["configure", "idle_cores", "bridge_threads", "numba_threads"]
 
 
 def idle_cores() -> int:
@@ -66,3 +67,19 @@ def bridge_threads(threads: int | None = None) -> int | None:
             raise ValueError(f"threads={threads!r}: give a positive number of threads, or 0 for the default")
         _BRIDGE_THREADS = threads or None
     return _BRIDGE_THREADS
+
+
+@contextlib.contextmanager
+def numba_threads(n: int | None):
+    """Within the block, Numba's thread count (for the calling thread) set to ``n`` (capped at Numba's maximum);
+    ``None`` leaves it as it is."""
+    if not n:
+        yield
+        return
+    import numba
+    old = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)

@@ -1,7 +1,6 @@
 """Running the analysis over a dump and assembling the xarray Dataset."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -14,6 +13,7 @@ import numpy as np
 import xarray as xr
 from threadpoolctl import threadpool_limits
 
+from ..threads import numba_threads
 from .inputs import NotATarget, Source, TensorError, discover, is_vector_param, load
 from .metrics import (BLOCK_FIELDS, DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics,
                       tensor_amax)
@@ -79,7 +79,6 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     return res
 
 
-@contextlib.contextmanager
 def _worker_numba_threads():
     """Within a Dask worker, Numba's thread count (for the calling thread) set to the worker's ``nthreads``."""
     n = None
@@ -89,16 +88,7 @@ def _worker_numba_threads():
             n = get_worker().state.nthreads
         except (ValueError, AttributeError):
             n = None                                     # not in a worker
-    if not n:
-        yield
-        return
-    import numba
-    old = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(old)
+    return numba_threads(n)
 
 
 class _Progress:

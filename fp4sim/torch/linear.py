@@ -91,7 +91,7 @@ def _kernel_threads():
     once)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(NAN_E2M1[:60]), category=RuntimeWarning)
-        with _threads(), matmul_by(_torch_matmul):
+        with threads.numba_threads(threads.bridge_threads()), matmul_by(_torch_matmul):
             yield
 
 
@@ -104,21 +104,6 @@ def _torch_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         except ValueError:                                    # negative strides
             return torch.from_numpy(np.ascontiguousarray(x))
     return torch.matmul(t(a), t(b)).numpy()
-
-
-@contextlib.contextmanager
-def _threads():
-    n = threads.bridge_threads()
-    if n is None:
-        yield
-        return
-    import numba
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(old)
 
 
 class _Fn(torch.autograd.Function):
