@@ -15,12 +15,12 @@ for :func:`wgrad` in the same way.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import fastpath
+from ._f32 import absmax
 from ._xp import matmul, xp_of
 from .gemm import TENSOR_CORE, covers, gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
@@ -80,11 +80,7 @@ def held_amax(a, op: Operand, call: int, name: str, amax_state):
     if amax_state is None:
         raise ValueError(f"{name}: Operand amax={op.amax!r} keeps state between calls; pass amax_state (a dict the "
                          "caller keeps, as QuantLinear does)")
-    xp = xp_of(a)
-    with warnings.catch_warnings():                  # NaN ignored, as quantize's own amax does
-        warnings.simplefilter("ignore", RuntimeWarning)
-        cur = float(xp.nanmax(xp.abs(a))) if a.size else 0.0
-    cur = 0.0 if cur != cur else cur
+    cur = float(absmax(a)) if a.size else 0.0       # NaN ignored, as quantize's own amax does
     if op.amax == "delayed":
         st = amax_state.get(name)
         if st is None or call % op.amax_every == 0:

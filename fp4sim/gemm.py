@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._f32 import add, div, mul
 from ._xp import matmul, xp_of
 from .formats import E2M1, E4M3
 from .layout import unpack_fp4
@@ -332,7 +333,7 @@ def _nvfp4_model(qa, qb, model, grid, xp, kernels=None):
     if bool(na.any()) or bool(nb_.any()):
         c[na, :] = np.nan
         c[:, nb_] = np.nan
-    return _nvfp4_alpha(qa, qb, xp) * c
+    return mul(_nvfp4_alpha(qa, qb, xp), c)
 
 
 def _blockwise(qa, qb, ka, xp):
@@ -366,12 +367,12 @@ def _blockwise(qa, qb, ka, xp):
             if per_tensor:
                 y += dot
             else:
-                y += (sa[:, j, None] * sb[None, :, j]) * dot  # fl(fl(s_a * s_b) * dot), then fl(y + .)
+                y = add(y, mul(mul(sa[:, j, None], sb[None, :, j]), dot))  # fl(fl(s_a * s_b) * dot), fl(y + .)
     if per_tensor:
         sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
-        y = y * sab
+        y = mul(y, sab)
     elif ka == "nvfp4":
-        y = _nvfp4_alpha(qa, qb, xp) * y
+        y = mul(_nvfp4_alpha(qa, qb, xp), y)
     return y
 
 
@@ -406,10 +407,10 @@ def _nvfp4_alpha(qa, qb, xp):
     a, b = _second_level(qa, xp, 0), _second_level(qb, xp, 1)
     with np.errstate(over="ignore"):
         if qa.scheme.flavor in ("te", "paper") and qb.scheme.flavor in ("te", "paper"):
-            div = NVFP4_ALPHA_DIV if qa.scheme.e4m3_max == qb.scheme.e4m3_max == 448 else \
+            div_ = NVFP4_ALPHA_DIV if qa.scheme.e4m3_max == qb.scheme.e4m3_max == 448 else \
                 f32(36.0 * qa.scheme.e4m3_max * qb.scheme.e4m3_max)      # 4over6 with an E4M3 max of 256
-            return (a * b) / div
-        return a * b
+            return div(mul(a, b), div_)
+        return mul(a, b)
 
 
 def _pad(v, Kp, xp):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._f32 import absmax, div, mul
 from ._xp import xp_of
 from .formats import E2M1, UE5M3
 from .qtensor import QuantizedTensor
@@ -49,11 +50,11 @@ def _rows(x, axis):
     return xp.ascontiguousarray(xp.moveaxis(x, axis, -1)).reshape(-1, x.shape[axis])
 
 
-def _block_amax(ax, tile):
+def _block_amax(x2, tile):
     """Per (row, block) amax of |x| (NaN ignored), tiles of ``tile`` rows sharing theirs."""
-    xp = xp_of(ax)
-    R, Kp = ax.shape
-    b = xp.where(xp.isnan(ax), 0, ax).reshape(R, Kp // 16, 16).max(-1) if R else xp.zeros((0, Kp // 16), np.float32)
+    xp = xp_of(x2)
+    R, Kp = x2.shape
+    b = absmax(x2.reshape(R, Kp // 16, 16), axis=-1) if R else xp.zeros((0, Kp // 16), np.float32)
     if tile == 1:
         return b, b
     Rp = -(-R // tile) * tile
@@ -101,7 +102,7 @@ def quantize(x, sch, axis, rounding="rne", global_amax=None, rbits=None, seed=No
         import warnings
         warnings.warn(planning.NAN_E2M1, RuntimeWarning, stacklevel=3)
     if global_amax is None:
-        amax = f32(float(xp.where(xp.isnan(xs), 0, xp.abs(xs)).max()))
+        amax = absmax(xs)
     else:
         amax = planning.check_global_amax(global_amax.get() if hasattr(global_amax, "get") else global_amax)
     if sch.per_tensor_scale and not np.isfinite(amax):
@@ -111,15 +112,15 @@ def quantize(x, sch, axis, rounding="rne", global_amax=None, rbits=None, seed=No
     s_enc, s_dec = tensor_constants(sch, amax)
     mult = f32(s_enc * R6)
     tile = sch.block[0]
-    bt, brow = _block_amax(xp.abs(xp2), tile)
+    bt, brow = _block_amax(xp2, tile)
     with np.errstate(over="ignore", invalid="ignore"):
-        sb = encode((bt * mult).astype(np.float32), UE5M3)        # RNE, saturating at 61,440
+        sb = encode(mul(bt, mult).astype(np.float32), UE5M3)     # RNE, saturating at 61,440
         sb = xp.where(sb == 0, np.uint8(ONE), sb).astype(np.uint8)
         vals = xp.asarray(UE5M3.values)
         srow = sb if tile == 1 else xp.repeat(sb, tile, axis=0)[:R]
-        dec = (vals[srow] * s_dec).astype(np.float32)
-        enc = (f32(1.0) / dec).astype(np.float32)
-        y = (xp2.reshape(R, -1, 16) * enc[:, :, None]).astype(np.float32).reshape(R, Kp)
+        dec = mul(vals[srow], s_dec).astype(np.float32)
+        enc = div(f32(1.0), dec).astype(np.float32)
+        y = mul(xp2.reshape(R, -1, 16), enc[:, :, None]).astype(np.float32).reshape(R, Kp)
     kw = {}
     if rb is not None:
         kw = dict(rbits=rb, sr_bits=sr.nsr, rbits_mapping="midpoint" if sr.midpoint else "te")
@@ -143,7 +144,7 @@ def dequantize(q: QuantizedTensor):
     sb = q.scales.reshape(-1, Kp // 16)
     if sch.block[0] > 1:
         sb = xp.repeat(sb, sch.block[0], axis=0)[:R]
-    dec = (xp.asarray(UE5M3.values)[sb] * s_dec).astype(np.float32)
-    v = (xp.asarray(E2M1.values)[c].reshape(R, -1, 16) * dec[:, :, None]).astype(np.float32).reshape(R, Kp)[:, :K]
+    dec = mul(xp.asarray(UE5M3.values)[sb], s_dec).astype(np.float32)
+    v = mul(xp.asarray(E2M1.values)[c].reshape(R, -1, 16), dec[:, :, None]).astype(np.float32).reshape(R, Kp)[:, :K]
     lead = tuple(s for i, s in enumerate(q.shape) if i != q.axis)
     return xp.ascontiguousarray(xp.moveaxis(v.reshape(*lead, K), -1, q.axis))

@@ -108,6 +108,78 @@ def test_encode_every_mode(dev, fmt):
             assert np.array_equal(got, want), (fmt.name, kw, np.flatnonzero(got != want)[:5])
 
 
+def test_widen_keeps_subnormals(dev):
+    """The float64 operands of the tensor-core kernels are widened from float32 bits by a kernel: every float32
+    class (subnormals of both signs, -0, the extremes, Inf, NaN payloads) gives NumPy's exact float64, which
+    CuPy's own cast (compiled with -ftz=true) does not for subnormals; NaNs stay NaN."""
+    bits = np.array([0, 0x80000000, 1, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x00800000, 0x3F800001, 0x7F7FFFFF,
+                     0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFA00000], np.uint32)
+    x = np.concatenate([bits.view(np.float32), SWEEP.reshape(-1)]).reshape(2, -1)
+    got = dev.host(ops.kernels(dev.be).f64(dev.dev(x)))
+    want = x.astype(np.float64)
+    assert got.dtype == np.float64 and got.shape == x.shape
+    nan = np.isnan(want)                         # NaN payloads: x86 quiets a signalling NaN, the kernel keeps it
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint64), want[~nan].view(np.uint64))
+
+
+def test_narrow_rounds_like_numpy(dev):
+    """float64 -> float32 by the kernel: NumPy's nearest-even cast for every float32 pattern widened and nudged up
+    and down (ties, subnormal results, overflow to Inf, values below the smallest subnormal), NaN as NaN."""
+    w = np.concatenate([SWEEP.reshape(-1).astype(np.float64), [2.0**-150, -(2.0**-150), 2.0**-150 * 1.5,
+                                                               3.4028235677973366e38, 3.4028236e38 * 2]])
+    w = w[np.isfinite(w)]
+    x = np.concatenate([w, np.nextafter(w, np.inf), np.nextafter(w, -np.inf), w * (1 + 2.0**-24), w * (1 - 2.0**-25),
+                        [np.inf, -np.inf, np.nan]])
+    got = dev.host(ops.kernels(dev.be).f32(dev.dev(x)))
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float32)
+    same_bits(got, want)
+
+
+@pytest.mark.gpu
+def test_float32_arithmetic_on_cupy_keeps_subnormals():
+    """fp4sim._f32 on CuPy arrays gives NumPy's float32 bits where CuPy's own arithmetic flushes subnormal
+    inputs and results (it compiles with -ftz=true); and the paths built on it: UE5M3 NVFP4 with blocks whose
+    amax is subnormal, MXFP8 and NVFP4 GEMMs whose scale products fall below 2^-126, a delayed amax."""
+    if not fs.gpu.available():
+        pytest.skip("no CUDA device with CuPy: the GPU run of these tests needs pip install '.[gpu]'")
+    import cupy
+
+    from fp4sim import _f32, emulate
+    from fp4sim.training import Operand
+    rng = np.random.default_rng(9)
+    a = (rng.standard_normal(4096) * np.exp2(rng.integers(-140, -100, 4096))).astype(np.float32)
+    b = (rng.standard_normal(4096) * np.exp2(rng.integers(-30, 30, 4096))).astype(np.float32)
+    ga, gb = cupy.asarray(a), cupy.asarray(b)
+    for f in (_f32.mul, _f32.div, _f32.add):
+        with np.errstate(all="ignore"):
+            same_bits(cupy.asnumpy(f(ga, gb)), f(a, b).astype(np.float32))
+            same_bits(cupy.asnumpy(f(ga, np.float32(3e-5))), f(a, np.float32(3e-5)).astype(np.float32))
+    assert _f32.absmax(ga) == _f32.absmax(a) == np.abs(a).max() > 0
+    same_bits(cupy.asnumpy(_f32.absmax(ga.reshape(64, 64), axis=1)), np.abs(a.reshape(64, 64)).max(1))
+    x = heavy((32, 64), 11)
+    x[:, :16] *= np.float32(1e-39)                               # whole blocks of subnormals
+    for scheme in ("nvfp4_ue5m3", "nvfp4_ue5m3_2d"):
+        for kw in ({}, {"per_tensor_scale": False}):
+            want, got = fs.quantize(x, scheme, **kw), fs.quantize(cupy.asarray(x), scheme, **kw)
+            assert np.array_equal(cupy.asnumpy(got.codes), want.codes) and \
+                np.array_equal(cupy.asnumpy(got.scales), want.scales), (scheme, kw)
+            same_bits(cupy.asnumpy(fs.dequantize(got)), fs.dequantize(want))
+    x = heavy((24, 96), 12) * np.float32(2.0**-56)
+    w = heavy((16, 96), 13) * np.float32(2.0**-56)
+    x[:12] *= np.float32(2.0**-12)                               # rows far below the amax: outputs and MX scale
+    w[:8] *= np.float32(2.0**-12)                                # products below 2^-126, many subnormal
+    for scheme in ("mxfp8_e4m3", "mxfp4", "nvfp4"):
+        want = fs.gemm(fs.quantize(x, scheme), fs.quantize(w, scheme))
+        assert (np.abs(want[want != 0]) < 2.0**-126).mean() > 0.1, scheme
+        got = fs.gemm(fs.quantize(cupy.asarray(x), scheme), fs.quantize(cupy.asarray(w), scheme))
+        same_bits(cupy.asnumpy(got), want)
+    op = Operand(scheme="nvfp4", amax="delayed")
+    tiny = np.full((4, 16), 1e-40, np.float32)
+    assert emulate.held_amax(cupy.asarray(tiny), op, 0, "x", {}) == emulate.held_amax(tiny, op, 0, "x", {}) > 0
+
+
 def test_philox_bytes(dev):
     from fp4sim.rng import philox_bytes, seed_key
     for seed, stream, start in [(0, 0, 0), (2**64 - 1, 7, 2**36)]:

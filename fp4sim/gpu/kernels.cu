@@ -524,6 +524,21 @@ extern "C" __global__ void fp8_quantize(const float* x, i64 R, i64 K, const u8* 
         }
 }
 
+// float32 bit patterns -> float64, exactly (f2d): CuPy's own casts are compiled with -ftz=true and flush float32
+// subnormals to zero, so the float64 operands of the kernels below are widened here.
+extern "C" __global__ void widen_f32(const u32* x, i64 n, double* y) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n) y[t] = f2d(x[t]);
+}
+
+// float64 -> float32 bit patterns rounded to nearest-even by integer code (d2f_bits), subnormals kept: with
+// widen_f32 this gives CuPy paths IEEE float32 products, quotients and sums (computed exactly or double-rounded
+// innocuously in float64) where CuPy's float32 arithmetic would flush.
+extern "C" __global__ void narrow_f64(const double* x, i64 n, u32* y) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n) y[t] = d2f_bits(x[t]);
+}
+
 // ------------------------------------------------------------------------------------------ RHT
 // One thread per output element: y[r, c0 + j] = round(scale * sum_i x[r, c0 + i] * signs_h[i, j]).
 extern "C" __global__ void rht(const float* x, i64 R, i64 K, int d, const double* signs_h, double scale,

@@ -194,6 +194,24 @@ class GpuKernels:
                        i64(N), i64(Kp), i32(group // 16), i32(mode), i32(grid), out)
         return out
 
+    def f64(self, a):
+        """``a`` as a C-contiguous float64 array, exactly: float32 (and float16) values are widened by a kernel
+        from their bits, because CuPy compiles its own casts with -ftz=true, which flushes float32 subnormals."""
+        xp = self.xp
+        if a.dtype == np.float64:
+            return xp.ascontiguousarray(a)
+        a = xp.ascontiguousarray(a, dtype=np.float32)      # float16 -> float32 is exact (no subnormal float32)
+        y = xp.empty(a.shape, np.float64)
+        self.be.launch("widen_f32", a.size, a.view(np.uint32), i64(a.size), y)
+        return y
+
+    def f32(self, a):
+        """float64 ``a`` rounded to float32 (nearest-even, subnormals kept: CuPy's own cast flushes them)."""
+        a = self.xp.ascontiguousarray(a, dtype=np.float64)
+        y = self.xp.empty(a.shape, np.uint32)
+        self.be.launch("narrow_f64", a.size, a, i64(a.size), y)
+        return y.view(np.float32)
+
     def tc_chain(self, A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, c_emin, C):
         """float32 (M, N): fp4sim.tensorcore's block-FMA chain (``fp4sim.cpu.tensorcore.chain``'s arguments)."""
         xp = self.xp
@@ -201,8 +219,7 @@ class GpuKernels:
         N = B.shape[0]
         out = xp.empty((M, N), np.uint32)
         C = xp.zeros((M, N), np.float32) if C is None else xp.asarray(C, dtype=np.float32)
-        self.be.launch("tc_chain", M * N, xp.ascontiguousarray(A, dtype=np.float64),
-                       xp.ascontiguousarray(EA, dtype=np.int32), xp.ascontiguousarray(B, dtype=np.float64),
+        self.be.launch("tc_chain", M * N, self.f64(A), xp.ascontiguousarray(EA, dtype=np.int32), self.f64(B),
                        xp.ascontiguousarray(EB, dtype=np.int32), xp.ascontiguousarray(idx, dtype=np.int64), i64(M),
                        i64(N), i64(K), i64(len(idx)), i32(nfma), i32(frac), i32(frac_out), i32(min_exp), i32(late),
                        i32(c_emin), xp.ascontiguousarray(C).view(np.uint32), out)
@@ -214,9 +231,8 @@ class GpuKernels:
         M, K = A.shape
         N = B.shape[0]
         out = xp.empty((M, N), np.uint32)
-        self.be.launch("tc_group_chain", M * N, xp.ascontiguousarray(A, dtype=np.float64),
-                       xp.ascontiguousarray(B, dtype=np.float64), xp.ascontiguousarray(SA, dtype=np.float64),
-                       xp.ascontiguousarray(SB, dtype=np.float64), xp.ascontiguousarray(ESA, dtype=np.int64),
+        self.be.launch("tc_group_chain", M * N, self.f64(A), self.f64(B), self.f64(SA), self.f64(SB),
+                       xp.ascontiguousarray(ESA, dtype=np.int64),
                        xp.ascontiguousarray(ESB, dtype=np.int64), i64(M), i64(N), i64(K), i64(SA.shape[1]), i32(L),
                        i32(G), i32(bs), i32(F), i32(e_zero), out)
         return out.view(np.float32)

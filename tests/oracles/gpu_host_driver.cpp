@@ -45,6 +45,8 @@ HOST(fp8_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_r
     host_launch(fp8_quantize, th, x, R, K, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide, mbits, emin,
                 bias, maxmag, nosat, nanc, signbit, elem_vals, codes, scales, fake, do_fake);
 }
+HOST(widen_f32)(i64 th, const u32* x, i64 n, double* y) { host_launch(widen_f32, th, x, n, y); }
+HOST(narrow_f64)(i64 th, const double* x, i64 n, u32* y) { host_launch(narrow_f64, th, x, n, y); }
 HOST(rht)(i64 th, const float* x, i64 R, i64 K, int d, const double* signs_h, double scale, int to_bf16, u32* out) {
     host_launch(rht, th, x, R, K, d, signs_h, scale, to_bf16, out);
 }

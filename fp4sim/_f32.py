@@ -1,0 +1,66 @@
+"""IEEE float32 arithmetic that gives the same bits on NumPy and CuPy arrays.
+
+NumPy's float32 operations are IEEE, subnormals included. CuPy compiles its elementwise kernels with
+``-ftz=true``: a subnormal float32 input or result of its arithmetic, casts and ``abs`` / ``max`` becomes zero.
+For CuPy arrays the functions here therefore widen float32 operands to float64 from their bits (a kernel), compute
+in float64 (exact for the product or sum of two float32 values; a quotient rounded twice, which is innocuous
+because float64 has more than 2*24+2 significant bits) and round to float32 by integer code (a kernel). NumPy
+operands take NumPy's own operations, unchanged. Scalars (Python or NumPy) may be mixed with arrays of either.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._xp import is_cupy, xp_of
+
+__all__ = ["mul", "div", "add", "absmax"]
+
+
+def _kernels():
+    from .gpu import ops
+    return ops.kernels(ops.backend())
+
+
+def _wide(k, a):
+    if is_cupy(a):
+        return a if a.dtype == np.float64 else k.f64(a)
+    return float(a)                                # a scalar: exact in float64
+
+
+def _op(a, b, f):
+    if not (is_cupy(a) or is_cupy(b)):
+        return None
+    k = _kernels()
+    return k.f32(f(_wide(k, a), _wide(k, b)))
+
+
+def mul(a, b):
+    """``a * b`` rounded once to float32 (NumPy: NumPy's own product, its dtype as NumPy gives it)."""
+    y = _op(a, b, lambda u, v: u * v)
+    return a * b if y is None else y
+
+
+def div(a, b):
+    """``a / b`` rounded to float32 (NumPy: NumPy's own quotient)."""
+    y = _op(a, b, lambda u, v: u / v)
+    if y is None:
+        return a / b
+    return y
+
+
+def add(a, b):
+    """``a + b`` rounded once to float32 (NumPy: NumPy's own sum)."""
+    y = _op(a, b, lambda u, v: u + v)
+    return a + b if y is None else y
+
+
+def absmax(a, axis=None):
+    """max |a| over ``axis`` (None: all) of a non-empty float32 (or float16) array, NaN ignored (all-NaN gives 0),
+    from the bit patterns: the same float32 on NumPy and CuPy, subnormals included. ``axis=None`` returns a
+    NumPy float32 scalar, otherwise an array of ``a``'s module."""
+    xp = xp_of(a)
+    bits = xp.ascontiguousarray(a, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
+    bits = xp.where(bits > np.uint32(0x7F800000), np.uint32(0), bits)
+    if axis is None:
+        return np.uint32(int(bits.max())).view(np.float32)
+    return bits.max(axis=axis).view(np.float32)
