@@ -486,14 +486,15 @@ def test_ddp_gradients_are_the_mean_of_each_process_alone(tmp_path, monkeypatch)
 def test_quant_linear_on_cuda_gives_the_cpu_bits():
     if not (torch.cuda.is_available() and fs.gpu.available()):
         pytest.skip("no CUDA device with CuPy: the GPU run needs pip install '.[gpu]' and a CUDA torch")
-    q, _ = _pair(Recipe.preset("nvfp4_paper", seed=5))
     x, dy = torch.randn(32, 64), torch.randn(32, 48)
-    cpu = _run(q, x, dy)
-    qc = q.cuda()
-    qc.weight.grad = qc.bias.grad = None
-    gpu = _run(qc, x.cuda(), dy.cuda())
-    for a, b in zip(cpu, gpu):
+    cpu = _run(_pair(Recipe.preset("nvfp4_paper", seed=5))[0], x, dy)
+    # a second layer with the same weights: its first call draws the same stochastic-rounding bytes and RHT signs
+    # (the call count is part of their streams)
+    gpu = _run(_pair(Recipe.preset("nvfp4_paper", seed=5))[0].cuda(), x.cuda(), dy.cuda())
+    for a, b in zip(cpu[:3], gpu[:3]):               # y, dx, dW: the emulated GEMMs
         assert torch.equal(a, b.cpu())
+    # the bias gradient is torch's own float32 sum of dy, as nn.Linear's: its order is each device's
+    assert torch.equal(cpu[3], dy.sum(0)) and torch.equal(gpu[3], dy.cuda().sum(0))
 
 
 # ------------------------------------------------------------------------ streams, signs and switches of a call
