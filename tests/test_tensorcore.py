@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import fp4sim as fs
 from fp4sim import tensorcore as tc
 from fp4sim.reference import tensorcore as ref
 from fp4sim.tensorcore.accumulate import EMIN
@@ -653,3 +654,56 @@ def test_fp8_witnesses_separate_every_pair_and_name_the_device(tmp_path):
                             str(od)], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.splitlines()[-1] == f"consistent with every witness: {label}"
+
+
+# ------------------------------------------------------------------------ an H200's own outputs
+H200 = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-2026-12-04"
+
+
+def _check_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tensorcore_check", H200.parents[1] / "tensorcore_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_h200_recordings_are_the_hopper_model():
+    """The outputs an NVIDIA H200 gave in benchmarks/gpu_check.sh (torch 2.11 + cuBLAS, CUDA 13.0: 72
+    ``torch._scaled_mm`` FP8 GEMMs, E4M3 / E5M2 operand pairs, slow and fast accumulation, float32 and bfloat16
+    outputs, K = 1024 and 4096; 8 BF16 / FP16 matmuls; a 96 x 96 corner of each, stored as bits) are recomputed from
+    the recorded seeds, bit for bit: by fs.scaled_mm(model="hopper") for FP8 and by the hopper chain for the 16-bit
+    matmuls. The exact rule and Ada's chain differ from the device on the random operands, so the recordings do
+    tell those models apart (not every parameter: a 16-bit step one fraction bit shorter gives the same outputs on
+    these operands; the toolbox's vectors above pin that down)."""
+    chk = _check_script()
+    rec = np.load(H200 / "tensorcore_outputs.npz")
+    sa, sb = torch.tensor(0.37), torch.tensor(1.9)            # the check's scales
+    C = chk.CORNER
+    bits = {4: torch.int32, 2: torch.int16}
+    for i, (M, K, N, kind, dta, dtb, fast, od) in enumerate(chk.fp8_cases(False)):
+        a, w = chk._operands(torch, kind, M, K, N, dta, dtb, 1000 + i, "cpu")
+        a, w = a[:C], w[:C]
+        y = fs.scaled_mm(a, w.t(), sa, sb, out_dtype=od, use_fast_accum=fast, model="hopper")
+        want = rec[f"fp8_{i:02d}"]
+        assert np.array_equal(y.view(bits[y.element_size()]).numpy(), want), (i, kind, dta, dtb, fast, od)
+        if kind == "random" and K == 1024 and not fast and od == torch.float32:
+            for other in ("exact", "ada"):
+                z = fs.scaled_mm(a, w.t(), sa, sb, out_dtype=od, model=other)
+                assert (z.view(torch.int32).numpy() != want).mean() > 0.5, other
+    i = 0
+    for K in (1024, 4096):
+        for dt, fam, npdt in ((torch.bfloat16, "bf16", ml_dtypes.bfloat16), (torch.float16, "fp16", np.float16)):
+            for kind in ("random", "positive"):
+                g = torch.Generator().manual_seed(2000 + i)
+                a, w = torch.randn(2048, K, generator=g), torch.randn(2048, K, generator=g)
+                if kind == "positive":
+                    a, w = a.abs(), w.abs()
+                A, W = (t[:C].to(dt).float().numpy() for t in (a, w))
+                acc = tc.accumulate(A, W, fam, fam, "hopper", fam, fast=True)
+                want = rec[f"{fam}_{i:02d}"]
+                assert np.array_equal(acc.astype(npdt).view(np.int16), want), (i, fam, kind)
+                if kind == "random":                      # Ada's and the A100's 8-product steps differ
+                    ada = tc.accumulate(A, W, fam, fam, "ada", fam, fast=True)
+                    assert (ada.astype(npdt).view(np.int16) != want).any(), (i, fam)
+                i += 1

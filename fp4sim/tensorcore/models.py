@@ -81,7 +81,8 @@ MODELS = {
         instruction="FP8: the wgmma unit behind cuBLAS's FP8 GEMMs (not sm_90's FP8 mma.sync); BF16 / FP16 / "
                     "TF32: the mma.sync (wmma) unit of the toolbox's measurements",
         evidence="FP8: mmaemu's H100 PCIe recordings (cuBLASLt 12.8.3.14, 374 unsplit and 1,049 split live calls) "
-                 "and the toolbox's H100 and H200 vectors; BF16 / FP16 / TF32: the toolbox's H100 and H200 vectors"),
+                 "and the toolbox's H100 and H200 vectors; an H200's own torch._scaled_mm outputs (72 GEMMs, "
+                 "CUDA 13.0); BF16 / FP16 / TF32: the toolbox's H100 and H200 vectors and 8 H200 matmuls"),
     "ada": TensorCoreModel(
         "ada", "RTX 40xx / L40S (sm_89)",
         {_FP8: BlockFMA(16, 13, 13, -132),
