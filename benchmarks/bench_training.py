@@ -2,7 +2,8 @@
 
     python benchmarks/bench_training.py [--repeat 3] [--d-model 256] [--only gemm|step] [--json out.json]
     python benchmarks/bench_training.py --model paper [--presets nvfp4_paper,bf16] [--general] [--sizes 128x32,64x64]
-                                        [--keep-last 0] [--accumulate fast|exact] [--json out.json]
+                                        [--keep-last 0] [--accumulate fast|exact|hopper|hopper_fast_accum]
+                                        [--json out.json]
     python benchmarks/bench_training.py --model paper --import-order torch,numpy,fp4sim [--rounds 2] [...]
 
 1. fp4sim.gemm (exact and fast; for NVFP4 also the hardware accumulation models k64_rtz and exact_sum) for
@@ -53,7 +54,8 @@ def main():
     ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise")
     ap.add_argument("--general", action="store_true", help="also time the general path (fast path off)")
     ap.add_argument("--sizes", default="128x32,64x64", help="d_model x sequences of 128 tokens (--model paper)")
-    ap.add_argument("--accumulate", choices=("fast", "exact"), default="fast", help="the recipes' GEMM rule (--model paper)")
+    ap.add_argument("--accumulate", choices=("fast", "exact", "hopper", "hopper_fast_accum"), default="fast",
+                    help="the recipes' GEMM rule (--model paper)")
     ap.add_argument("--keep-last", type=int, default=0,
                     help="blocks at the end kept in BF16 (--model paper; paper_repro's full mode keeps 1)")
     ap.add_argument("--import-order", help="--model paper: comma-separated orders among torch, numpy, fp4sim, "
@@ -214,7 +216,7 @@ def paper_steps(a):
                 fns.append(step_fn(build(c, rec, 0), fast=False))
             ts = best_alternating(fns, a.repeat)
             t0, t = ts[0], ts[1]
-            key = f"d{d}_B{B}_{preset}" + ("_exact" if a.accumulate == "exact" else "")
+            key = f"d{d}_B{B}_{preset}" + ("" if a.accumulate == "fast" else "_" + a.accumulate)
             tok = B * c.ctx
             out["step"][key] = t / t0
             out["tokens_per_s"][key] = {"emulated": tok / t, "plain": tok / t0}
