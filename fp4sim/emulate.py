@@ -157,9 +157,8 @@ def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call:
     if not op.quantized:
         return a if axis == 1 else a.T
     plan = fastpath.operand_plan(op, a.shape, axis)
-    if plan.kind == "bf16":                 # elementwise: rounded where it lies, the dot axis last by a view
-        v = fastpath.bf16_values(np.ascontiguousarray(a, np.float32))
-        return v if axis == 1 else v.T
+    if plan.kind == "bf16":                 # elementwise, in the general path's layout (the dot axis last)
+        return fastpath.bf16_values(fastpath.a_form(a, axis))
     if plan.kind in ("nvfp4", "fp8_blockwise", "mx"):
         A = fastpath.a_form(a, axis)
         if plan.kind == "fp8_blockwise":
@@ -200,7 +199,9 @@ def _shared(prev, op: Operand):
     """``prev`` (a :class:`Values` of the other GEMM's operand from the same tensor) transposed, where its
     values are this operand's: the same operand, whose values do not depend on the dot axis; else None."""
     if serves(prev, op):
-        return prev.a.T                                    # a view: the BLAS reads the transposed layout as it is
+        return fastpath.a_form(prev.a, 0)                  # transposed, C-contiguous (a tiled copy): the layout
+                                                           # the general path gives the BLAS, whose bits can
+                                                           # depend on it
     return None
 
 

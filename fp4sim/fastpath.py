@@ -15,8 +15,10 @@ values directly, in the layout the BLAS call reads (the "A form": rows along the
   ``quantize`` (its values are those of ``dequantize(quantize(...))``).
 
 The values are bit for bit those of the general path, and so is the GEMM: the same matmul
-(:func:`fp4sim._xp.matmul`: NumPy's, or torch's inside the torch bridge) of the same values (the tests compare
-the bits of every preset and switch, through the bridge too). Operands the fused kernel does not take (NaN in the operand, a non-finite
+(:func:`fp4sim._xp.matmul`: NumPy's, or torch's inside the torch bridge) of the same values in the same memory
+layout — a float32 BLAS may sum in another order for another layout (OpenBLAS 0.3.31 does, for a transposed
+view against its contiguous copy) — and the tests compare the bits of every preset and switch, through the
+bridge too. Operands the fused kernel does not take (NaN in the operand, a non-finite
 tensor amax, an amax above FLT_MAX/448, SR bits that Philox cannot generate row by row) go through the general
 path. An operand's static plan (scheme, kernel ids, Philox row layout) is built once per (operand, shape, axis)
 and kept in a bounded cache; the per-call parts (the tensor amax, the Philox key and stream, the RHT signs)
@@ -25,8 +27,8 @@ are computed at every call.
 Quantize once, use twice: an operand whose values do not depend on the dot axis — NVFP4 16x16 or FP8 128x128
 tiles, BF16 and per-tensor FP8 elementwise, all with round-to-nearest and no RHT — gives the same values to both
 GEMMs that read it (Fprop's and Dgrad's weight, Fprop's and Wgrad's activation, Dgrad's and Wgrad's output
-gradient): :func:`shared_values` says when, and the second GEMM reads the first's values through a transposed
-view (no copy).
+gradient): :func:`shared_values` says when, and the second GEMM reads the first's values transposed (a copy in
+the layout the general path gives it).
 """
 from __future__ import annotations
 
