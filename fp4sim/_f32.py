@@ -43,9 +43,7 @@ def mul(a, b):
 def div(a, b):
     """``a / b`` rounded to float32 (NumPy: NumPy's own quotient)."""
     y = _op(a, b, lambda u, v: u / v)
-    if y is None:
-        return a / b
-    return y
+    return a / b if y is None else y
 
 
 def add(a, b):

@@ -137,6 +137,22 @@ def test_narrow_rounds_like_numpy(dev):
     same_bits(got, want)
 
 
+def test_row_absmax_keeps_subnormal_rows(dev):
+    """The per-row amax of row-scaled NVFP4 (GpuKernels.row_absmax): the CPU backend's, rows of subnormals, NaN
+    (ignored), Inf, -0 and all-NaN rows included."""
+    from fp4sim.cpu.backend import CpuKernels
+    x = heavy((12, 40), 14)
+    x[1] *= np.float32(1e-39)
+    x[2] = -0.0
+    x[3, 5], x[4, 7] = np.nan, -np.inf
+    x[5] = np.nan
+    x[6, :] = np.float32(1e-45)
+    got = ops.kernels(dev.be).row_absmax(dev.dev(x))
+    want = CpuKernels.row_absmax(x)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
+    assert got[1] > 0 and got[6] == np.float32(1e-45)
+
+
 @pytest.mark.gpu
 def test_float32_arithmetic_on_cupy_keeps_subnormals():
     """fp4sim._f32 on CuPy arrays gives NumPy's float32 bits where CuPy's own arithmetic flushes subnormal
