@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._xp import is_cupy, xp_of
+from ._xp import absmax, is_cupy
 
 __all__ = ["mul", "div", "add", "absmax"]
 
@@ -50,15 +50,3 @@ def add(a, b):
     """``a + b`` rounded once to float32 (NumPy: NumPy's own sum)."""
     y = _op(a, b, lambda u, v: u + v)
     return a + b if y is None else y
-
-
-def absmax(a, axis=None):
-    """max |a| over ``axis`` (None: all) of a non-empty float32 (or float16) array, NaN ignored (all-NaN gives 0),
-    from the bit patterns: the same float32 on NumPy and CuPy, subnormals included. ``axis=None`` returns a
-    NumPy float32 scalar, otherwise an array of ``a``'s module."""
-    xp = xp_of(a)
-    bits = xp.ascontiguousarray(a, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
-    bits = xp.where(bits > np.uint32(0x7F800000), np.uint32(0), bits)
-    if axis is None:
-        return np.uint32(int(bits.max())).view(np.float32)
-    return bits.max(axis=axis).view(np.float32)

@@ -97,7 +97,7 @@ class GpuKernels:
 
     def row_absmax(self, x2):
         """max |x| of each row, NaN ignored, from the bits (CuPy's abs and max flush subnormals): host float32."""
-        from .._f32 import absmax
+        from .._xp import absmax
         m = absmax(x2, axis=1)
         return np.asarray(m.get() if hasattr(m, "get") else m, np.float32)
 
