@@ -276,11 +276,10 @@ def _tensor_core(qa, qb, model, kind, xp, backend=None):
         va, vb = _pad(va, Kp, np), _pad(vb, Kp, np)
         sa, sb = _block_scales(qa, np), _block_scales(qb, np)
         y = np.zeros((va.shape[0], vb.shape[0]), np.float32)
+        parts = tc.chain_runs(va, vb, fa, fb, step, [np.arange(j, j + 128) for j in range(0, Kp, 128)], backend)
         with np.errstate(over="ignore", invalid="ignore"):
             for j in range(Kp // 128):
-                part = tc.chain(va[:, j * 128:(j + 1) * 128], vb[:, j * 128:(j + 1) * 128], fa, fb, step,
-                                backend=backend)
-                y += (sa[:, j, None] * sb[None, :, j]) * part
+                y += (sa[:, j, None] * sb[None, :, j]) * parts[j]
         return y
     fast = model.endswith("_fast_accum") or tc.get_model(name).slow_chunk is None     # b200_mma: one chain
     acc = tc.accumulate(va, vb, fa, fb, name, "fp8", fast=fast, backend=backend)

@@ -211,6 +211,37 @@ def test_subnormal_results_truncate_on_the_float32_grid(model):
     assert n_sub >= 20
 
 
+def test_scaled_fp8_chain_truncates_below_float32_normals():
+    """chain_exp on FP8 values carrying a power-of-two scale (as block-scaled operands do): the 13-bit FP8 step's
+    sums fall below 2^-126, where they keep the bits down to 2^-139 and truncate to a signed zero below that; the
+    row blocks and lane tiles of the kernel (M > 16, N > 64) are walked with per-output addends."""
+    from fp4sim.tensorcore.accumulate import chain_exp, exponents
+    rng = np.random.default_rng(21)
+    M, N, K, shift = 19, 70, 40, 70
+    step = tc.get_model("hopper").step("fp8")
+    e4 = ml_dtypes.float8_e4m3fn
+    a = (rng.standard_normal((M, K)) * np.exp2(rng.integers(-8, 3, (M, K)))).astype(e4).astype(np.float32)
+    b = (rng.standard_normal((N, K)) * np.exp2(rng.integers(-8, 3, (N, K)))).astype(e4).astype(np.float32)
+    b[::3, :] = -b[::3, ::-1]                            # cancelling terms: results near 0 of either sign
+    a[0, :] = 0                                          # a row of zeros: +0
+    s = np.exp2(-shift)
+    A, B = a.astype(np.float64) * s, b.astype(np.float64) * s
+    EA, EB = exponents(a, "e4m3") - shift, exponents(b, "e4m3") - shift
+    c = (rng.standard_normal((M, N)) * np.exp2(rng.integers(-152, -124, (M, N)))).astype(np.float32)
+    c[::2] = 0
+    got = chain_exp(A, EA, B, EB, step, C=c)           # (zeros' exponents stay far below every maximum)
+    n_tiny = n_zero = 0
+    for i in range(M):
+        for j in range(N):
+            want = ref.dot([Fraction(float(x)) for x in A[i]], [Fraction(float(x)) for x in B[j]], step,
+                           -6 - shift, -6 - shift, c=Fraction(float(c[i, j])))
+            want = np.float32(float(want))
+            assert got[i, j].tobytes() == want.tobytes(), (i, j, got[i, j], want)
+            n_tiny += 0 < abs(want) < 2.0 ** -126
+            n_zero += want == 0
+    assert n_tiny > 200 and n_zero > 50, (n_tiny, n_zero)
+
+
 def test_slow_accumulation_equals_rational_model():
     """128-element restarts added in float32 (the reference adds them with exact nearest-even roundings)."""
     rng = np.random.default_rng(5)

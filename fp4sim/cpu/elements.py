@@ -118,6 +118,8 @@ def _bitcast(src, dst):
 
 f32_bits_i32 = _bitcast(types.float32, types.int32)    # float32 -> its bit pattern as int32
 i32_bits_f32 = _bitcast(types.int32, types.float32)    # int32 bit pattern -> that float32
+f64_bits_i64 = _bitcast(types.float64, types.int64)    # float64 -> its bit pattern as int64
+i64_bits_f64 = _bitcast(types.int64, types.float64)    # int64 bit pattern -> that float64
 
 
 @nb.njit(inline="always", cache=True)

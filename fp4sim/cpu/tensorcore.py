@@ -24,65 +24,160 @@ import math
 import numba as nb
 import numpy as np
 
-__all__ = ["chain", "group_chain", "ZERO_EXP"]
+from .elements import f32_bits_i32, f64_bits_i64, i64_bits_f64
+
+__all__ = ["chain", "chain_runs", "group_chain", "ZERO_EXP"]
 
 ZERO_EXP = -(1 << 20)          # the exponent given to a zero input: below every min_exp, even summed
 
 
+_TILE = 64                     # outputs of one row computed side by side (the vectorised lanes of a pass)
+_ROWS = 16                     # rows that take each step's operand block of B while it is in the L1 cache
+
+
 @nb.njit(parallel=True, cache=True)
-def _chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, c_emin, C, out):
-    M = A.shape[0]
-    N = B.shape[0]
-    L = idx.shape[0]
-    for i in nb.prange(M):
-        for j in range(N):
-            c = np.float64(C[i, j])
-            for k0 in range(0, L, nfma):
-                if not math.isfinite(c):              # an overflowed accumulator stays infinite
-                    break
-                E = min_exp
-                for t in range(k0, k0 + nfma):
-                    k = idx[t]
-                    if k >= 0:
-                        ep = EA[i, k] + EB[j, k]
-                        if ep > E:
-                            E = ep
-                if not late and c != 0.0:
-                    ec = max(math.frexp(c)[1] - 1, c_emin)
-                    if ec > E:
-                        E = ec
-                sc = math.ldexp(1.0, frac - E)
-                s = 0.0
-                for t in range(k0, k0 + nfma):
-                    k = idx[t]
-                    if k >= 0:
-                        s += np.trunc(np.float64(A[i, k]) * np.float64(B[j, k]) * sc)
-                if not late:
-                    s += np.trunc(c * sc)
-                d = s * math.ldexp(1.0, E - frac)
-                if d != 0.0:
-                    ed = math.frexp(d)[1] - 1
-                    if ed < -126:
-                        ed = -126
-                    d = np.trunc(d * math.ldexp(1.0, frac_out - ed)) * math.ldexp(1.0, ed - frac_out)
-                if late:
-                    c = np.float64(np.float32(d) + np.float32(c))
-                else:
-                    c = np.float64(np.float32(d)) + 0.0
-            out[i, j] = np.float32(c)
+def _chain(A, EA, BT, EBT, starts, nfma, frac, frac_out, min_exp, late, c_emin, C, out):
+    """A (M, L) float64 and EA (M, L) int32, BT (L, N) float64 and EBT (L, N) int32: the operands in chain order
+    (zero elements padded in with ZERO_EXP), cut into runs [starts[q], starts[q + 1]) (each a multiple of nfma
+    long), each chained from C into out[q] (R, M, N). A task takes _ROWS rows by _TILE outputs; each
+    output goes through each step beside its row's other outputs, so that every loop below runs over contiguous
+    lanes and vectorises, and a step's (nfma, _TILE) block of B serves all the task's rows from the L1 cache. The
+    powers of two and the truncations are built from the float64 bits (exact, and no libm call)."""
+    M, L = A.shape
+    N = BT.shape[1]
+    nt = (N + _TILE - 1) // _TILE
+    nr = (M + _ROWS - 1) // _ROWS
+    for task in nb.prange(nr * nt):
+        i0 = (task // nt) * _ROWS
+        j0 = (task % nt) * _TILE
+        h = min(_ROWS, M - i0)
+        w = min(_TILE, N - j0)
+        c = np.empty((_ROWS, _TILE))
+        E = np.empty(_TILE, np.int64)
+        sc = np.empty(_TILE)
+        s = np.empty(_TILE)
+        for q in range(len(starts) - 1):
+            for r in range(h):
+                cin = C[i0 + r, j0:j0 + w]
+                for jj in range(w):
+                    c[r, jj] = np.float64(cin[jj])
+            for k0 in range(starts[q], starts[q + 1], nfma):
+                for r in range(h):
+                    i = i0 + r
+                    cr = c[r]
+                    for jj in range(w):
+                        e = min_exp
+                        if not late:              # the addend's exponent (c is a float32, so a normal float64;
+                            # an infinite or NaN c gets a meaningless step, discarded below)
+                            ec = max(((f64_bits_i64(cr[jj]) >> 52) & 0x7FF) - 1023, c_emin)
+                            if cr[jj] != 0.0 and ec > e:
+                                e = ec
+                        E[jj] = e
+                    for t in range(k0, k0 + nfma):
+                        ea = np.int64(EA[i, t])
+                        eb = EBT[t, j0:j0 + w]    # (a view: j0 + jj would be indexed with wraparound)
+                        for jj in range(w):
+                            E[jj] = max(E[jj], ea + eb[jj])
+                    for jj in range(w):           # s starts with the addend's term (0 when late)
+                        sc[jj] = i64_bits_f64((frac - E[jj] + 1023) << 52)
+                        s[jj] = 0.0 if late else np.trunc(cr[jj] * sc[jj])
+                    for t in range(k0, k0 + nfma):
+                        a = A[i, t]
+                        b = BT[t, j0:j0 + w]
+                        for jj in range(w):
+                            s[jj] += np.trunc(a * b[jj] * sc[jj])
+                    for jj in range(w):
+                        d = s[jj] * i64_bits_f64((E[jj] - frac + 1023) << 52)
+                        db = f64_bits_i64(d)
+                        ed = ((db >> 52) & 0x7FF) - 1023          # d is 0 or a normal float64
+                        drop = 52 - frac_out + max(ed, -126) - ed  # fraction bits below the kept ones
+                        if drop > 52:             # below the last kept bit: a zero of d's sign
+                            drop = 63
+                        f = np.float32(i64_bits_f64(db & ~((np.int64(1) << drop) - 1)))
+                        if late:
+                            cn = np.float64(f + np.float32(cr[jj]))
+                        else:
+                            cn = np.float64(f) + 0.0
+                        if math.isfinite(cr[jj]):  # an overflowed accumulator stays infinite
+                            cr[jj] = cn
+            for r in range(h):
+                o = out[q, i0 + r, j0:j0 + w]
+                for jj in range(w):
+                    o[jj] = np.float32(c[r, jj])
 
 
 def chain(A, EA, B, EB, idx, nfma, frac, frac_out, min_exp, late, c_emin=ZERO_EXP, C=None):
-    """float32 (M, N): the chain over the K indices ``idx`` (int64, length a multiple of ``nfma``, -1 a zero
-    element) of A (M, K) and B (N, K) float32 (or float64) values with their int32 exponents EA, EB, starting from
-    ``C`` (float32 (M, N); None: +0); the addend's exponent is clamped below at ``c_emin``."""
+    """float32 (M, N): the chain over the K indices ``idx`` (int64, -1 a zero element) of A (M, K) and B (N, K)
+    float32 (or float64) values with their int32 exponents EA, EB, starting from ``C`` (float32 (M, N); None:
+    +0); the addend's exponent is clamped below at ``c_emin``."""
+    return chain_runs(A, EA, B, EB, [idx], nfma, frac, frac_out, min_exp, late, c_emin, C)[0]
+
+
+@nb.njit(inline="always", cache=True)
+def _exp32(x, emin):
+    """floor(log2|x|) of a float32 from its exponent field, clamped below at emin >= -126 (so a subnormal, whose
+    field is 0, gets emin); ZERO_EXP for a zero."""
+    e = max(((f32_bits_i32(x) >> 23) & 0xFF) - 127, emin)
+    return ZERO_EXP if x == 0 else e
+
+
+@nb.njit(parallel=True, cache=True)
+def _gather_rows(A, idx, emin, V, E):
+    """V (M, L) float64 = A[:, idx] (float32 (M, K)) and E its exponents; -1 in idx: a zero element."""
+    for i in nb.prange(A.shape[0]):
+        for t in range(idx.shape[0]):
+            k = idx[t]
+            x = A[i, k] if k >= 0 else np.float32(0)
+            V[i, t] = x
+            E[i, t] = _exp32(x, emin)
+
+
+@nb.njit(parallel=True, cache=True)
+def _gather_cols(B, idx, emin, VT, ET):
+    """VT (L, N) float64 = B[:, idx].T (float32 (N, K)) and ET its exponents, 64 chain positions per task (the
+    task's rows of VT take consecutive j together)."""
+    L = idx.shape[0]
+    for t0 in nb.prange((L + 63) // 64):
+        for j in range(B.shape[0]):
+            for t in range(t0 * 64, min(L, t0 * 64 + 64)):
+                k = idx[t]
+                x = B[j, k] if k >= 0 else np.float32(0)
+                VT[t, j] = x
+                ET[t, j] = _exp32(x, emin)
+
+
+def chain_runs(A, EA, B, EB, runs, nfma, frac, frac_out, min_exp, late, c_emin=ZERO_EXP, C=None):
+    """float32 (R, M, N): :func:`chain` over each of the R index runs (each padded with zero elements to a
+    multiple of ``nfma``), every run from ``C``, in one pass over the operands. ``EA`` / ``EB``: the exponents
+    (int32 arrays), or an int, the operand's format's smallest normal exponent, for float32 values whose
+    exponents are read from their bits."""
     M, N = A.shape[0], B.shape[0]
-    out = np.empty((M, N), np.float32)
+    out = np.empty((len(runs), M, N), np.float32)
     if C is None:
         C = np.zeros((M, N), np.float32)
-    if M and N:
-        _chain(A, EA, B, EB, np.ascontiguousarray(idx, dtype=np.int64), int(nfma), int(frac), int(frac_out),
-               int(min_exp), bool(late), int(c_emin), np.ascontiguousarray(C, dtype=np.float32), out)
+    if not (M and N and runs):
+        return out
+    runs = [np.asarray(r, dtype=np.int64) for r in runs]
+    runs = [np.concatenate([r, np.full((-len(r)) % nfma, -1, np.int64)]) for r in runs]
+    starts = np.cumsum([0] + [len(r) for r in runs]).astype(np.int64)
+    idx = np.concatenate(runs)
+    L = len(idx)
+    if isinstance(EA, int):
+        Ag, EAg = np.empty((M, L)), np.empty((M, L), np.int32)
+        _gather_rows(np.ascontiguousarray(A, np.float32), idx, EA, Ag, EAg)
+    else:
+        pad, k = idx < 0, np.maximum(idx, 0)
+        Ag = np.where(pad, 0.0, np.asarray(A, np.float64)[:, k])
+        EAg = np.ascontiguousarray(np.where(pad, ZERO_EXP, np.asarray(EA)[:, k]), dtype=np.int32)
+    if isinstance(EB, int):
+        BT, EBT = np.empty((L, N)), np.empty((L, N), np.int32)
+        _gather_cols(np.ascontiguousarray(B, np.float32), idx, EB, BT, EBT)
+    else:
+        pad, k = idx < 0, np.maximum(idx, 0)
+        BT = np.ascontiguousarray(np.where(pad[:, None], 0.0, np.asarray(B, np.float64).T[k]))
+        EBT = np.ascontiguousarray(np.where(pad[:, None], ZERO_EXP, np.asarray(EB).T[k]), dtype=np.int32)
+    _chain(Ag, EAg, BT, EBT, starts, int(nfma), int(frac), int(frac_out), int(min_exp), bool(late), int(c_emin),
+           np.ascontiguousarray(C, dtype=np.float32), out)
     return out
 
 

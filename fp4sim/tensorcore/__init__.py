@@ -13,10 +13,10 @@ accumulation and add the restarts in float32; split-K partials are combined in m
 The epilogue (``scaled_mm.epilogue``): alpha = RN32(scale_a · scale_b), y = RN32(acc · alpha), then the output
 dtype. ``scaled_mm`` puts the three together with the arguments of ``torch._scaled_mm``.
 """
-from .accumulate import accumulate, chain, plan
+from .accumulate import accumulate, chain, chain_runs, plan
 from .blockscaled import tcgen05_fp4, tcgen05_fp8
 from .models import MODELS, BlockFMA, TensorCoreModel, get_model
 from .scaled_mm import epilogue, scaled_mm
 
-__all__ = ["scaled_mm", "accumulate", "chain", "plan", "epilogue", "tcgen05_fp4", "tcgen05_fp8", "MODELS",
+__all__ = ["scaled_mm", "accumulate", "chain", "chain_runs", "plan", "epilogue", "tcgen05_fp4", "tcgen05_fp8", "MODELS",
            "BlockFMA", "TensorCoreModel", "get_model"]

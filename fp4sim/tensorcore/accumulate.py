@@ -8,7 +8,7 @@ import numpy as np
 from ..cpu import tensorcore as _cpu
 from .models import BlockFMA, TensorCoreModel, get_model
 
-__all__ = ["EMIN", "chain", "chain_exp", "plan", "accumulate", "exponents"]
+__all__ = ["EMIN", "chain", "chain_runs", "chain_exp", "plan", "accumulate", "exponents"]
 
 EMIN = {"e4m3": -6, "e5m2": -14, "bf16": -126, "fp16": -14, "tf32": -126}
 _CANON_NAN32 = np.uint32(0x7FFFFFFF)
@@ -38,7 +38,25 @@ def chain(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, idx=None, C=None, backen
     B = np.ascontiguousarray(B, np.float32)
     if idx is None:
         idx = np.arange(A.shape[1], dtype=np.int64)
+    if backend is None:
+        c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
+        return _cpu.chain_runs(A, EMIN[fmt_a], B, EMIN[fmt_b], [idx], step.nfma, step.frac, step.frac_out,
+                               step.min_exp, step.late, c_emin, C)[0]
     return chain_exp(A, exponents(A, fmt_a), B, exponents(B, fmt_b), step, idx, C, backend)
+
+
+def chain_runs(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, runs, backend=None) -> np.ndarray:
+    """float32 (R, M, N): :func:`chain` from +0 over each of the R K-index runs (int64 arrays, -1 a zero
+    element), the operands' exponents found once."""
+    A = np.ascontiguousarray(A, np.float32)
+    B = np.ascontiguousarray(B, np.float32)
+    if backend is not None:
+        EA, EB = exponents(A, fmt_a), exponents(B, fmt_b)
+        return np.stack([chain_exp(A, EA, B, EB, step, idx, backend=backend) for idx in runs]) if runs else \
+            np.zeros((0, A.shape[0], B.shape[0]), np.float32)
+    c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
+    return _cpu.chain_runs(A, EMIN[fmt_a], B, EMIN[fmt_b], runs, step.nfma, step.frac, step.frac_out,
+                           step.min_exp, step.late, c_emin)
 
 
 def chain_exp(A, EA, B, EB, step: BlockFMA, idx=None, C=None, backend=None) -> np.ndarray:
@@ -145,11 +163,13 @@ def accumulate(A, B, fmt_a: str, fmt_b: str, model, family: str, *, fast: bool, 
     bad_a, bad_b = ~np.isfinite(A), ~np.isfinite(B)
     As = np.where(bad_a, np.float32(0), A) if bad_a.any() else A
     Bs = np.where(bad_b, np.float32(0), B) if bad_b.any() else B
+    every = [idx for runs in splits for idx in runs]
+    outs = iter(chain_runs(As, Bs, fmt_a, fmt_b, step, every, backend=backend))
     parts = []
     for runs in splits:
         part = np.zeros((M, N), np.float32)
-        for idx in runs:
-            c = chain(As, Bs, fmt_a, fmt_b, step, idx, backend=backend)
+        for _ in runs:
+            c = next(outs)
             part = c if (fast and len(runs) == 1) else part + c
         parts.append(part)
     acc = _combine(parts, scheme)
