@@ -47,6 +47,10 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
         from . import accumulation
         set_threads(threads)
         summary = accumulation.make(out, quick, given, quiet=quiet)
+    elif fig == "fp8_hopper":
+        from . import fp8_hopper
+        set_threads(threads)
+        summary = fp8_hopper.make(out, quick, given, quiet=quiet)
     elif fig in figures.TEACHER:
         from . import teacher
         set_threads(threads)

@@ -340,7 +340,7 @@ def appb4(out: Path, quick: bool = False) -> dict:
 class Figure:
     """A figure of ``python -m paper_repro``. ``route``: "none" (made from tensors, no training), "runs" (its runs
     come from :func:`runs_for` and the shared training-figure / ablation code) or "own" (trains through its own
-    module: scaling, gpt_snr, accumulation, the teacher figures)."""
+    module: scaling, gpt_snr, accumulation, fp8_hopper, the teacher figures)."""
     name: str
     what: str
     route: str
@@ -377,6 +377,8 @@ FIGURES = {
                       "against sqrt(3), beside the excess loss over BF16", "own"),
     "accumulation": Figure("accumulation", "the final loss of NVFP4 D/N 10 runs under each GEMM accumulation model "
                            "(exact, exact_sum, k64_rtz, fast), paired by seed, against NVFP4's gap to BF16", "own"),
+    "fp8_hopper": Figure("fp8_hopper", "the scaling sweep's FP8 blockwise runs at D/N 20 and 50 with Hopper's "
+                         "tensor-core accumulation against the exact rule, paired by seed", "own"),
     "fp8_accumulation": Figure("fp8_accumulation", "DeepSeek-V3's FP8 accumulation claim on the Hopper tensor-core "
                                 "model: relative error against K, fast accumulation vs promotion every 128",
                                 "none"),
