@@ -398,6 +398,41 @@ def test_ablation_verdicts():
     assert w == "reproduces" and info["stderr"] == pytest.approx(0.01 / np.sqrt(3))
 
 
+def test_fp8_hopper_reuses_the_sweeps_runs_and_changes_only_the_accumulation():
+    """fp8_hopper's fast and BF16 runs are the scaling sweep's own (their logs are read back, not retrained), its
+    exact and hopper runs differ from them only in ``accumulate``, and each seed's D/N 20 run is a cooldown of
+    its D/N 50 trunk."""
+    from paper_repro import fp8_hopper, runner, scaling
+    sweep = scaling.configs(False, 3)
+    got = fp8_hopper.configs(False, 3)
+    n = scaling.n_params(scaling.FULL.model)
+    for (m, s, i), c in got.items():
+        want = sweep[("bf16" if m == "bf16" else "fp8_blockwise", s)][i]
+        assert round(c.tokens / n) in (20, 50)
+        if m in ("fast", "bf16"):
+            assert c.key() == want.key()
+        else:
+            assert c.key() != want.key() and c == replace(want, accumulate=m)
+    ch = runner.chains([c for (m, _, _), c in got.items() if m in ("exact", "hopper")])
+    assert len(ch) == 6 and all([round(c.tokens / n) for c in x] == [20, 50] for x in ch)
+
+
+def test_fp8_hopper_summary_pairs_by_seed():
+    from paper_repro import fp8_hopper
+    final = {}
+    for s, (e, h, f, b) in enumerate([(3.0, 3.1, 3.0, 2.9), (3.2, 3.25, 3.3, 3.0), (3.1, 3.12, 3.05, 3.0)]):
+        final.update({("exact", s, 0): e, ("hopper", s, 0): h, ("fast", s, 0): f, ("bf16", s, 0): b})
+    p = fp8_hopper.summarize(final, [0, 1, 2], [0], {0: 1000}, 100)["points"][0]
+    d = [0.1, 0.05, 0.02]
+    assert p["models"]["hopper"]["effect"] == pytest.approx(np.mean(d), rel=1e-12)
+    assert p["models"]["hopper"]["stderr"] == pytest.approx(np.std(d, ddof=1) / math.sqrt(3), rel=1e-12)
+    assert p["fp8_gap_to_bf16"] == pytest.approx(np.mean([0.1, 0.2, 0.1]), rel=1e-12)
+    assert p["models"]["hopper"]["effect_over_gap"] == pytest.approx(np.mean(d) / np.mean([0.1, 0.2, 0.1]))
+    assert p["models"]["hopper"]["verdict"].startswith("contradicts")      # 0.057 ± 0.023: beyond 2 s.e.
+    assert p["models"]["fast"]["verdict"] == "reproduces (no difference)"  # 0.017 ± 0.044
+    assert p["tokens_per_param"] == 10
+
+
 def test_ablation_runs_share_the_reference_and_branch_where_the_paper_does():
     from paper_repro import ablations
     runs = figures.runs_for("fig4", False, 3)
