@@ -111,7 +111,8 @@ def test_paper_repro_list_says_no_training_only_where_none_is_done():
     lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
     for fig in ("fig1", "appB4"):
         assert lines[fig].endswith("(no training)"), lines[fig]
-    for fig in ("scaling", "gpt_snr", "accumulation", "fp8_hopper", "teacher_formats", "teacher_recipe", "teacher_depth", "fig2"):
+    for fig in ("scaling", "gpt_snr", "accumulation", "fp8_hopper", "teacher_formats", "teacher_recipe",
+                "teacher_depth", "fig2"):
         assert "no training" not in lines[fig], lines[fig]
 
 
