@@ -116,6 +116,26 @@ def _same(a, b):
     return np.where(na | nb, na & nb, a.view(w) == b.view(w))
 
 
+def model_report(o, ys: dict, scheme: str, max_mismatches: int = 10) -> GemmReport:
+    """The GemmReport of a kernel output ``o`` (an array of its dtype) against each model's output ``ys`` (the
+    same dtype, in candidate order): the matches, each model's share of identical elements, the closest model's
+    worst elements."""
+    frac = {n: float(_same(o, y).mean()) for n, y in ys.items()}
+    matches = [n for n in ys if frac[n] == 1.0]
+    closest = max(ys, key=lambda n: frac[n])
+    rep = GemmReport(shape=tuple(o.shape), dtype=np.dtype(o.dtype).name, scheme=scheme,
+                     best=matches[0] if matches else None, matches=matches, match_fraction=frac, closest=closest)
+    same = _same(o, ys[closest])
+    bad_cells = np.argwhere(~same)
+    if len(bad_cells):
+        d = np.abs(_ordered(o) - _ordered(ys[closest]))
+        order = np.argsort(-d[~same], kind="stable")[:max_mismatches]
+        for r, c in bad_cells[order]:
+            rep.mismatches.append({"row": int(r), "col": int(c), "kernel": float(o[r, c]),
+                                   "model": float(ys[closest][r, c]), "ulps": int(d[r, c])})
+    return rep
+
+
 def model_outputs(qa, qb, models=None) -> dict:
     """{model: float32 output} of every candidate model for these operands (NVFP4: all; others: te_reference)."""
     names = models or (list(CANDIDATES) if isinstance(qa.scheme, NVFP4) else
@@ -393,34 +413,45 @@ cells separate each pair of models (float32 and after rounding to bfloat16).
 """
 
 
-def write_witnesses(out_dir, seed: int = 0) -> dict:
-    """Write the witness folders, their expected outputs and manifest.json under ``out_dir`` (a new or empty
-    folder: one that holds anything is refused, so no stale file of an earlier set is mixed in); return the
-    manifest."""
+def fresh_dir(out_dir) -> Path:
+    """``out_dir`` created, refused if it exists and holds anything (no file of an earlier set is mixed in)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir} exists and is not an empty folder: write the witnesses into a new folder (or "
                          "remove that one first), so that no file of an earlier set is mixed in")
     out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def record_witness(d: Path, manifest: dict, name: str, entry: dict, ys: dict, bf16: bool = True):
+    """Save each model's expected output ``ys`` under d/expected and the witness's manifest entry (``entry`` with
+    the cells that separate each pair of models, float32 and, with ``bf16``, after rounding to bfloat16), adding
+    them to the set's totals."""
+    for m, y in ys.items():
+        np.save(d / "expected" / f"{m}.npy", y)
+    seps = {"separating_cells": separation(ys)}
+    if bf16:
+        seps["separating_cells_bf16"] = separation(ys, bf16=True)
+    manifest["witnesses"][name] = {**entry, **seps}
+    for key, sep in seps.items():
+        tot = manifest.setdefault(key, {})
+        for k, v in sep.items():
+            tot[k] = tot.get(k, 0) + v
+
+
+def write_witnesses(out_dir, seed: int = 0) -> dict:
+    """Write the witness folders, their expected outputs and manifest.json under ``out_dir`` (a new or empty
+    folder: one that holds anything is refused, so no stale file of an earlier set is mixed in); return the
+    manifest."""
+    out_dir = fresh_dir(out_dir)
     manifest = {"models": list(CANDIDATES), "seed": seed, "witnesses": {}}
-    total = {}
-    total_bf = {}
     for name, (purpose, qa, qb) in _witness_operands(seed).items():
         d = out_dir / name
         (d / "expected").mkdir(parents=True, exist_ok=True)
         _operand_files(d, "a", qa)
         _operand_files(d, "b", qb)
-        ys = model_outputs(qa, qb)
-        for m, y in ys.items():
-            np.save(d / "expected" / f"{m}.npy", y)
-        sep, sep_bf = separation(ys), separation(ys, bf16=True)
-        for k in sep:
-            total[k] = total.get(k, 0) + sep[k]
-            total_bf[k] = total_bf.get(k, 0) + sep_bf[k]
-        manifest["witnesses"][name] = {"purpose": purpose, "M": qa.lead[0], "N": qb.lead[0], "K": qa.K,
-                                       "separating_cells": sep, "separating_cells_bf16": sep_bf}
-    manifest["separating_cells"] = total
-    manifest["separating_cells_bf16"] = total_bf
+        record_witness(d, manifest, name, {"purpose": purpose, "M": qa.lead[0], "N": qb.lead[0], "K": qa.K},
+                       model_outputs(qa, qb))
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     (out_dir / "README.txt").write_text(README)
     return manifest

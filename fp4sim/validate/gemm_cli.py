@@ -24,7 +24,9 @@ does, 2 bad input.
 WITNESS_DOC = """python -m fp4sim.validate gemm-witnesses --out DIR: write NVFP4 GEMM operand sets whose outputs tell the
 accumulation models apart (K-block permutations, same-sign partials, group-width probes, the 1/1024 grid,
 bfloat16-midpoint cells), each with every model's expected output; run them on a device and check the outputs
-with python -m fp4sim.validate gemm --witnesses DIR --outputs OUTDIR.
+with python -m fp4sim.validate gemm --witnesses DIR --outputs OUTDIR. --format fp8: torch._scaled_mm's FP8 GEMMs
+against the tensor-core models (hopper, ada, b200_mma, fast and slow accumulation); --format bf16: a bfloat16
+matmul against the 16-bit models (hopper, ampere, exact, float32_seq).
 """
 
 
@@ -80,18 +82,22 @@ def gemm_main(argv) -> int:
     try:
         if a.json:
             check_writable(a.json, "--json")
+        from .matmul16 import MATMUL_CANDIDATES
         from .scaled_mm import SCALED_MM_CANDIDATES
-        if a.expect and a.expect not in CANDIDATES and a.expect not in SCALED_MM_CANDIDATES:
-            raise ValueError(f"--expect {a.expect!r}: one of {', '.join(CANDIDATES)} (NVFP4) or "
-                             f"{', '.join(SCALED_MM_CANDIDATES)} (FP8)")
+        if a.expect and not any(a.expect in c for c in (CANDIDATES, SCALED_MM_CANDIDATES, MATMUL_CANDIDATES)):
+            raise ValueError(f"--expect {a.expect!r}: one of {', '.join(CANDIDATES)} (NVFP4), "
+                             f"{', '.join(SCALED_MM_CANDIDATES)} (FP8) or {', '.join(MATMUL_CANDIDATES)} (BF16)")
         if a.witnesses or a.outputs:
             if not (a.witnesses and a.outputs):
                 raise ValueError("--witnesses and --outputs go together (the witness folder and the device's outputs)")
             man = Path(a.witnesses) / "manifest.json"
-            fp8 = man.is_file() and json.loads(man.read_text()).get("format") == "fp8"
-            if fp8:
+            fmt = json.loads(man.read_text()).get("format", "nvfp4") if man.is_file() else "nvfp4"
+            if fmt == "fp8":
                 from .scaled_mm import check_fp8_witnesses
                 res = check_fp8_witnesses(a.witnesses, a.outputs, a.out_dtype)
+            elif fmt == "bf16":
+                from .matmul16 import check_bf16_witnesses
+                res = check_bf16_witnesses(a.witnesses, a.outputs, a.out_dtype)
             else:
                 res = check_witnesses(a.witnesses, a.outputs, a.out_dtype)
             ok = (a.expect in res["consistent"]) if a.expect else bool(res["consistent"])
@@ -214,11 +220,21 @@ def witnesses_main(argv) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the folder to write (created; an existing one must be empty)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8"],
+    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8", "bf16"],
                     help="nvfp4 (default): the NVFP4 accumulation models; fp8: the tensor-core models of "
-                         "torch._scaled_mm (hopper, ada, b200_mma, exact, dequant_f32, fast and slow accumulation)")
+                         "torch._scaled_mm (hopper, ada, b200_mma, exact, dequant_f32, fast and slow accumulation); "
+                         "bf16: the 16-bit models of a bfloat16 matmul (hopper = b200_mma, ampere = ada, exact, "
+                         "float32_seq)")
     a = ap.parse_args(argv)
     try:
+        if a.format == "bf16":
+            from .matmul16 import write_bf16_witnesses
+            man = write_bf16_witnesses(a.out, a.seed)
+            print(f"wrote {len(man['witnesses'])} BF16 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
+                  f"pair of the {len(man['models'])} models differs in at least "
+                  f"{min(man['separating_cells'].values())} cells (float32; bfloat16: "
+                  f"{min(man['separating_cells_bf16'].values())})")
+            return 0
         if a.format == "fp8":
             from .scaled_mm import write_fp8_witnesses
             man = write_fp8_witnesses(a.out, a.seed)

@@ -107,7 +107,7 @@ def layout_findings(q, codes, scales, scale_layout: str, exp_c, act_c, exp_s, ac
             p = _perm(raw_s.reshape(-1, 512), want.reshape(-1, 512))
             if p is not None and _moved(p):
                 mv = _moved(p)
-                out.append(f"the swizzled scale tiles (128 x 4, 512 bytes each) are out of order: "
+                out.append("the swizzled scale tiles (128 x 4, 512 bytes each) are out of order: "
                            + ", ".join(f"tile {i} holds tile {j}" for i, j in mv[:4])
                            + (f" (and {len(mv) - 4} more)" if len(mv) > 4 else ""))
     swapped = False

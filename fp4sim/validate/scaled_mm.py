@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..tensorcore.scaled_mm import _FP8, _NP_OUT, _operand, _out_name, _scale, epilogue, scaled_mm
-from .gemm import GemmReport, _ordered, _same
+from .gemm import GemmReport, model_report
 
 __all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES"]
 
@@ -102,21 +102,10 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
         ys["dequant_f32"] = _to_out(acc, dname)
     ys = {n: (np.asarray(y) if not type(y).__module__.startswith("torch") else _out_array(y, None)[0])
           for n, y in ys.items()}
-    frac = {n: float(_same(o, y).mean()) for n, y in ys.items()}
-    matches = [n for n in ys if frac[n] == 1.0]
-    closest = max(ys, key=lambda n: frac[n])
-    rep = GemmReport(shape=(M, N), dtype=dname, scheme=f"fp8 {fa} x {fb}", best=matches[0] if matches else None,
-                     matches=matches, match_fraction=frac, closest=closest)
+    rep = model_report(o, ys, f"fp8 {fa} x {fb}", max_mismatches)
+    matches = rep.matches
     for n, why in skipped.items():
         rep.notes.append(f"{n} not tried: {why}")
-    same = _same(o, ys[closest])
-    bad_cells = np.argwhere(~same)
-    if len(bad_cells):
-        d = np.abs(_ordered(o) - _ordered(ys[closest]))
-        order = np.argsort(-d[~same], kind="stable")[:max_mismatches]
-        for r, c in bad_cells[order]:
-            rep.mismatches.append({"row": int(r), "col": int(c), "kernel": float(o[r, c]),
-                                   "model": float(ys[closest][r, c]), "ulps": int(d[r, c])})
     if not matches and "dequant_f32" in ys and dname == "float32":
         # within float32 summation-order error of the decoded product: |y - y_seq| <= 2 (K - 1) u sum |a_k b_k|
         with np.errstate(invalid="ignore", over="ignore"):
@@ -178,17 +167,11 @@ def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
     """Write the FP8 witness folders, their expected outputs and manifest.json under ``out_dir`` (new or empty);
     return the manifest."""
     import json
-    from pathlib import Path
 
-    from .gemm import separation
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir} exists and is not an empty folder: write the witnesses into a new folder (or "
-                         "remove that one first), so that no file of an earlier set is mixed in")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from .gemm import fresh_dir, record_witness
+    out_dir = fresh_dir(out_dir)
     sa, sb = np.float32(0.5), np.float32(0.25)
     man = {"format": "fp8", "models": list(SCALED_MM_CANDIDATES), "seed": seed, "witnesses": {}}
-    total = {}
     for name, (purpose, a, b) in _fp8_witness_operands(seed).items():
         d = out_dir / name
         (d / "expected").mkdir(parents=True)
@@ -196,15 +179,9 @@ def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
         np.save(d / "b.npy", b.view(np.uint8))
         np.save(d / "scale_a.npy", np.array([sa], np.float32))
         np.save(d / "scale_b.npy", np.array([sb], np.float32))
-        ys = fp8_outputs(a, b, sa, sb)
-        for m, y in ys.items():
-            np.save(d / "expected" / f"{m}.npy", y)
-        sep = separation(ys)
-        for k, v in sep.items():
-            total[k] = total.get(k, 0) + v
-        man["witnesses"][name] = {"purpose": purpose, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1],
-                                  "a_format": _fmt(a), "b_format": _fmt(b), "separating_cells": sep}
-    man["separating_cells"] = total
+        record_witness(d, man, name, {"purpose": purpose, "M": a.shape[0], "N": b.shape[0], "K": a.shape[1],
+                                      "a_format": _fmt(a), "b_format": _fmt(b)}, fp8_outputs(a, b, sa, sb),
+                       bf16=False)
     (out_dir / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
     (out_dir / "README.txt").write_text(FP8_README)
     return man
