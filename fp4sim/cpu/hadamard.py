@@ -198,20 +198,20 @@ def rht_axis_kernel(ab, signs, signs_h, scale, to_bf16, axis_last, out):
         w = np.empty(d * CB, np.uint32)
         t2 = t.reshape((d, CB))
         w2 = w.reshape((d, CB))
-        for i in range(d):
-            src = ab[o, g * d + i]
+        for i in range(d):                        # (slices: an offset index is indexed with wraparound checks,
+            src = ab[o, g * d + i, c0:c0 + n]     # which keep these loops from vectorising)
             ti = t2[i]
             for c in range(n):
-                ti[c] = src[c0 + c]
+                ti[c] = src[c]
         rht_columns(t, n, CB, signs, signs_h, scale, to_bf16, w)
         if not axis_last:
             for j in range(d):
-                dst = out[o, g * d + j]
+                dst = out[o, g * d + j, c0:c0 + n]
                 wj = w2[j]
                 for c in range(n):
-                    dst[c0 + c] = wj[c]
+                    dst[c] = wj[c]
         else:
             for c in range(n):
-                dst = out[o, c0 + c]
+                dst = out[o, c0 + c, g * d:g * d + d]
                 for j in range(d):
-                    dst[g * d + j] = w2[j, c]
+                    dst[j] = w2[j, c]
