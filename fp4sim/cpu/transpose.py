@@ -6,27 +6,30 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-TILE = 32
+JT, KT = 64, 16   # a tile: JT rows of the output by KT of its columns (KT source rows, a power-of-two stride
+                  # apart in large arrays, stay few: more of them share cache sets and evict each other)
 CHUNK_BYTES = 2 << 20     # MovedRows: the rows gathered per chunk take about this much memory (at least 16 rows)
 
 
 @nb.njit(parallel=True, cache=True)
 def _gather_rows(a, r0, out):
     """out[j, k] = a[o, k, i] with (o, i) = divmod(r0 + j, I), for ``a`` a C-contiguous (O, K, I) array: rows
-    r0 .. r0 + len(out) - 1 of ``a`` with its middle axis moved last, copied in TILE x TILE tiles."""
+    r0 .. r0 + len(out) - 1 of ``a`` with its middle axis moved last, copied in JT x KT tiles."""
     O, K, I = a.shape
     n = out.shape[0]
-    nj = (n + TILE - 1) // TILE
-    nk = (K + TILE - 1) // TILE
+    nj = (n + JT - 1) // JT
+    nk = (K + KT - 1) // KT
     for t in nb.prange(nj * nk):
-        j0 = (t // nk) * TILE
-        k0 = (t % nk) * TILE
-        k1 = min(k0 + TILE, K)
-        for j in range(j0, min(j0 + TILE, n)):
+        j0 = (t // nk) * JT
+        k0 = (t % nk) * KT
+        k1 = min(k0 + KT, K)
+        for j in range(j0, min(j0 + JT, n)):
             o = (r0 + j) // I
             i = (r0 + j) - o * I
-            for k in range(k0, k1):
-                out[j, k] = a[o, k, i]
+            src = a[o, k0:k1, i]                      # (slices: offset indices are indexed with wraparound
+            dst = out[j, k0:k1]                       # checks, which keep the loop from vectorising)
+            for k in range(k1 - k0):
+                dst[k] = src[k]
 
 
 def _as3d(a: np.ndarray, axis: int) -> np.ndarray:
