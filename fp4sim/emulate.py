@@ -22,9 +22,9 @@ import numpy as np
 from . import fastpath
 from ._f32 import absmax
 from ._xp import matmul, xp_of
-from .gemm import TENSOR_CORE, covers, gemm
+from .gemm import TENSOR_CORE, covers, fast_operand, gemm
 from .quantize import dequantize, fake_quantize, quantize, rht
-from .schemes import NVFP4UE5M3, FP8Tensor
+from .schemes import NVFP4UE5M3, BF16Cast, FP8Tensor, get_scheme
 from .training import OPERANDS, Operand, Recipe
 
 __all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "held_amax", "quantize_operand", "Values",
@@ -157,8 +157,9 @@ def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call:
     if not op.quantized:
         return a if axis == 1 else a.T
     plan = fastpath.operand_plan(op, a.shape, axis)
-    if plan.kind == "bf16":                 # elementwise, in the general path's layout (the dot axis last)
-        return fastpath.bf16_values(fastpath.a_form(a, axis))
+    if plan.kind == "bf16":                 # elementwise, laid out as the tensor (gemm.fast_operand's layout)
+        v = fastpath.bf16_values(np.ascontiguousarray(a, np.float32))
+        return v if axis == 1 else v.T
     if plan.kind in ("nvfp4", "fp8_blockwise", "mx"):
         A = fastpath.a_form(a, axis)
         if plan.kind == "fp8_blockwise":
@@ -198,10 +199,10 @@ def serves(v, op: Operand) -> bool:
 def _shared(prev, op: Operand):
     """``prev`` (a :class:`Values` of the other GEMM's operand from the same tensor) transposed, where its
     values are this operand's: the same operand, whose values do not depend on the dot axis; else None."""
-    if serves(prev, op):
-        return fastpath.a_form(prev.a, 0)                  # transposed, C-contiguous (a tiled copy): the layout
-                                                           # the general path gives the BLAS, whose bits can
-                                                           # depend on it
+    if serves(prev, op):                                   # the layout the general path gives the BLAS, whose
+        if isinstance(get_scheme(op.scheme, block=op.block), BF16Cast):   # bits can depend on it (gemm.
+            return prev.a.T                                # fast_operand): BF16 values transposed as they lie,
+        return fastpath.a_form(prev.a, 0)                  # the others transposed, C-contiguous (a tiled copy)
     return None
 
 
@@ -260,11 +261,10 @@ def _matmul(qa, qb, recipe, a_axis, b_axis):
 
 
 def _upcast_matmul(qa, qb, a_axis, b_axis):
-    """A·Bᵀ in float32 of the operands' float32 values (quantized ones dequantized)."""
-    a = dequantize(qa) if hasattr(qa, "codes") else qa
-    b = dequantize(qb) if hasattr(qb, "codes") else qb
-    A = a if a_axis == 1 else a.T
-    B = b if b_axis == 1 else b.T
+    """A·Bᵀ in float32 of the operands' float32 values (quantized ones dequantized, laid out as
+    ``gemm(accumulate="fast")`` lays them out)."""
+    A = fast_operand(qa, a_axis) if hasattr(qa, "codes") else (qa if a_axis == 1 else qa.T)
+    B = fast_operand(qb, b_axis) if hasattr(qb, "codes") else (qb if b_axis == 1 else qb.T)
     return matmul(A, B.T).astype(np.float32)
 
 

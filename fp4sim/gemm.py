@@ -107,6 +107,22 @@ def _kind(sch):
     raise TypeError(f"unsupported scheme {sch!r}")
 
 
+def fast_operand(q, axis: int | None = None):
+    """An operand of ``accumulate="fast"`` (rows, K): the dequantized values as the BLAS takes them, which can
+    decide its summation order. Quantized along axis 1: as they lie (C order). Along axis 0: transposed as they
+    lie (no copy), where BF16 values (elementwise: no blocks that fix a layout) lie as the tensor was given, in
+    the C order of its shape, so that a caller holding the tensor itself hands the BLAS the same layout without a
+    transposing copy (the training fast path); the other formats as their codes lie (K last). ``axis``: the
+    dot axis of the dequantized matrix where it is not the one ``q`` was quantized along (a reused operand)."""
+    from .quantize import dequantize
+    v = dequantize(q)
+    if (q.axis if axis is None else axis) == 1:
+        return v
+    if isinstance(q.scheme, BF16Cast):
+        v = xp_of(v).ascontiguousarray(v)
+    return v.T
+
+
 def _values(q, xp):
     """Element values (rows, Kp) float32 (codes decoded, no scales)."""
     rows = q.lead[0]
@@ -225,12 +241,7 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
                              "take 'te_reference' (or 'exact') and 'fast'")
         return _nvfp4_model(qa, qb, model, grid, xp, kernels)
     if accumulate == "fast":
-        from .quantize import dequantize
-        a = dequantize(qa)
-        b = dequantize(qb)
-        a = a if qa.axis == 1 else a.T                # BLAS takes a transposed operand as it lies: no copy
-        b = b if qb.axis == 1 else b.T
-        return matmul(a, b.T).astype(np.float32, copy=False)
+        return matmul(fast_operand(qa), fast_operand(qb).T).astype(np.float32, copy=False)
     if xp is np and ka in ("nvfp4", "mxfp4"):
         y = _e2m1_exact_cpu(qa, qb, 16 if ka == "nvfp4" else 32)
         return _nvfp4_alpha(qa, qb, xp) * y if ka == "nvfp4" else y
