@@ -11,7 +11,8 @@ import numba as nb
 import numpy as np
 
 from ..rng import philox_bytes_cols, philox_bytes_row
-from .elements import E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, e2m1_value, encode_one, sr_consts
+from .elements import (E2M1_MAGS, E2M1_STEPS, e2m1_code, e2m1_rne, e2m1_sr, e2m1_value, encode_one, f32_bits_i32,
+                       sr_consts)
 
 from ..ids import FLAVOR_IDS, MODELOPT, PAPER, TE, TORCHAO  # noqa: F401  (ids are defined once, in fp4sim.ids)
 
@@ -495,31 +496,36 @@ def fp8_kernel(x2, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide,
     ngroups = (R + tile - 1) // tile
     fmax = elem_vals[maxmag]
     for g in nb.prange(ngroups):
-        buf = np.empty(1, np.float32)
-        bits = buf.view(np.uint32)
         r0 = g * tile
         r1 = min(r0 + tile, R)
         for j in range(nbk):
             k0 = j * blk
             k1 = min(k0 + blk, K)
+            n = k1 - k0
             if divide:
                 s = block_amax(x2, r0, r1, k0, k1) / fmax
                 scales[g, j] = s
             else:
                 s = per_tensor_scale
+            dq = s if divide else np.float32(1.0) / s
             for r in range(r0, r1):
-                for k in range(k0, k1):
-                    v = x2[r, k]
-                    rr = np.int32(rb[r, k]) if use_rb else np.int32(0)
+                xr = x2[r, k0:k1]                     # (row slices: offset indices are indexed with wraparound
+                cr = codes[r, k0:k1]                  # checks, and the bits go through a register, not memory:
+                rbr = rb[r, k0:k1] if use_rb else rb[0, :0]                       # the loop vectorises)
+                for k in range(n):
+                    v = xr[k]
+                    rr = np.int32(rbr[k]) if use_rb else np.int32(0)
                     if divide:
                         y = v / s if s != np.float32(0.0) else v * np.float32(0.0)
                     else:
                         y = v * s
-                    c = encode_one(f32_bits(y, buf, bits), mode, rr, nsr, mbits, emin, bias, maxmag, True, nosat,
-                                   nanc, signbit)
-                    codes[r, k] = np.uint8(c)
-                    if do_fake:
-                        fake[r, k] = elem_vals[c] * s if divide else elem_vals[c] * (np.float32(1.0) / s)
+                    c = encode_one(np.uint32(f32_bits_i32(y)), mode, rr, nsr, mbits, emin, bias, maxmag, True,
+                                   nosat, nanc, signbit)
+                    cr[k] = np.uint8(c)
+                if do_fake:
+                    fr = fake[r, k0:k1]
+                    for k in range(n):
+                        fr[k] = elem_vals[cr[k]] * dq
 
 
 # ------------------------------------------------------------------------------------------------- dequantize
