@@ -373,10 +373,8 @@ def _blockwise(qa, qb, ka, xp):
     # blocks at a time (at most about 32 MiB of float64 dots)
     batched = (not exact_dot and xp is np and qa.scheme.elem is E4M3 and qb.scheme.elem is E4M3 and M and N)
     group = max(1, min(nb, (32 << 20) // (8 * M * N))) if batched else 1
-    dots = None
     with np.errstate(over="ignore", invalid="ignore"):    # inf / NaN from scale products: the rule's result
         for j in range(nb):
-            a, b = va[:, j * bk:(j + 1) * bk], vb[:, j * bk:(j + 1) * bk]
             if batched:
                 if j % group == 0:
                     g1 = min(nb, j + group)
@@ -384,10 +382,12 @@ def _blockwise(qa, qb, ka, xp):
                     B3 = vb[:, j * bk:g1 * bk].reshape(N, g1 - j, bk).transpose(1, 2, 0).astype(np.float64)
                     dots = matmul(A3, B3).astype(np.float32)
                 dot = dots[j % group]
-            elif exact_dot:
-                dot = matmul(a, b.T)                          # exact: dyadic partial sums below 2^11
             else:
-                dot = matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
+                a, b = va[:, j * bk:(j + 1) * bk], vb[:, j * bk:(j + 1) * bk]
+                if exact_dot:
+                    dot = matmul(a, b.T)                      # exact: dyadic partial sums below 2^11
+                else:
+                    dot = matmul(a.astype(np.float64), b.astype(np.float64).T).astype(np.float32)
             if per_tensor:
                 y += dot
             else:

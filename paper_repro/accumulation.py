@@ -66,16 +66,14 @@ def summarize(final: dict, seeds: list, params: int, tokens: int) -> dict:
 
 
 def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool = False) -> dict:
-    from .runner import run_all
+    from .runner import final_val_loss, run_all
     out = Path(out)
     seeds = seeds or (QUICK_SEEDS if quick else FULL_SEEDS)
     cfgs = configs(quick, seeds)
     logs = run_all(list(dict.fromkeys(cfgs.values())), out, quiet=quiet)
     final, rows = {}, []
     for (m, s), c in cfgs.items():
-        r = logs[c.key()]
-        last = r[-1] if r else {"val_loss": math.nan, "step": 0}
-        final[(m, s)] = last["val_loss"] if last["step"] == c.steps else math.nan
+        final[(m, s)] = final_val_loss(logs[c.key()], c)
         rows.append({"model": m, "seed": s, "tokens": c.tokens, "val_loss": final[(m, s)]})
     plotting.write_csv(out / "accumulation.csv", COLUMNS, rows)
     c0 = cfgs[(REFERENCE, 0)]

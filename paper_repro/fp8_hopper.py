@@ -79,7 +79,7 @@ def summarize(final: dict, seeds: list, budgets: list, tokens: dict, params: int
 
 
 def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool = False) -> dict:
-    from .runner import run_all
+    from .runner import final_val_loss, run_all
     out = Path(out)
     seeds = seeds or (QUICK_SEEDS if quick else FULL_SEEDS)
     cfgs = configs(quick, seeds)
@@ -87,9 +87,7 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
     params = scaling.n_params(next(iter(cfgs.values())).model)
     final, rows, tokens = {}, [], {}
     for (m, s, b), c in cfgs.items():
-        r = logs[c.key()]
-        last = r[-1] if r else {"val_loss": math.nan, "step": 0}
-        final[(m, s, b)] = last["val_loss"] if last["step"] == c.steps else math.nan
+        final[(m, s, b)] = final_val_loss(logs[c.key()], c)
         tokens[b] = c.tokens
         rows.append({"model": m, "seed": s, "tokens": c.tokens, "tokens_per_param": c.tokens / params,
                      "val_loss": final[(m, s, b)]})

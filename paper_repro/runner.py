@@ -2,6 +2,7 @@
 runs side by side) with one progress bar, reusing every run already finished under ``DIR/runs/``."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -91,3 +92,9 @@ def run_all(cfgs: list[RunConfig], out: Path, *, quiet: bool = False, ckpt_secon
     finally:
         bar.close()
     return {k: out_rows[k] for k in uniq}
+
+
+def final_val_loss(rows: list, c: RunConfig) -> float:
+    """The final validation loss of a run's log rows, NaN where the run did not reach its last step."""
+    last = rows[-1] if rows else {"val_loss": math.nan, "step": 0}
+    return last["val_loss"] if last["step"] == c.steps else math.nan

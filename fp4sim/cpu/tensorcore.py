@@ -122,7 +122,7 @@ def _exp32(x, emin):
 
 
 @nb.njit(parallel=True, cache=True)
-def _gather_rows(A, idx, emin, V, E):
+def _gather_a(A, idx, emin, V, E):
     """V (M, L) float64 = A[:, idx] (float32 (M, K)) and E its exponents; -1 in idx: a zero element."""
     for i in nb.prange(A.shape[0]):
         for t in range(idx.shape[0]):
@@ -133,7 +133,7 @@ def _gather_rows(A, idx, emin, V, E):
 
 
 @nb.njit(parallel=True, cache=True)
-def _gather_cols(B, idx, emin, VT, ET):
+def _gather_bt(B, idx, emin, VT, ET):
     """VT (L, N) float64 = B[:, idx].T (float32 (N, K)) and ET its exponents, 64 chain positions per task (the
     task's rows of VT take consecutive j together)."""
     L = idx.shape[0]
@@ -144,6 +144,14 @@ def _gather_cols(B, idx, emin, VT, ET):
                 x = B[j, k] if k >= 0 else np.float32(0)
                 VT[t, j] = x
                 ET[t, j] = _exp32(x, emin)
+
+
+def _gathered(X, EX, idx):
+    """X[:, idx] as float64 and EX[:, idx] as int32 (-1 in idx: a zero element, exponent ZERO_EXP), for values
+    whose exponents are given."""
+    pad, k = idx < 0, np.maximum(idx, 0)
+    return (np.ascontiguousarray(np.where(pad, 0.0, np.asarray(X, np.float64)[:, k])),
+            np.ascontiguousarray(np.where(pad, ZERO_EXP, np.asarray(EX)[:, k]), dtype=np.int32))
 
 
 def chain_runs(A, EA, B, EB, runs, nfma, frac, frac_out, min_exp, late, c_emin=ZERO_EXP, C=None):
@@ -164,18 +172,14 @@ def chain_runs(A, EA, B, EB, runs, nfma, frac, frac_out, min_exp, late, c_emin=Z
     L = len(idx)
     if isinstance(EA, int):
         Ag, EAg = np.empty((M, L)), np.empty((M, L), np.int32)
-        _gather_rows(np.ascontiguousarray(A, np.float32), idx, EA, Ag, EAg)
+        _gather_a(np.ascontiguousarray(A, np.float32), idx, EA, Ag, EAg)
     else:
-        pad, k = idx < 0, np.maximum(idx, 0)
-        Ag = np.where(pad, 0.0, np.asarray(A, np.float64)[:, k])
-        EAg = np.ascontiguousarray(np.where(pad, ZERO_EXP, np.asarray(EA)[:, k]), dtype=np.int32)
+        Ag, EAg = _gathered(A, EA, idx)
     if isinstance(EB, int):
         BT, EBT = np.empty((L, N)), np.empty((L, N), np.int32)
-        _gather_cols(np.ascontiguousarray(B, np.float32), idx, EB, BT, EBT)
+        _gather_bt(np.ascontiguousarray(B, np.float32), idx, EB, BT, EBT)
     else:
-        pad, k = idx < 0, np.maximum(idx, 0)
-        BT = np.ascontiguousarray(np.where(pad[:, None], 0.0, np.asarray(B, np.float64).T[k]))
-        EBT = np.ascontiguousarray(np.where(pad[:, None], ZERO_EXP, np.asarray(EB).T[k]), dtype=np.int32)
+        BT, EBT = (np.ascontiguousarray(v.T) for v in _gathered(B, EB, idx))
     _chain(Ag, EAg, BT, EBT, starts, int(nfma), int(frac), int(frac_out), int(min_exp), bool(late), int(c_emin),
            np.ascontiguousarray(C, dtype=np.float32), out)
     return out

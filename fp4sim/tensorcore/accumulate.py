@@ -38,25 +38,24 @@ def chain(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, idx=None, C=None, backen
     B = np.ascontiguousarray(B, np.float32)
     if idx is None:
         idx = np.arange(A.shape[1], dtype=np.int64)
-    if backend is None:
-        c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
-        return _cpu.chain_runs(A, EMIN[fmt_a], B, EMIN[fmt_b], [idx], step.nfma, step.frac, step.frac_out,
-                               step.min_exp, step.late, c_emin, C)[0]
-    return chain_exp(A, exponents(A, fmt_a), B, exponents(B, fmt_b), step, idx, C, backend)
+    return chain_runs(A, B, fmt_a, fmt_b, step, [idx], backend, C)[0]
 
 
-def chain_runs(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, runs, backend=None) -> np.ndarray:
-    """float32 (R, M, N): :func:`chain` from +0 over each of the R K-index runs (int64 arrays, -1 a zero
-    element), the operands' exponents found once."""
+def _c_emin(step: BlockFMA) -> int:
+    return _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
+
+
+def chain_runs(A, B, fmt_a: str, fmt_b: str, step: BlockFMA, runs, backend=None, C=None) -> np.ndarray:
+    """float32 (R, M, N): :func:`chain` from ``C`` (None: +0) over each of the R K-index runs (int64 arrays, -1
+    a zero element), the operands' exponents found once."""
     A = np.ascontiguousarray(A, np.float32)
     B = np.ascontiguousarray(B, np.float32)
     if backend is not None:
         EA, EB = exponents(A, fmt_a), exponents(B, fmt_b)
-        return np.stack([chain_exp(A, EA, B, EB, step, idx, backend=backend) for idx in runs]) if runs else \
+        return np.stack([chain_exp(A, EA, B, EB, step, idx, C, backend) for idx in runs]) if runs else \
             np.zeros((0, A.shape[0], B.shape[0]), np.float32)
-    c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
     return _cpu.chain_runs(A, EMIN[fmt_a], B, EMIN[fmt_b], runs, step.nfma, step.frac, step.frac_out,
-                           step.min_exp, step.late, c_emin)
+                           step.min_exp, step.late, _c_emin(step), C)
 
 
 def chain_exp(A, EA, B, EB, step: BlockFMA, idx=None, C=None, backend=None) -> np.ndarray:
@@ -66,7 +65,7 @@ def chain_exp(A, EA, B, EB, step: BlockFMA, idx=None, C=None, backend=None) -> n
     if idx is None:
         idx = np.arange(A.shape[1], dtype=np.int64)
     idx = _pad(np.asarray(idx, np.int64), step.nfma)
-    c_emin = _cpu.ZERO_EXP if step.c_emin is None else step.c_emin
+    c_emin = _c_emin(step)
     if backend is not None:
         from ..gpu import ops
         xp = backend.xp
