@@ -62,9 +62,13 @@ def _output16(out, out_dtype):
     from .scaled_mm import _out_array
     if out_dtype is not None and out_dtype not in _NP:
         raise ValueError(f"out_dtype={out_dtype!r}: a 16-bit GEMM's output is float32, bfloat16 or float16")
-    o, n = _out_array(out, out_dtype)
+    try:
+        o, n = _out_array(out, out_dtype)
+    except TypeError:
+        n = str(getattr(out, "dtype", type(out).__name__)).replace("torch.", "")
     if n not in _NP:
-        raise TypeError(f"out is {n}: a 16-bit GEMM's output is float32, bfloat16 or float16")
+        raise TypeError(f"out is {n}: a 16-bit GEMM's output is float32, bfloat16 or float16 (or its bits as "
+                        "uint16 / uint32 with out_dtype= naming the dtype)")
     return o, n
 
 
