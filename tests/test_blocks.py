@@ -997,3 +997,47 @@ def test_sr_never_moves_an_exactly_representable_input(scheme):
     kw = {"global_amax": 2688.0} if scheme == "nvfp4" else {}
     q = fs.quantize(x, scheme, rounding="sr", rbits=r, **kw)
     np.testing.assert_array_equal(_codes(q), want)
+
+
+def _four_over_six_adversarial():
+    rng = np.random.default_rng(11)
+    g = (rng.standard_normal((37, 53)) * np.exp2(rng.integers(-30, 30, (37, 1)))).astype(np.float32)
+    bad = g.copy()
+    bad[rng.random(g.shape) < 0.08] = np.nan
+    bad[2, 3], bad[20, 40] = np.inf, -np.inf
+    nans = np.full((17, 16), np.nan, np.float32)
+    nans[3, 5] = 1.0
+    return {"ragged rows and K": g, "NaN and Inf": bad, "all-NaN blocks": nans,
+            "subnormal": (g * np.float32(1e-40)).astype(np.float32), "zeros": np.zeros((18, 33), np.float32)}
+
+
+@pytest.mark.parametrize("case", list(_four_over_six_adversarial()))
+@pytest.mark.parametrize("tile", [1, 16])
+def test_four_over_six_kernel_on_adversarial_blocks(case, tile):
+    """The Numba 4over6 kernel (no fast_math) against the block-by-block reference and the NumPy statement of
+    the rule, bit for bit, on ragged shapes (R not a multiple of 16, K of 16), NaN / Inf, all-NaN blocks,
+    subnormal and zero tensors, both error measures, both tie rules and a given second-level amax of 0 and
+    Inf."""
+    from fp4sim.cpu.backend import CpuKernels, SRPlan
+    from fp4sim.cpu.four_over_six import nvfp4_4over6, nvfp4_4over6_numpy
+
+    def encode(v, fmt):
+        return CpuKernels.encode(np.ascontiguousarray(v, np.float32), fmt, 0, True, 8, SRPlan(0))
+    x = _four_over_six_adversarial()[case]
+    amax = np.float32(np.nanmax(np.abs(x))) if not np.isnan(x).all() else np.float32(0)
+    for g in (amax, np.float32(0), np.float32(np.inf)):
+        for mode in ("mse", "mae"):
+            for ties in (False, True):
+                got = nvfp4_4over6(x, tile, g, 448, mode, False, ties, encode)
+                want = nvfp4_4over6_numpy(x, tile, g, 448, mode, False, ties, encode)
+                for a, b in zip(got, want):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), (g, mode, ties)
+    variants = [(mode, ties, emax, False) for mode in ("mse", "mae") for ties in ("map_to_6", "map_to_4")
+                for emax in (448, 256)] + ([("mse", "map_to_6", 448, True)] if tile == 1 else [])
+    for mode, ties, emax, rows in variants:
+        q = fs.quantize(x, "nvfp4", block=(tile, 16), four_over_six=mode, four_over_six_ties=ties,
+                        four_over_six_e4m3_max=emax, row_scaled=rows)
+        codes, scales, pick = ref.nvfp4_4over6_ref(x, tile, None, mode, False, emax, ties == "map_to_4", rows)
+        np.testing.assert_array_equal(q.linear_scales(), scales)
+        np.testing.assert_array_equal(_codes(q), codes)
+        np.testing.assert_array_equal(q.extras["map_to_4"], pick)

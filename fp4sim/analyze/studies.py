@@ -1,7 +1,6 @@
 """Studies beyond plain error: outliers, the Hadamard transform, and gradient-rounding bias."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
@@ -26,7 +25,9 @@ def kurtosis(x: np.ndarray) -> float:
 
 class _Moments:
     """Two-pass moments over row chunks: pass 1 count/sum/sum of squares/max|x| over finite values, pass 2
-    the centred 2nd and 4th powers (the kurtosis)."""
+    the centred 2nd and 4th powers (the kurtosis). Finite-or-not float32 chunks take the one-read kernels of
+    :mod:`fp4sim.cpu.analysis` (compensated sums); others, and every chunk with ``_FAST`` off, the masked NumPy
+    reference path."""
 
     def __init__(self):
         self.n = 0
@@ -34,16 +35,23 @@ class _Moments:
         self.amax = 0.0
 
     def add1(self, c):
-        if _finite(c):
-            v = _scratch(c.size, 1)[0]
-            ka.to_f64(np.ascontiguousarray(c, np.float32).reshape(c.shape[0], -1), v)
-        else:
-            v = c[np.isfinite(c)].astype(np.float64)
+        """Pass 1 over chunk ``c``; returns the chunk's max |x| with NaN ignored (float32) on the kernel path,
+        else None."""
+        f = _flat(c)
+        if f is not None:
+            out, ab = ka.moments1(f)
+            self.n += int(out[0])
+            self.s1 += out[1]
+            self.s2 += out[2]
+            self.amax = max(self.amax, out[3])
+            return np.uint32(ab).view(np.float32)
+        v = c[np.isfinite(c)].astype(np.float64)
         self.n += v.size
         self.s1 += float(v.sum())
         self.s2 += float(np.dot(v, v))
         if v.size:
             self.amax = max(self.amax, abs(float(v.max())), abs(float(v.min())))      # max |v|, no |v| copy
+        return None
 
     @property
     def mean(self):
@@ -53,15 +61,22 @@ class _Moments:
     def sd(self):
         return float(np.sqrt(max(self.s2 / self.n - self.mean ** 2, 0.0))) if self.n else 0.0
 
-    def add2(self, c):
-        if _finite(c):
-            d2 = _scratch(c.size, 1)[0]
-            ka.centred_sq_f64(np.ascontiguousarray(c, np.float32).reshape(c.shape[0], -1), self.mean, d2)
-        else:
-            d = c[np.isfinite(c)].astype(np.float64) - self.mean
-            d2 = d * d
+    def add2(self, c, ya=None, yb=None) -> np.ndarray | None:
+        """Pass 2 over chunk ``c``; with the dequantized chunks ``ya`` / ``yb`` also returns their error sums
+        [[sum (ya-x)^2, sum x^2], [sum (yb-x)^2, sum x^2]] over the finite x, from the same read."""
+        ys = [y for y in (ya, yb) if y is not None]
+        f = _flat(c, *ys)
+        if f is not None:
+            fy = [_flat(y) for y in ys] + [f] * (2 - len(ys))
+            out = ka.err_moments(f, fy[0], fy[1], len(ys), self.mean)
+            self.c2 += out[3]
+            self.c4 += out[4]
+            return np.array([[out[1], out[0]], [out[2], out[0]]])[:len(ys)] if ys else None
+        d = c[np.isfinite(c)].astype(np.float64) - self.mean
+        d2 = d * d
         self.c2 += float(d2.sum())
         self.c4 += float(np.dot(d2, d2))
+        return np.array([_err_sums(c, y) for y in ys]) if ys else None
 
     def kurtosis(self):
         if self.n < 2 or self.c2 <= 0:
@@ -70,30 +85,20 @@ class _Moments:
         return float(self.c4 / self.n / m2 ** 2)
 
 
-_FAST = True       # the one-pass kernels for finite chunks; False: the masked NumPy path (the tests compare them)
+_FAST = True       # the one-read kernels; False: the masked NumPy path (the tests compare them)
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int, k: int = 2):
-    """``k`` float64 buffers of ``n`` elements, kept per thread from call to call (fresh ones of a chunk's size
-    cost their page faults every time, more than filling them)."""
-    bufs = getattr(_SCRATCH, "bufs", None)
-    if bufs is None or len(bufs) < k or bufs[0].size < n:
-        bufs = _SCRATCH.bufs = [np.empty(max(n, bufs[0].size if bufs else 0)) for _ in range(max(k, 2))]
-    return [b[:n] for b in bufs[:k]]
-
-
-def _finite(c) -> bool:
-    """Whether the float32 chunk ``c`` is all finite and may take the kernels (then no mask is needed: the
-    masked copies equal the whole chunk, element for element in the same order)."""
-    return _FAST and c.dtype == np.float32 and c.ndim == 2 and ka.all_finite(c)
+def _flat(c, *like):
+    """The float32 chunk ``c`` as a flat contiguous array for the kernels (and each of ``like`` of its shape and
+    dtype), or None when the masked NumPy path must take it (``_FAST`` off, another dtype or shape)."""
+    if not (_FAST and c.dtype == np.float32 and all(y.dtype == np.float32 and y.shape == c.shape for y in like)):
+        return None
+    return np.ascontiguousarray(c).reshape(-1)
 
 
 def _err_sums(c, y):
     """(sum of squared error, sum of x^2) over the finite elements of a chunk (the masked reference;
-    :func:`_err_sums_pair` takes finite chunks through the kernels)."""
+    the kernel path takes them from :func:`fp4sim.cpu.analysis.err_moments`)."""
     fin = np.isfinite(c)
     x = c[fin].astype(np.float64)
     e = y[fin].astype(np.float64) - x
@@ -101,15 +106,11 @@ def _err_sums(c, y):
 
 
 def _err_sums_pair(c, ya, yb):
-    """:func:`_err_sums` of one chunk under two quantizations (NVFP4's and MXFP4's): the same numbers, with the
-    chunk's float64 copy and its sum of squares made once for both."""
-    if _finite(c) and all(y.dtype == np.float32 and y.shape == c.shape for y in (ya, yb)):
-        x, e = _scratch(c.size)
-        ka.x_and_err_f64(c, ya, x, e)
-        sx = float(np.dot(x, x))
-        sa = float(np.dot(e, e))
-        ka.err_f64(c, yb, e)
-        return np.array([[sa, sx], [float(np.dot(e, e)), sx]])
+    """:func:`_err_sums` of one chunk under two quantizations (NVFP4's and MXFP4's), from one read."""
+    f = _flat(c, ya, yb)
+    if f is not None:
+        out = ka.err_moments(f, _flat(ya), _flat(yb), 2, 0.0)
+        return np.array([[out[1], out[0]], [out[2], out[0]]])
     return np.array([_err_sums(c, ya), _err_sums(c, yb)])
 
 
@@ -134,19 +135,32 @@ def outliers(x: np.ndarray, k: float = 6.0, chunk_elems: int = 1 << 20, amax=Non
     n_rows = 0
     eb_all = eb_out = 0.0
     n_out_blocks = n_blocks = 0
+    with np.errstate(over="ignore"):      # |c| > k * sd compares in float32 (NumPy 2's weak Python float)
+        thr = np.float32(k * sd) if sd > 0 else np.float32(np.inf)
     for _, c in chunks(x2, chunk_elems):
         m.add2(c)
-        with np.errstate(invalid="ignore"):
-            big = np.abs(c) > k * sd if sd > 0 else np.zeros(c.shape, bool)
-        cols |= big.any(0)
-        n_rows += int(big.any(1).sum())
         y = fake_quantize(c, "nvfp4", global_amax=amax)
-        fin = np.isfinite(c)
-        err = np.where(fin, (y.astype(np.float64) - c) ** 2, 0.0)
-        col_err += err.sum(0)
-        col_x2 += np.where(fin, c.astype(np.float64) ** 2, 0.0).sum(0)
-        eb = np.pad(err, ((0, 0), (0, Kp - K))).reshape(c.shape[0], -1, 16).sum(-1)
-        bb = np.pad(big, ((0, 0), (0, Kp - K))).reshape(c.shape[0], -1, 16).any(-1)
+        if _FAST and c.dtype == np.float32:
+            c = np.ascontiguousarray(c)
+            nbk = -(-K // 16)
+            ce, cx, cb = np.empty(K), np.empty(K), np.empty(K, bool)
+            rb, eb, bb = np.empty(c.shape[0], bool), np.empty((c.shape[0], nbk)), np.empty((c.shape[0], nbk), bool)
+            ka.outlier_sums(c, np.ascontiguousarray(y, np.float32), thr, ce, cx, cb, rb, eb, bb)
+            cols |= cb
+            n_rows += int(rb.sum())
+            col_err += ce
+            col_x2 += cx
+        else:
+            with np.errstate(invalid="ignore"):
+                big = np.abs(c) > k * sd if sd > 0 else np.zeros(c.shape, bool)
+            cols |= big.any(0)
+            n_rows += int(big.any(1).sum())
+            fin = np.isfinite(c)
+            err = np.where(fin, (y.astype(np.float64) - c) ** 2, 0.0)
+            col_err += err.sum(0)
+            col_x2 += np.where(fin, c.astype(np.float64) ** 2, 0.0).sum(0)
+            eb = np.pad(err, ((0, 0), (0, Kp - K))).reshape(c.shape[0], -1, 16).sum(-1)
+            bb = np.pad(big, ((0, 0), (0, Kp - K))).reshape(c.shape[0], -1, 16).any(-1)
         eb_all += float(eb.sum())
         eb_out += float(eb[bb].sum())
         n_out_blocks += int(bb.sum())
@@ -212,15 +226,16 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
             signs = {"te": "te", "random": seed + 1, "none": None}[sg]
             m = _Moments()
             a_r = np.float32(0)
+            xrs = []                 # the transformed chunks, kept for the second pass (one float32 copy of x)
             for _, c in chunks(x2, chunk_elems):
                 xr = rht(c, d, signs, out="fp32")
-                m.add1(xr)
-                a_r = max(a_r, _amax(xr))
+                a = m.add1(xr)
+                a_r = max(a_r, _amax(xr) if a is None else a)
+                xrs.append(xr)
             e = np.zeros((len(RHT_SCHEMES), 2))
-            for _, c in chunks(x2, chunk_elems):
-                xr = rht(c, d, signs, out="fp32")
-                m.add2(xr)
-                e += _err_sums_pair(xr, fake_quantize(xr, "nvfp4", global_amax=a_r), fake_quantize(xr, "mxfp4"))
+            while xrs:
+                xr = xrs.pop(0)
+                e += m.add2(xr, fake_quantize(xr, "nvfp4", global_amax=a_r), fake_quantize(xr, "mxfp4"))
             kur[di, si] = m.kurtosis()
             err[di, si, :] = [_ratio(*v) for v in e]
     return dims, err, kur

@@ -253,55 +253,185 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
                 binades[r, b] = (used & 1) + ((used >> 1) & 1) + ((used >> 2) & 1) + ((used >> 3) & 1)
 
 
-# ------------------------------------------------------------------------------------------- the studies' inputs
-@nb.njit(parallel=True, cache=True)
-def all_finite(c):
-    """Whether every element of the (R, K) float32 chunk is finite."""
-    R, K = c.shape
-    bad = np.zeros(R, np.bool_)
-    for r in nb.prange(R):
-        for k in range(K):
-            if not np.isfinite(c[r, k]):
-                bad[r] = True
-                break
-    return not bad.any()
+# ------------------------------------------------------------------------------------------- the studies' sums
+# The outlier and Hadamard studies need a handful of float64 sums over a chunk's finite elements (moments, squared
+# errors under NVFP4 and MXFP4). One pass of :func:`moments1` / :func:`err_moments` takes them all: each task sums a
+# segment of SEG elements (of the flat chunk) in four interleaved float64 accumulators per quantity, and
+# :func:`_combine` adds the segments' sums with Neumaier's compensation. The result is within a few units in the
+# last place of the exactly rounded sum (tested against math.fsum); NumPy's float64 reductions of the masked copies,
+# the reference path of :mod:`fp4sim.analyze.studies`, are within n * 2^-53 of it, so the two agree to ~1e-13.
+SEG = 1024
+N_M1 = 4                     # moments1's columns: count, sum, sum of squares, max |v| (finite v)
+N_EM = 6                     # err_moments's: sum x^2, sum (ya - x)^2, sum (yb - x)^2, sum d^2, sum d^4, count
+
+
+@nb.njit(cache=True)
+def _combine(part, q):
+    """Neumaier's compensated sum of column q of the segments' sums ``part`` (nseg, ncols); the plain sum where
+    that is not finite (an infinite term would make the compensation NaN)."""
+    s = 0.0
+    c = 0.0
+    for i in range(part.shape[0]):
+        v = part[i, q]
+        t = s + v
+        if abs(s) >= abs(v):
+            c += (s - t) + v
+        else:
+            c += (v - t) + s
+        s = t
+    return s + c if np.isfinite(s) else s
 
 
 @nb.njit(parallel=True, cache=True)
-def x_and_err_f64(c, y, x_out, e_out):
-    """x_out = float64(c) and e_out = float64(y) - float64(c), flat in row-major order (what ``c.astype(f8)``
-    and ``y.astype(f8) - x`` give for a finite chunk), in one pass."""
-    R, K = c.shape
-    for r in nb.prange(R):
-        for k in range(K):
-            xd = np.float64(c[r, k])
-            x_out[r * K + k] = xd
-            e_out[r * K + k] = np.float64(y[r, k]) - xd
+def moments1(xf):
+    """(count, sum, sum of squares, max |v|) over the finite float32 elements v of the flat chunk ``xf`` (sums in
+    float64), and the bits of max |x| with NaN ignored (Inf counts), as :func:`fp4sim.cpu.blocks.absmax_nan` takes
+    it; one read of the chunk."""
+    n = xf.size
+    nseg = (n + SEG - 1) // SEG
+    part = np.zeros((max(nseg, 1), N_M1))
+    abits = np.zeros(max(nseg, 1), np.uint32)
+    fbits = np.zeros(max(nseg, 1), np.uint32)
+    xb = xf.view(np.uint32)
+    inf = np.uint32(0x7F800000)
+    for t in nb.prange(nseg):
+        lo = t * SEG
+        hi = min(lo + SEG, n)
+        xs, bs = xf[lo:hi], xb[lo:hi]
+        c0 = c1 = s0 = s1 = q0 = q1 = 0.0
+        fmax = np.uint32(0)
+        amax = np.uint32(0)
+        for i in range(hi - lo):
+            a = bs[i] & np.uint32(0x7FFFFFFF)
+            amax = max(amax, a if a <= inf else np.uint32(0))
+            fin = a < inf
+            fmax = max(fmax, a if fin else np.uint32(0))
+            v = np.float64(xs[i]) if fin else 0.0
+            w = 1.0 if fin else 0.0
+            if i & 1:
+                c1 += w
+                s1 += v
+                q1 += v * v
+            else:
+                c0 += w
+                s0 += v
+                q0 += v * v
+        part[t, 0] = c0 + c1
+        part[t, 1] = s0 + s1
+        part[t, 2] = q0 + q1
+        abits[t] = amax
+        fbits[t] = fmax
+    out = np.zeros(N_M1)
+    for q in range(3):
+        out[q] = _combine(part, q)
+    ab = np.uint32(0)
+    fb = np.uint32(0)
+    for t in range(nseg):
+        ab = max(ab, abits[t])
+        fb = max(fb, fbits[t])
+    out[3] = np.float64(np.array([fb], np.uint32).view(np.float32)[0])
+    return out, ab
+
+
+@nb.njit(inline="always", cache=True)
+def _em_terms(xv, xbits, ya, yb, nerr, mean):
+    """One element's terms of :func:`err_moments` (all 0 where x is not finite)."""
+    if (xbits & np.uint32(0x7FFFFFFF)) >= np.uint32(0x7F800000):
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    x = np.float64(xv)
+    ea = np.float64(ya) - x if nerr > 0 else 0.0
+    eb = np.float64(yb) - x if nerr > 1 else 0.0
+    d = x - mean
+    d2 = d * d
+    return x * x, ea * ea, eb * eb, d2, d2 * d2, 1.0
+
+
+@nb.njit(inline="always", cache=True)
+def _add6(a, b):
+    """Two 6-tuples of floats added term by term (two accumulator lanes of :func:`err_moments`)."""
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5]
 
 
 @nb.njit(parallel=True, cache=True)
-def centred_sq_f64(c, mean, out):
-    """out = (float64(c) - mean)^2, flat in row-major order (``d = v - mean; d * d`` for a finite chunk)."""
-    R, K = c.shape
-    for r in nb.prange(R):
-        for k in range(K):
-            d = np.float64(c[r, k]) - mean
-            out[r * K + k] = d * d
+def err_moments(xf, ya, yb, nerr, mean):
+    """Over the finite elements x of the flat float32 chunk ``xf``: (sum x^2, sum (ya - x)^2, sum (yb - x)^2,
+    sum d^2, sum d^4, count) in float64, d = x - ``mean``; ``nerr`` (0, 1 or 2) of the dequantized chunks ``ya``,
+    ``yb`` (flat, as long as ``xf``; pass ``xf`` for one not read) are read. An error term is
+    (float64(y) - float64(x))^2 whatever y is, as the reference's masked copies give it. One read of each array."""
+    n = xf.size
+    nseg = (n + SEG - 1) // SEG
+    part = np.zeros((max(nseg, 1), N_EM))
+    xb = xf.view(np.uint32)
+    for t in nb.prange(nseg):
+        lo = t * SEG
+        hi = min(lo + SEG, n)
+        xs, ys, zs, bs = xf[lo:hi], ya[lo:hi], yb[lo:hi], xb[lo:hi]
+        a = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        b = a
+        m = (hi - lo) // 2 * 2
+        for i in range(0, m, 2):
+            a = _add6(a, _em_terms(xs[i], bs[i], ys[i], zs[i], nerr, mean))
+            b = _add6(b, _em_terms(xs[i + 1], bs[i + 1], ys[i + 1], zs[i + 1], nerr, mean))
+        if m < hi - lo:
+            a = _add6(a, _em_terms(xs[m], bs[m], ys[m], zs[m], nerr, mean))
+        s = _add6(a, b)
+        for q in range(N_EM):
+            part[t, q] = s[q]
+    out = np.zeros(N_EM)
+    for q in range(N_EM):
+        out[q] = _combine(part, q)
+    return out
 
 
 @nb.njit(parallel=True, cache=True)
-def err_f64(c, y, e_out):
-    """e_out = float64(y) - float64(c), flat in row-major order (:func:`x_and_err_f64` without x)."""
+def outlier_sums(c, y, thr, col_err, col_x2, col_big, row_big, eb, bb):
+    """One chunk's share of the outlier study (:func:`fp4sim.analyze.studies.outliers`) from the chunk ``c``
+    (R, K) float32 and its NVFP4 values ``y``: with err = (float64(y) - float64(x))^2 where x is finite (else 0)
+    and big = |x| > ``thr`` (float32; NaN is not big), ``col_err`` / ``col_x2`` get the column sums of err and
+    of x^2 (finite x) in NumPy's ``sum(0)`` order (row after row), ``col_big`` / ``row_big`` whether a column /
+    row holds a big value, ``eb`` (R, nbk) each 16-element block's err summed as NumPy sums a run of 16 (the
+    zero-padded last block included) and ``bb`` whether the block holds a big value. The arrays are filled, not
+    added to."""
     R, K = c.shape
+    nbk = (K + 15) // 16
+    ntile = (K + 63) // 64
+    for ct in nb.prange(ntile):
+        k0 = ct * 64
+        w = min(k0 + 64, K) - k0
+        ce = np.zeros(w)
+        cx = np.zeros(w)
+        cb = np.zeros(w, np.bool_)
+        for r in range(R):
+            cr = c[r, k0:k0 + w]
+            yr = y[r, k0:k0 + w]
+            for kk in range(w):
+                x = cr[kk]
+                xd = np.float64(x)
+                fin = np.isfinite(xd)
+                e = np.float64(yr[kk]) - xd
+                ce[kk] += e * e if fin else 0.0
+                cx[kk] += xd * xd if fin else 0.0
+                cb[kk] |= abs(x) > thr
+        col_err[k0:k0 + w] = ce
+        col_x2[k0:k0 + w] = cx
+        col_big[k0:k0 + w] = cb
     for r in nb.prange(R):
-        for k in range(K):
-            e_out[r * K + k] = np.float64(y[r, k]) - np.float64(c[r, k])
-
-
-@nb.njit(parallel=True, cache=True)
-def to_f64(c, out):
-    """out = float64(c), flat in row-major order (``c.astype(np.float64).ravel()`` into a kept buffer)."""
-    R, K = c.shape
-    for r in nb.prange(R):
-        for k in range(K):
-            out[r * K + k] = np.float64(c[r, k])
+        buf = np.zeros(16)
+        anyb = False
+        for j in range(nbk):
+            k0 = j * 16
+            w = min(k0 + 16, K) - k0
+            big = False
+            for t in range(16):
+                if t < w:
+                    x = c[r, k0 + t]
+                    xd = np.float64(x)
+                    e = np.float64(y[r, k0 + t]) - xd
+                    buf[t] = e * e if np.isfinite(xd) else 0.0
+                    big |= abs(x) > thr
+                else:
+                    buf[t] = 0.0
+            eb[r, j] = _buf_leaf(buf, 0, 16)
+            bb[r, j] = big
+            anyb |= big
+        row_big[r] = anyb

@@ -15,10 +15,12 @@ Per block (1x16) or 16x16 tile with amax ``a`` (NaN ignored), S_enc = min(fl(6·
 """
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 
 from ..formats import E2M1, E4M3
 from ..four_over_six import FLT_MAX, second_level
+from .elements import e2m1_rne, e2m1_value, encode_one, f32_bits_i32, i32_bits_f32
 
 f32 = np.float32
 
@@ -67,7 +69,116 @@ def _tree16(err):
 def nvfp4_4over6(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4, encode):
     """(codes (R, Kp/2) packed, scales (ceil(R/tile), Kp/16) E4M3 bytes, chose map-to-4 per block) of x2.
     ``amax_g``: the tensor's second-level amax, or (1x16 only) a vector with one per row (row-scaled).
-    ``encode(values, fmt)``: the backend's round-to-nearest, saturating element encoder (float32 in, codes out)."""
+    ``encode(values, fmt)``: the backend's round-to-nearest, saturating element encoder (float32 in, codes out).
+    Without ``fast_math``, :func:`four_over_six_kernel` computes it (one task per group of ``tile`` rows); with
+    it, :func:`nvfp4_4over6_numpy`."""
+    if fast_math:
+        return nvfp4_4over6_numpy(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4, encode)
+    R, K = x2.shape
+    g = np.asarray(amax_g, np.float32)
+    if g.ndim and (tile != 1 or g.size != R):
+        raise ValueError("a vector of second-level amaxes takes 1x16 blocks and one amax per row")
+    s_enc, s_dec, denom = second_level(g, e4m3_max)
+    gv, ev, dv = (np.ascontiguousarray(np.reshape(v, -1), np.float32) for v in (g, s_enc, s_dec))
+    nbk, ng = -(-K // 16), -(-R // tile)
+    codes = np.empty((R, nbk * 8), np.uint8)
+    scales = np.empty((ng, nbk), np.uint8)
+    pick = np.empty((ng, nbk), np.bool_)
+    if R and K:
+        four_over_six_kernel(np.ascontiguousarray(x2, np.float32), tile, gv, ev, dv, np.float32(denom),
+                             err_mode == "mse", bool(ties_map4), E4M3.values.astype(np.float32), codes, scales, pick)
+    return codes, scales, pick
+
+
+@nb.njit(inline="always", cache=True)
+def _nanmin(a, b):
+    """np.minimum of two float32 (NaN in a propagates; b is never NaN here)."""
+    return a if (a != a or a < b) else b
+
+
+@nb.njit(parallel=True, cache=True)
+def four_over_six_kernel(x2, tile, gv, ev, dv, denom, mse, ties_map4, e4m3_vals, codes, scales, pick):
+    """The rule of this module's docstring without ``fast_math``, each fl(.) a float32 operation in the order of
+    :func:`nvfp4_4over6_numpy` (which the tests hold it to, bit for bit): per group of ``tile`` rows (zero-padded
+    to ``tile`` rows and to whole blocks, as the NumPy path pads), per block both candidates' scale bytes and
+    errors, the choice, then the chosen candidate's codes. ``gv``, ``ev``, ``dv``: amax_g, S_enc, S_dec, one for
+    the tensor or one per row (row-scaled)."""
+    R, K = x2.shape
+    nbk = (K + 15) // 16
+    Kp = nbk * 16
+    ng = (R + tile - 1) // tile
+    f = np.float32
+    six, lim, fmax = f(6.0), f(448.0), f(3.4028234663852886e+38)
+    for gi in nb.prange(ng):
+        xt = np.zeros((tile, Kp), np.float32)
+        for rr in range(tile):
+            r = gi * tile + rr
+            if r < R:
+                xt[rr, :K] = x2[r]
+        ci = np.int64(gi) if gv.shape[0] > 1 else np.int64(0)
+        g, s_enc, s_dec = gv[ci], ev[ci], dv[ci]
+        errs = np.empty(tile, np.float32)
+        for j in range(nbk):
+            k0 = j * 16
+            m = np.int32(0)
+            for rr in range(tile):
+                xs = xt[rr, k0:k0 + 16]
+                for t in range(16):
+                    a = np.int32(f32_bits_i32(xs[t]) & np.int32(0x7FFFFFFF))
+                    m = a if (a <= np.int32(0x7F800000) and a > m) else m
+            base = (i32_bits_f32(np.int32(m)) / six) * s_enc
+            tot = np.zeros(2, np.float32)
+            byts = np.zeros(2, np.int64)
+            encs = np.zeros(2, np.float32)
+            for c in range(2):                              # 0: map to 4, 1: map to 6
+                sf = _nanmin(base * f(1.5) if c == 0 else base, lim)
+                byte = encode_one(np.uint32(f32_bits_i32(sf)), 0, 0, 8, 3, -6, 7, 0x7E, True, 0x7F, 0x7F, 0x80)
+                sval = e4m3_vals[byte]
+                enc = _nanmin(f(1.0) / (sval * s_dec), fmax)
+                for rr in range(tile):
+                    xs = xt[rr, k0:k0 + 16]
+                    e = f(0.0)
+                    for t in range(16):
+                        v = xs[t]
+                        y = v * enc
+                        y = y if y != y else (six if y > six else (-six if y < -six else y))
+                        q = e2m1_value(e2m1_rne(y))
+                        d = (((q * sval) * g) / denom) - v
+                        e = e + (d * d if mse else abs(d))
+                    errs[rr] = e
+                if tile == 16:
+                    for i in range(8):
+                        errs[i] = errs[i] + errs[i + 8]
+                    for i in range(4):
+                        errs[i] = errs[i] + errs[i + 4]
+                    for i in range(2):
+                        errs[i] = errs[i] + errs[i + 2]
+                    errs[0] = errs[0] + errs[1]
+                tot[c] = errs[0]
+                byts[c] = byte
+                encs[c] = enc
+            w4 = tot[0] < tot[1] or (ties_map4 and tot[0] == tot[1])
+            w = 0 if w4 else 1
+            scales[gi, j] = byts[w]
+            pick[gi, j] = w4
+            enc = encs[w]
+            for rr in range(tile):
+                r = gi * tile + rr
+                if r >= R:
+                    break
+                xs = xt[rr, k0:k0 + 16]
+                for p in range(8):
+                    cs = np.empty(2, np.int32)
+                    for h in range(2):
+                        y = xs[2 * p + h] * enc
+                        y = y if y != y else (six if y > six else (-six if y < -six else y))
+                        cs[h] = e2m1_rne(y)
+                    codes[r, j * 8 + p] = np.uint8(cs[0] | (cs[1] << 4))
+
+
+def nvfp4_4over6_numpy(x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4, encode):
+    """:func:`nvfp4_4over6` in NumPy float32 operations over all blocks at once (the only path for
+    ``fast_math``)."""
     R, K = x2.shape
     nbk = -(-K // 16)
     Kp, Rp = nbk * 16, -(-R // tile) * tile
