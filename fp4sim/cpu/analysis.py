@@ -256,8 +256,9 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
 # ------------------------------------------------------------------------------------------- the studies' sums
 # The outlier and Hadamard studies need a handful of float64 sums over a chunk's finite elements (moments, squared
 # errors under NVFP4 and MXFP4). One pass of :func:`moments1` / :func:`err_moments` takes them all: each task sums a
-# segment of SEG elements (of the flat chunk) in four interleaved float64 accumulators per quantity, and
-# :func:`_combine` adds the segments' sums with Neumaier's compensation. The result is within a few units in the
+# segment of SEG elements (of the flat chunk) in the CPU's float64 vector lanes (the segment's sums may be
+# reassociated: their last bits depend on the vector width, as a BLAS dot's do), and :func:`_combine` adds the
+# segments' sums with Neumaier's compensation. The result is within a few units in the
 # last place of the exactly rounded sum (tested against math.fsum); NumPy's float64 reductions of the masked copies,
 # the reference path of :mod:`fp4sim.analyze.studies`, are within n * 2^-53 of it, so the two agree to ~1e-13.
 SEG = 1024
@@ -282,6 +283,50 @@ def _combine(part, q):
     return s + c if np.isfinite(s) else s
 
 
+@nb.njit(fastmath={"reassoc"}, inline="never", cache=True)
+def _seg_m1(xs, bs):
+    """:func:`moments1` of one segment (``bs``: the bits of ``xs``). The float64 sums may be reassociated, so
+    that the compiler sums the segment in vector lanes (the order is the CPU's vector width's, not Python's;
+    the NaN / Inf selection is not touched by it)."""
+    c = 0.0
+    s = 0.0
+    q = 0.0
+    amax = np.uint32(0)
+    fmax = np.uint32(0)
+    inf = np.uint32(0x7F800000)
+    for i in range(xs.size):
+        a = bs[i] & np.uint32(0x7FFFFFFF)
+        fin = a < inf
+        v = np.float64(xs[i]) if fin else 0.0
+        c += 1.0 if fin else 0.0
+        s += v
+        q += v * v
+        amax = max(amax, a if a <= inf else np.uint32(0))
+        fmax = max(fmax, a if fin else np.uint32(0))
+    return c, s, q, amax, fmax
+
+
+@nb.njit(fastmath={"reassoc"}, inline="never", cache=True)
+def _seg_em(xs, bs, ys, zs, nerr, mean):
+    """:func:`err_moments` of one segment, its sums in vector lanes as in :func:`_seg_m1`."""
+    s0 = s1 = s2 = s3 = s4 = s5 = 0.0
+    inf = np.uint32(0x7F800000)
+    for i in range(xs.size):
+        fin = (bs[i] & np.uint32(0x7FFFFFFF)) < inf
+        x = np.float64(xs[i]) if fin else 0.0
+        ea = np.float64(ys[i]) - x if fin and nerr > 0 else 0.0
+        eb = np.float64(zs[i]) - x if fin and nerr > 1 else 0.0
+        d = x - mean if fin else 0.0
+        d2 = d * d
+        s0 += x * x
+        s1 += ea * ea
+        s2 += eb * eb
+        s3 += d2
+        s4 += d2 * d2
+        s5 += 1.0 if fin else 0.0
+    return s0, s1, s2, s3, s4, s5
+
+
 @nb.njit(parallel=True, cache=True)
 def moments1(xf):
     """(count, sum, sum of squares, max |v|) over the finite float32 elements v of the flat chunk ``xf`` (sums in
@@ -293,34 +338,10 @@ def moments1(xf):
     abits = np.zeros(max(nseg, 1), np.uint32)
     fbits = np.zeros(max(nseg, 1), np.uint32)
     xb = xf.view(np.uint32)
-    inf = np.uint32(0x7F800000)
     for t in nb.prange(nseg):
         lo = t * SEG
         hi = min(lo + SEG, n)
-        xs, bs = xf[lo:hi], xb[lo:hi]
-        c0 = c1 = s0 = s1 = q0 = q1 = 0.0
-        fmax = np.uint32(0)
-        amax = np.uint32(0)
-        for i in range(hi - lo):
-            a = bs[i] & np.uint32(0x7FFFFFFF)
-            amax = max(amax, a if a <= inf else np.uint32(0))
-            fin = a < inf
-            fmax = max(fmax, a if fin else np.uint32(0))
-            v = np.float64(xs[i]) if fin else 0.0
-            w = 1.0 if fin else 0.0
-            if i & 1:
-                c1 += w
-                s1 += v
-                q1 += v * v
-            else:
-                c0 += w
-                s0 += v
-                q0 += v * v
-        part[t, 0] = c0 + c1
-        part[t, 1] = s0 + s1
-        part[t, 2] = q0 + q1
-        abits[t] = amax
-        fbits[t] = fmax
+        part[t, 0], part[t, 1], part[t, 2], abits[t], fbits[t] = _seg_m1(xf[lo:hi], xb[lo:hi])
     out = np.zeros(N_M1)
     for q in range(3):
         out[q] = _combine(part, q)
@@ -331,25 +352,6 @@ def moments1(xf):
         fb = max(fb, fbits[t])
     out[3] = np.float64(np.array([fb], np.uint32).view(np.float32)[0])
     return out, ab
-
-
-@nb.njit(inline="always", cache=True)
-def _em_terms(xv, xbits, ya, yb, nerr, mean):
-    """One element's terms of :func:`err_moments` (all 0 where x is not finite)."""
-    if (xbits & np.uint32(0x7FFFFFFF)) >= np.uint32(0x7F800000):
-        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    x = np.float64(xv)
-    ea = np.float64(ya) - x if nerr > 0 else 0.0
-    eb = np.float64(yb) - x if nerr > 1 else 0.0
-    d = x - mean
-    d2 = d * d
-    return x * x, ea * ea, eb * eb, d2, d2 * d2, 1.0
-
-
-@nb.njit(inline="always", cache=True)
-def _add6(a, b):
-    """Two 6-tuples of floats added term by term (two accumulator lanes of :func:`err_moments`)."""
-    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5]
 
 
 @nb.njit(parallel=True, cache=True)
@@ -365,18 +367,9 @@ def err_moments(xf, ya, yb, nerr, mean):
     for t in nb.prange(nseg):
         lo = t * SEG
         hi = min(lo + SEG, n)
-        xs, ys, zs, bs = xf[lo:hi], ya[lo:hi], yb[lo:hi], xb[lo:hi]
-        a = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        b = a
-        m = (hi - lo) // 2 * 2
-        for i in range(0, m, 2):
-            a = _add6(a, _em_terms(xs[i], bs[i], ys[i], zs[i], nerr, mean))
-            b = _add6(b, _em_terms(xs[i + 1], bs[i + 1], ys[i + 1], zs[i + 1], nerr, mean))
-        if m < hi - lo:
-            a = _add6(a, _em_terms(xs[m], bs[m], ys[m], zs[m], nerr, mean))
-        s = _add6(a, b)
+        r = _seg_em(xf[lo:hi], xb[lo:hi], ya[lo:hi], yb[lo:hi], nerr, mean)
         for q in range(N_EM):
-            part[t, q] = s[q]
+            part[t, q] = r[q]
     out = np.zeros(N_EM)
     for q in range(N_EM):
         out[q] = _combine(part, q)
