@@ -4,6 +4,8 @@ tensors and on adversarial ones (zeros, constant blocks, extremes, subnormals, N
 several chunks)."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -126,6 +128,33 @@ def test_studies_kernels_equal_the_masked_numpy_path(case, sample, monkeypatch):
         else:
             assert _close(o1[k], o0[k], 1e-12), (k, o1[k], o0[k])
     assert _close(e1, e0, 1e-12) and _close(k1, k0, 1e-12) and _close(q1, q0, 1e-12), (e1 - e0, k1 - k0)
+
+
+@pytest.mark.parametrize("case", ["sample", "spread", "NaN and Inf", "zeros", "negative zeros", "subnormals",
+                                  "constant blocks", "extremes", "zero blocks and tiny rows", "several segments"])
+def test_hadamard_study_sums_without_the_dequantized_chunks(case, sample):
+    """fq_err_moments (the Hadamard study's NVFP4 and MXFP4 errors with the fake-quantized values made inside the
+    kernel) gives err_moments's sums over fs.fake_quantize's own outputs bit for bit, for tensor amaxes at,
+    above and below the chunk's, zero, Inf and near FLT_MAX, and with and without a mean."""
+    import fp4sim as fs
+    from fp4sim.analyze import studies
+    cases = dict(_adversarial(), sample=next(v for k, v in sample.items() if k.endswith("ffn_down.input")))
+    cases["several segments"] = cases["long rows"][:, :2976] * np.float32(1e3)   # rows across 1024-segments
+    x = np.ascontiguousarray(cases[case], np.float32)
+    assert x.shape[1] % 32 == 0 and studies._fq_consts() is not None
+    assert studies._fq_sums(_adversarial()["ragged K"], np.float32(1)) is None      # K % 32 != 0: fake_quantize
+    fin = x[np.isfinite(x)]
+    a0 = np.float32(np.abs(fin).max()) if fin.size else np.float32(0)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for amax in (a0, np.float32(a0 * 7), np.float32(a0 / 3), np.float32(0), np.float32(np.inf),
+                     np.float32(3.0e38)):
+            ya = fs.fake_quantize(x, "nvfp4", global_amax=amax).reshape(-1)
+            yb = fs.fake_quantize(x, "mxfp4").reshape(-1)
+            for mean in (0.0, float(np.mean(fin, dtype=np.float64)) if fin.size else 0.5):
+                want = ka.err_moments(x.reshape(-1), ya, yb, 2, mean)
+                got = studies._fq_sums(x, amax, mean)
+                assert _same(got, want), (case, amax, mean, got, want)
 
 
 def test_studies_sums_against_exact_sums():

@@ -57,11 +57,12 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
         res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {},
                "n_nan": int(np.count_nonzero(np.isnan(x))), "n_inf": int(np.count_nonzero(np.isinf(x)))}
         amax = tensor_amax(x)
+        shared = {}                 # the chunks' scheme-independent sums, taken once
         for spec in schemes:
             if src.role in spec.roles:
                 stage(f"scheme {spec.label}")
                 recs = [] if blocks else None
-                m, chs, sh = scheme_metrics(x, spec, src.role, seed, ch, amax, recs)
+                m, chs, sh = scheme_metrics(x, spec, src.role, seed, ch, amax, recs, shared=shared)
                 res["schemes"][spec.label] = {"metrics": m, "code_hist": chs.tolist(), "scale_hist": sh.tolist()}
                 if blocks:
                     res["schemes"][spec.label]["blocks"] = {f: np.concatenate([r[f] for r in recs])

@@ -128,11 +128,13 @@ def _block_records(q, spec: SchemeSpec, xm, eb, r0: int) -> dict:
             "amax": xm.ravel().astype(np.float32), "sq_err": eb.ravel()}
 
 
-def _chunk_fused(c, q, spec: SchemeSpec, win, amax, acc: dict, code_hist, blk_errs: list, blocks, r0: int) -> int:
+def _chunk_fused(c, q, spec: SchemeSpec, win, amax, acc: dict, code_hist, blk_errs: list, blocks, r0: int,
+                 sx2: dict | None = None) -> int:
     """One chunk's share of every statistic but the scales', from one pass of
     :func:`fp4sim.cpu.analysis.block_stats` and the pairwise sums of :func:`~fp4sim.cpu.analysis.chunk_sums`:
-    the same numbers as the NumPy expressions of the reference path, bit for bit. Returns the next chunk's
-    first row."""
+    the same numbers as the NumPy expressions of the reference path, bit for bit. ``sx2``: the chunks' sums of
+    x^2 by (first row, rows), shared by the schemes of one tensor (they do not depend on the scheme). Returns
+    the next chunk's first row."""
     from ..cpu import analysis as ka
     R, K = c.shape
     c = np.ascontiguousarray(c, np.float32)
@@ -153,11 +155,16 @@ def _chunk_fused(c, q, spec: SchemeSpec, win, amax, acc: dict, code_hist, blk_er
     acc["fin"] += int(tot[ka.FIN])
     acc["lost"] += int(tot[ka.LOST])
     cf, yf = c.reshape(-1), y.reshape(-1)
-    if tot[ka.FIN] == c.size:
-        acc["sx2"] += float(ka.chunk_sums(cf, yf, 1))
-    else:
-        c64 = c.astype(np.float64)
-        acc["sx2"] += float(np.sum(c64[np.isfinite(c64)] ** 2))
+    key = (r0, R, K)
+    if sx2 is None or key not in sx2:
+        if tot[ka.FIN] == c.size:
+            v = float(ka.chunk_sums(cf, yf, 1))
+        else:
+            c64 = c.astype(np.float64)
+            v = float(np.sum(c64[np.isfinite(c64)] ** 2))
+        if sx2 is not None:
+            sx2[key] = v
+    acc["sx2"] += sx2[key] if sx2 is not None else v
     acc["se2"] += float(ka.chunk_sums(cf, yf, 0))
     acc["max_err"] = max(acc["max_err"], float(max_err.max()))
     acc["nz"] += int(tot[ka.NZ])
@@ -187,14 +194,16 @@ _FUSED = True      # the one-pass kernels; False: the NumPy reference path (the 
 
 
 def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22,
-                   amax=None, blocks: list | None = None, _fused: bool | None = None):
+                   amax=None, blocks: list | None = None, _fused: bool | None = None, shared: dict | None = None):
     """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``.
 
     Per-block statistics use 1 x B row segments (B = the scheme's block length along the last axis), also
     for 16x16 and 128x128 tiles. ``amax``: the tensor's |x| max, when the caller has it already. ``blocks``: a
     list to which one dict of per-block arrays per row chunk is appended (:data:`BLOCK_FIELDS`: the segment's
     row and block index, its scale byte — E4M3 for NVFP4, UE8M0 for MX, -1 for schemes without byte scales —
-    its amax and its squared error; the tensor's squared error is their sum).
+    its amax and its squared error; the tensor's squared error is their sum). ``shared``: a dict the caller
+    passes to every scheme of one tensor ``x`` (same ``chunk_elems``), where the scheme-independent sums are
+    kept between the calls.
 
     NVFP4 schemes also give the g_amax window (``gamax_window_out_frac``: the share of nonzero blocks whose amax b
     falls outside ``b <= g_amax <= 28672 b``, g_amax the tensor's amax or, row-scaled, the row's, so that only the
@@ -214,7 +223,7 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     for i, c in chunks(x2, chunk_elems):
         q = quantize_chunk(c, spec, role, amax, seed, i)
         if _fused and c.size:
-            r0 = _chunk_fused(c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0)
+            r0 = _chunk_fused(c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0, shared)
             _scales(q, spec, c, acc, scale_hist, scale_vals)
             continue
         y = dequantize(q).astype(np.float64)

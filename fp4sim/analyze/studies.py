@@ -78,6 +78,13 @@ class _Moments:
         self.c4 += float(np.dot(d2, d2))
         return np.array([_err_sums(c, y) for y in ys]) if ys else None
 
+    def add_sums(self, out) -> np.ndarray:
+        """:meth:`add2` from a chunk's :func:`fp4sim.cpu.analysis.err_moments` sums ``out`` (both error terms),
+        taken against :attr:`mean`."""
+        self.c2 += out[3]
+        self.c4 += out[4]
+        return np.array([[out[1], out[0]], [out[2], out[0]]])
+
     def kurtosis(self):
         if self.n < 2 or self.c2 <= 0:
             return float("nan")
@@ -112,6 +119,41 @@ def _err_sums_pair(c, ya, yb):
         out = ka.err_moments(f, _flat(ya), _flat(yb), 2, 0.0)
         return np.array([[out[1], out[0]], [out[2], out[0]]])
     return np.array([_err_sums(c, ya), _err_sums(c, yb)])
+
+
+def _fq_consts():
+    """The kernel constants of the study's two schemes (``RHT_SCHEMES``, their defaults: NVFP4 1x16 blocks with
+    a tensor scale, MXFP4), or None where a default is one :func:`fp4sim.cpu.analysis.fq_err_moments` does not
+    cover (then the study quantizes with :func:`fp4sim.fake_quantize`)."""
+    global _FQ
+    if _FQ is None:
+        from ..formats import E2M1, E4M3
+        from ..ids import FLAVOR_IDS, SCALE_MODE_IDS
+        from ..planning import POW2_DEC, POW2_ENC
+        from ..schemes import get_scheme
+        nv, mx = (get_scheme(s) for s in RHT_SCHEMES)
+        ok = (nv.block == (1, 16) and FLAVOR_IDS[nv.flavor] < 2 and nv.per_tensor_scale and not nv.row_scaled
+              and not nv.four_over_six and nv.elem is E2M1 and mx.block == (1, 32) and mx.elem is E2M1)
+        _FQ = (nv.flavor, FLAVOR_IDS[nv.flavor], E4M3.values, SCALE_MODE_IDS[mx.scale_mode], E2M1.emax, E2M1.mbits,
+               np.float32(1.0) / np.float32(E2M1.max), POW2_ENC, POW2_DEC) if ok else False
+    return _FQ or None
+
+
+_FQ = None
+
+
+def _fq_sums(c, amax, mean=0.0):
+    """:func:`fp4sim.cpu.analysis.err_moments` of chunk ``c`` under NVFP4 (tensor amax ``amax``) and MXFP4 fake
+    quantization, the dequantized chunks never made (:func:`fp4sim.cpu.analysis.fq_err_moments`), or None where
+    that kernel does not apply (``_FAST`` off, not float32, rows not a multiple of 32 long)."""
+    k = _fq_consts()
+    if k is None or not (_FAST and c.dtype == np.float32 and c.ndim == 2 and c.shape[1] % 32 == 0):
+        return None
+    from ..planning import nvfp4_constants_rows
+    flavor, fid, e4m3, smode, emax, mbits, rcp, enc, dec = k
+    c0, c1, dq = nvfp4_constants_rows(flavor, np.float32(amax))
+    return ka.fq_err_moments(np.ascontiguousarray(c).reshape(-1), fid, c0[0], c1[0], np.ascontiguousarray(dq[0]),
+                             e4m3, smode, emax, mbits, rcp, enc, dec, float(mean))
 
 
 def _ratio(a, b):
@@ -214,7 +256,9 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
     amax0 = _amax(x2) if amax is None else np.float32(amax)
     e = np.zeros((len(RHT_SCHEMES), 2))
     for _, c in chunks(x2, chunk_elems):  # d = 0: no transform, any signs
-        e += _err_sums_pair(c, fake_quantize(c, "nvfp4", global_amax=amax0), fake_quantize(c, "mxfp4"))
+        out = _fq_sums(c, amax0)
+        e += (_err_sums_pair(c, fake_quantize(c, "nvfp4", global_amax=amax0), fake_quantize(c, "mxfp4"))
+              if out is None else [[out[1], out[0]], [out[2], out[0]]])
     err[0, :] = [_ratio(*v) for v in e]
     kur[0, :] = kurtosis(x2) if kurt0 is None else kurt0
     for di, d in enumerate(dims[1:], 1):
@@ -235,7 +279,11 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
             e = np.zeros((len(RHT_SCHEMES), 2))
             while xrs:
                 xr = xrs.pop(0)
-                e += m.add2(xr, fake_quantize(xr, "nvfp4", global_amax=a_r), fake_quantize(xr, "mxfp4"))
+                out = _fq_sums(xr, a_r, m.mean)
+                if out is None:
+                    e += m.add2(xr, fake_quantize(xr, "nvfp4", global_amax=a_r), fake_quantize(xr, "mxfp4"))
+                else:
+                    e += m.add_sums(out)
             kur[di, si] = m.kurtosis()
             err[di, si, :] = [_ratio(*v) for v in e]
     return dims, err, kur

@@ -14,6 +14,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .blocks import (masked_amax_bits, mx_scale_byte, nvfp4_dequant_factor, nvfp4_elem, nvfp4_scales, raw_max16,
+                     scale_buffers)
+from .elements import e2m1_rne, e2m1_value
+
 LEAF = 128                 # NumPy's PW_BLOCKSIZE
 
 # per-row counters of block_stats: the columns of ``counts``
@@ -177,38 +181,9 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
     R, K = x.shape
     nb_ = eb.shape[1]
     for r in nb.prange(R):
-        c = counts[r]
-        for j in range(N_COUNTS):
-            c[j] = 0
+        n_fin = n_lost = n_nz = n_under = n_zero = n_sat = n_dead = 0
         me = 0.0
         ra = 0.0
-        for k in range(K):
-            xd = np.float64(x[r, k])
-            yd = np.float64(y[r, k])
-            fin = np.isfinite(xd)
-            if fin:
-                c[FIN] += 1
-                ra = max(ra, abs(xd))
-                if not np.isfinite(yd):
-                    c[LOST] += 1
-                else:
-                    me = max(me, abs(yd - xd))
-                if xd != 0.0:
-                    c[NZ] += 1
-                    if yd == 0.0:
-                        c[UNDER] += 1
-            if fp4:
-                code = codes[r, k]
-                code_hist[r, code] += 1
-                mag = code & 7
-                if mag == 0:
-                    c[ZERO] += 1
-                elif mag == 7 and fin and abs(xd) > abs(yd) * (1 + 1e-7):
-                    c[SAT] += 1
-            elif yd == 0.0 and fin:
-                c[ZERO] += 1
-        max_err[r] = me
-        row_amax[r] = ra
         e2 = np.empty(B, np.float64)
         ab = np.empty(B, np.float64)
         for b in range(nb_):
@@ -224,10 +199,30 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
                 if k < K:
                     xd = np.float64(x[r, k])
                     yd = np.float64(y[r, k])
-                    if np.isfinite(xd):
+                    fin = np.isfinite(xd)
+                    if fin:
                         a = abs(xd)
+                        n_fin += 1
+                        ra = max(ra, a)
                         if np.isfinite(yd):
                             e = (yd - xd) * (yd - xd)
+                            me = max(me, abs(yd - xd))
+                        else:
+                            n_lost += 1
+                        if xd != 0.0:
+                            n_nz += 1
+                            if yd == 0.0:
+                                n_under += 1
+                    if fp4:
+                        code = codes[r, k]
+                        code_hist[r, code] += 1
+                        mag = code & 7
+                        if mag == 0:
+                            n_zero += 1
+                        elif mag == 7 and fin and abs(xd) > abs(yd) * (1 + 1e-7):
+                            n_sat += 1
+                    elif yd == 0.0 and fin:
+                        n_zero += 1
                 e2[i] = e
                 ab[i] = a
                 if a > best:
@@ -247,10 +242,14 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
                 lim = best / 24.0
                 for i in range(B):
                     if ab[i] > 0.0 and ab[i] < lim:
-                        c[DEAD] += 1
+                        n_dead += 1
             if fp4:
                 blk_max[r, b] = top == 7
                 binades[r, b] = (used & 1) + ((used >> 1) & 1) + ((used >> 2) & 1) + ((used >> 3) & 1)
+        c = counts[r]
+        c[FIN], c[LOST], c[NZ], c[UNDER], c[ZERO], c[SAT], c[DEAD] = n_fin, n_lost, n_nz, n_under, n_zero, n_sat, n_dead
+        max_err[r] = me
+        row_amax[r] = ra
 
 
 # ------------------------------------------------------------------------------------------- the studies' sums
@@ -281,6 +280,15 @@ def _combine(part, q):
             c += (v - t) + s
         s = t
     return s + c if np.isfinite(s) else s
+
+
+@nb.njit(cache=True)
+def _combine_cols(part):
+    """:func:`_combine` of every column of ``part``."""
+    out = np.zeros(part.shape[1])
+    for q in range(part.shape[1]):
+        out[q] = _combine(part, q)
+    return out
 
 
 @nb.njit(fastmath={"reassoc"}, inline="never", cache=True)
@@ -370,10 +378,7 @@ def err_moments(xf, ya, yb, nerr, mean):
         r = _seg_em(xf[lo:hi], xb[lo:hi], ya[lo:hi], yb[lo:hi], nerr, mean)
         for q in range(N_EM):
             part[t, q] = r[q]
-    out = np.zeros(N_EM)
-    for q in range(N_EM):
-        out[q] = _combine(part, q)
-    return out
+    return _combine_cols(part)
 
 
 @nb.njit(parallel=True, cache=True)
@@ -428,3 +433,66 @@ def outlier_sums(c, y, thr, col_err, col_x2, col_big, row_big, eb, bb):
             bb[r, j] = big
             anyb |= big
         row_big[r] = anyb
+
+
+@nb.njit(parallel=True, cache=True)
+def fq_err_moments(xf, flavor, c0, c1, dq, e4m3_vals, scale_mode, emax, mbits, rcp, pow2_enc, pow2_dec, mean):
+    """:func:`err_moments` of the flat chunk ``xf`` (rows of a multiple of 32 elements, C order) with ``ya`` its
+    NVFP4 fake quantization (1x16 blocks, round to nearest even, flavour ``flavor`` < 2 with its per-tensor
+    constants ``c0``, ``c1``, ``dq``) and ``yb`` its MXFP4 one (UE8M0 ``scale_mode``, E2M1 round to nearest
+    even), without either: each 1024-element segment's dequantized values are made in task-local buffers by the
+    quantize kernels' own steps (:func:`fp4sim.cpu.blocks.nvfp4_kernel`'s and ``mx_kernel``'s block amaxes,
+    scale bytes and element codes) and summed by the same :func:`_seg_em`, so the sums are err_moments's bit for
+    bit. A segment holds whole blocks of both formats (1024 and the row length are multiples of 32)."""
+    n = xf.size
+    nseg = (n + SEG - 1) // SEG
+    part = np.zeros((max(nseg, 1), N_EM))
+    xb = xf.view(np.uint32)
+    nan_bits = np.uint32(0x7F800000)
+    for t in nb.prange(nseg):
+        lo = t * SEG
+        hi = min(lo + SEG, n)
+        m = hi - lo
+        xs = xf[lo:hi]
+        bs = xb[lo:hi]
+        ya = np.empty(m, np.float32)
+        yb = np.empty(m, np.float32)
+        buf = np.empty(1, np.float32)
+        bits = buf.view(np.uint32)
+        n16 = m // 16
+        bm = np.empty(n16, np.uint32)
+        sf, cb, sbytes, fac, sdq = scale_buffers(n16)
+        for j in range(n16):
+            bm[j] = raw_max16(bs, j)
+        am = np.empty(n16, np.uint32)                 # NVFP4: each 16-block's max |x|, NaN ignored
+        for j in range(n16):
+            am[j] = bm[j] if bm[j] <= nan_bits else masked_amax_bits(bs, j * 16, j * 16 + 16)
+        nvfp4_scales(am.view(np.float32), flavor, c0, c1, e4m3_vals, sf, cb, sbytes, fac)
+        for j in range(n16):
+            sdq[j] = nvfp4_dequant_factor(e4m3_vals[sbytes[j]], flavor, dq, c1)
+        for j in range(n16):
+            f = fac[j]
+            g = sdq[j]
+            if f == f:
+                for t16 in range(16):
+                    k = j * 16 + t16
+                    ya[k] = e2m1_value(e2m1_rne(xs[k] * f)) * g
+            else:                                     # the kernel's general path (a NaN factor)
+                for t16 in range(16):
+                    k = j * 16 + t16
+                    ya[k] = e2m1_value(nvfp4_elem(xs[k], f, flavor, 0, np.int32(0), 0)) * g
+        for j in range(m // 32):                      # MXFP4: 32-blocks from the two 16-maxima
+            a = max(bm[2 * j], bm[2 * j + 1])
+            if a > nan_bits:
+                a = masked_amax_bits(bs, j * 32, j * 32 + 32)
+            bits[0] = a
+            e = mx_scale_byte(buf[0], scale_mode, emax, mbits, rcp, buf, bits)
+            mul = pow2_enc[e]
+            dmul = pow2_dec[e]
+            for t32 in range(32):
+                k = j * 32 + t32
+                yb[k] = e2m1_value(e2m1_rne(xs[k] * mul)) * dmul
+        r = _seg_em(xs, bs, ya, yb, 2, mean)
+        for q in range(N_EM):
+            part[t, q] = r[q]
+    return _combine_cols(part)
