@@ -155,8 +155,12 @@ def test_role_overrides_and_te_pt_files(tmp_path):
 def test_dask_local_cluster_gives_the_same_dataset(dump_dir):
     pytest.importorskip("dask.distributed")
     kw = dict(schemes=["nvfp4", "mxfp4_rceil"], hadamard=False, quiet=True)
+    import multiprocessing
     a = analyze([str(dump_dir / "a.npz")], **kw)
+    before = set(multiprocessing.active_children())
     b = analyze([str(dump_dir / "a.npz")], dask=True, **kw)
+    # the cluster it made is closed with it: no worker process (nor its scheduler's threads) outlives the call
+    assert set(multiprocessing.active_children()) <= before
     assert list(a.tensor.values) == list(b.tensor.values)
     np.testing.assert_array_equal(a.sqnr_db.values, b.sqnr_db.values)
     from dask.distributed import LocalCluster

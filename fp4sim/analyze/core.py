@@ -199,9 +199,13 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
         from dask.distributed import Client, LocalCluster, as_completed
         from distributed.scheduler import KilledWorker
         own = client is None
+        cluster = None                  # a Client given a cluster does not own it: closed here, with the client
         if own:
-            client = Client(scheduler, timeout=10) if scheduler else Client(
-                LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None))
+            if scheduler:
+                client = Client(scheduler, timeout=10)
+            else:
+                cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+                client = Client(cluster)
         try:
             futs = {client.submit(analyze_tensor, s, specs, seed, hadamard, chunk_elems, None, include_vectors,
                                   bool(blocks), pure=False): s for s in todo}
@@ -218,6 +222,8 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
         finally:
             if own:
                 client.close()
+            if cluster is not None:
+                cluster.close()
     else:
         for s in todo:
             try:
