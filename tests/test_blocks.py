@@ -1048,3 +1048,46 @@ def test_four_over_six_kernel_on_adversarial_blocks(case, tile):
         np.testing.assert_array_equal(q.linear_scales(), scales)
         np.testing.assert_array_equal(_codes(q), codes)
         np.testing.assert_array_equal(q.extras["map_to_4"], pick)
+
+
+@pytest.mark.parametrize("scheme,block", [("mxfp8_e4m3", None), ("mxfp8_e5m2", None), ("fp8_e4m3", None),
+                                          ("fp8_e5m2", None), ("fp8_blockwise", (1, 128)),
+                                          ("fp8_blockwise", (128, 128))])
+def test_byte_code_dequantize_is_the_table_times_the_block_scale(scheme, block):
+    """dequantize of the one-byte formats (one Numba pass): every code (NaN and Inf codes included) times its
+    block's scale as one float32 product, the scales adversarial (every UE8M0 byte for MX, NaN, Inf, subnormal
+    and huge blockwise scales), ragged K and rows not a multiple of the tile. Oracle: ml_dtypes's decoding of the
+    codes and scale bytes, the product taken in NumPy; where a code is NaN the output is NaN."""
+    import dataclasses
+    rng = np.random.default_rng(21)
+    R, K = 300, 520                       # K: not a multiple of 32 or 128; R: not a multiple of 128
+    kw = {} if block is None else {"block": block}
+    q = fs.quantize(heavy((R, K), 4), scheme, **kw)
+    elem = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[q.scheme.elem.name]
+    codes = rng.integers(0, 256, q.codes.shape, dtype=np.uint8)
+    codes[0, :256] = np.arange(256)
+    vals = codes[:, :K].view(elem).astype(np.float32)
+    if scheme.startswith("mx"):
+        sc = rng.integers(0, 256, q.scales.shape, dtype=np.uint8)
+        sc.reshape(-1)[:256] = np.arange(256)
+        fac = np.repeat(sc.reshape(R, -1).view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, axis=1)[:, :K]
+    elif scheme.startswith("fp8_e"):
+        sc = np.array([3.0e-39], np.float32)          # a subnormal decode scale
+        fac = np.full((R, K), sc[0], np.float32)
+    else:
+        sc = (rng.standard_normal(q.scales.shape) * 2.0 ** rng.integers(-140, 120, q.scales.shape)).astype(np.float32)
+        sc.reshape(-1)[:4] = [np.nan, np.inf, 1e-45, 3e38]
+        t = block[0]
+        fac = np.repeat(np.repeat(sc.reshape(-(-R // t), -1), t, axis=0)[:R], 128, axis=1)[:, :K]
+    q2 = dataclasses.replace(q, codes=codes, scales=sc)
+    got = fs.dequantize(q2)
+    assert got.dtype == np.float32 and got.shape == (R, K)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = vals * fac
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+    # and the bits, NaNs included, of the table product the kernel replaced
+    with np.errstate(invalid="ignore", over="ignore"):
+        table = q.scheme.elem.values[codes[:, :K]] * fac
+    np.testing.assert_array_equal(got.view(np.uint32), table.view(np.uint32))

@@ -177,79 +177,97 @@ def block_stats(x, y, codes, B, fp4, window, g_tensor, counts, max_err, row_amax
     histogram (``code_hist`` (R, 16)), and per block of B elements (nb = ceil(K / B), zero-padded): its squared
     error ``eb``, its largest finite |x| ``xm`` (the first one) and |y| there ``ym``, and for FP4 whether a code
     of magnitude 7 is in it (``blk_max``) and how many of the E2M1 binades it uses (``binades``). ``window``:
-    0 no g_amax window (the dead-zone counter stays 0), 1 the tensor's (``g_tensor``), 2 the row's."""
+    0 no g_amax window (the dead-zone counter stays 0), 1 the tensor's (``g_tensor``), 2 the row's.
+
+    A block is read in loops without branches (selects and masks, the maxima of non-negative float64 values
+    taken on their bit patterns), so that they vectorise; the last, partial block goes through zero-padded
+    copies, its elements beyond K masked out of every counter."""
     R, K = x.shape
     nb_ = eb.shape[1]
     for r in nb.prange(R):
-        n_fin = n_lost = n_nz = n_under = n_zero = n_sat = n_dead = 0
-        me = 0.0
-        ra = 0.0
+        n_fin = n_lost = n_nz = n_under = n_zy = n_zero = n_sat = n_dead = 0
+        me_b = np.int64(0)
+        ra_b = np.int64(0)
         e2 = np.empty(B, np.float64)
         ab = np.empty(B, np.float64)
+        dd = np.empty(B, np.float64)
+        abi = ab.view(np.int64)
+        ddi = dd.view(np.int64)
+        xb = np.zeros(B, np.float32)
+        yb = np.zeros(B, np.float32)
+        xr = x[r]
+        yr = y[r]
         for b in range(nb_):
             k0 = b * B
-            best = -1.0
-            arg = 0
-            top = 0
-            used = 0
+            n = min(B, K - k0)
+            if n == B:
+                xs = xr[k0:k0 + B]
+                ys = yr[k0:k0 + B]
+            else:                                 # the partial last block: zero-padded copies
+                for i in range(n):
+                    xb[i] = xr[k0 + i]
+                    yb[i] = yr[k0 + i]
+                xs = xb
+                ys = yb
             for i in range(B):
-                k = k0 + i
-                a = 0.0
-                e = 0.0
-                if k < K:
-                    xd = np.float64(x[r, k])
-                    yd = np.float64(y[r, k])
-                    fin = np.isfinite(xd)
-                    if fin:
-                        a = abs(xd)
-                        n_fin += 1
-                        ra = max(ra, a)
-                        if np.isfinite(yd):
-                            e = (yd - xd) * (yd - xd)
-                            me = max(me, abs(yd - xd))
-                        else:
-                            n_lost += 1
-                        if xd != 0.0:
-                            n_nz += 1
-                            if yd == 0.0:
-                                n_under += 1
-                    if fp4:
-                        code = codes[r, k]
-                        code_hist[r, code] += 1
-                        mag = code & 7
-                        if mag == 0:
-                            n_zero += 1
-                        elif mag == 7 and fin and abs(xd) > abs(yd) * (1 + 1e-7):
-                            n_sat += 1
-                    elif yd == 0.0 and fin:
-                        n_zero += 1
-                e2[i] = e
-                ab[i] = a
-                if a > best:
-                    best = a
-                    arg = i
-                if fp4:
-                    mag = codes[r, k] & 7
-                    top = max(top, mag)
-                    if mag >= 2:
-                        used |= 1 << (mag >> 1)
-                    elif mag == 1:
-                        used |= 1
+                xd = np.float64(xs[i])
+                yd = np.float64(ys[i])
+                fin = (i < n) & (abs(xd) < np.inf)
+                finy = abs(yd) < np.inf
+                ok = fin & finy
+                d = yd - xd
+                e2[i] = d * d if ok else 0.0
+                dd[i] = abs(d) if ok else 0.0
+                ab[i] = abs(xd) if fin else 0.0
+                nzv = fin & (xd != 0.0)
+                n_fin += np.int64(fin)
+                n_lost += np.int64(fin & (not finy))
+                n_nz += np.int64(nzv)
+                n_under += np.int64(nzv & (yd == 0.0))
+                n_zy += np.int64(fin & (yd == 0.0))
+            bb = np.int64(0)
+            for i in range(B):
+                bb = max(bb, abi[i])
+                me_b = max(me_b, ddi[i])
+            ra_b = max(ra_b, bb)
+            arg = 0
+            while abi[arg] != bb:
+                arg += 1
+            best = ab[arg]
             xm[r, b] = best
-            ym[r, b] = abs(np.float64(y[r, k0 + arg])) if k0 + arg < K else 0.0
+            ym[r, b] = abs(np.float64(ys[arg]))
             eb[r, b] = _buf_leaf(e2, 0, B) if B <= LEAF else pairwise_sum(e2)
             if window:
                 lim = best / 24.0
                 for i in range(B):
-                    if ab[i] > 0.0 and ab[i] < lim:
-                        n_dead += 1
+                    n_dead += np.int64((ab[i] > 0.0) & (ab[i] < lim))
             if fp4:
+                cs = codes[r, k0:k0 + B]
+                top = 0
+                used = 0
+                for i in range(B):
+                    mag = np.int64(cs[i] & 7)
+                    top = max(top, mag)
+                    used |= (np.int64(1) << (mag >> 1)) if mag >= 2 else mag
+                    v = i < n
+                    n_zero += np.int64(v & (mag == 0))
+                    xd = np.float64(xs[i])
+                    yd = np.float64(ys[i])
+                    n_sat += np.int64(v & (mag == 7) & (abs(xd) < np.inf) & (abs(xd) > abs(yd) * (1 + 1e-7)))
+                for i in range(n):
+                    code_hist[r, cs[i]] += 1
                 blk_max[r, b] = top == 7
                 binades[r, b] = (used & 1) + ((used >> 1) & 1) + ((used >> 2) & 1) + ((used >> 3) & 1)
+        if not fp4:
+            n_zero = n_zy
         c = counts[r]
         c[FIN], c[LOST], c[NZ], c[UNDER], c[ZERO], c[SAT], c[DEAD] = n_fin, n_lost, n_nz, n_under, n_zero, n_sat, n_dead
-        max_err[r] = me
-        row_amax[r] = ra
+        mrow = np.empty(2, np.int64)
+        mrow[0] = me_b
+        mrow[1] = ra_b
+        mf = mrow.view(np.float64)
+        max_err[r] = mf[0]
+        row_amax[r] = mf[1]
 
 
 # ------------------------------------------------------------------------------------------- the studies' sums

@@ -41,6 +41,15 @@ def _chunks(x2, rb):
         yield r0, r1, xc, _sr_args(rb, r0, r1, rbuf)
 
 
+def _lut_dequant(codes, lut, fac, tile, bk, R, K):
+    """(R, K) float32: lut[codes] times the factor of each row tile x bk block (:func:`lut_dequant_kernel`)."""
+    out = np.empty((R, K), np.float32)
+    if R and K:
+        _b.lut_dequant_kernel(codes, np.ascontiguousarray(lut, np.float32), np.ascontiguousarray(fac, np.float32),
+                              tile, max(bk, 1), out)
+    return out
+
+
 class CpuKernels:
     """Numba kernels on NumPy arrays."""
 
@@ -183,14 +192,15 @@ class CpuKernels:
                 y2 = np.empty((R, K), np.float32)
                 _b.fp4_dequant_kernel(codes, np.ascontiguousarray(fac, np.float32), p.bk, y2)
                 return y2
-            with np.errstate(invalid="ignore", over="ignore"):
-                y2 = (sch.elem.values[codes].reshape(R, -1, p.bk) * fac[:, :, None]).reshape(R, -1)
-            return np.ascontiguousarray(y2[:, :K])
+            return _lut_dequant(codes, sch.elem.values, fac, 1, p.bk, R, K)
         if p.kind == ids.DQ_FP8_TENSOR:
-            return sch.elem.values[codes] * np.asarray(q.scales, np.float32).reshape(-1)[0:1]
+            s = np.asarray(q.scales, np.float32).reshape(-1)[0:1].reshape(1, 1)
+            return _lut_dequant(codes, sch.elem.values, s, max(R, 1), K, R, K)
         s = np.asarray(q.scales).reshape(-(-R // p.tile), -1)
-        s = np.repeat(np.repeat(s, p.tile, axis=0)[:R], 128, axis=1)[:, :K]
-        return sch.elem.values[codes] * s
+        if s.dtype != np.float32:       # blockwise scales of another dtype: NumPy's promotion, as before
+            s = np.repeat(np.repeat(s, p.tile, axis=0)[:R], 128, axis=1)[:, :K]
+            return sch.elem.values[codes] * s
+        return _lut_dequant(codes, sch.elem.values, s, p.tile, 128, R, K)
 
     @staticmethod
     def rht(x2, d, sh, scale, to_bf16):
