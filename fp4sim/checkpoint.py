@@ -51,6 +51,7 @@ class QuantWeight:
     global_amax: np.float32 | None
     input_scale: np.float32 | None
     entries: dict = field(default_factory=dict)          # role -> (file path, key, stored shape)
+    dtypes: dict = field(default_factory=dict)           # role -> the dtype label of its header ("U8", "F8_E4M3")
 
     @property
     def files(self) -> dict:
@@ -180,15 +181,19 @@ def read_checkpoint(path) -> Checkpoint:
     if group != 16:
         raise ValueError(f"{d}: group_size {group}; NVFP4 blocks are 16 elements")
     kc, ks, kg, ki = KEYS[fmt]
+    # a module is quantized when its codes entry is one-byte integers or its block / tensor scale is there (so that
+    # codes a writer labelled I8, or stored in another dtype, are checked and named, not dropped as a plain weight)
     mods = sorted({n[: -len(kc) - 1] for n, f in files.items() if n.endswith("." + kc)
-                   and str(_dtype(f, n)) == "U8"})
+                   and (str(_dtype(f, n)) in ("U8", "I8") or fmt != "modelopt"
+                        or any(f"{n[: -len(kc)]}{k}" in files for k in (ks, kg)))})
     weights, used = {}, set()
     for m in mods:
-        got, entries = {}, {}
+        got, entries, dtypes = {}, {}, {}
         for role, suf in (("codes", kc), ("scales", ks), ("tensor_scale", kg), ("input_scale", ki)):
             key = f"{m}.{suf}"
             if key in files:
                 entries[role] = (files[key], key, _shape(files[key], key))
+                dtypes[role] = str(_dtype(files[key], key))
                 if role in ("tensor_scale", "input_scale"):       # scalars: read now
                     got[role] = load_safetensors(files[key], key)
                 used.add(key)
@@ -199,7 +204,7 @@ def read_checkpoint(path) -> Checkpoint:
                 amax = np.float32(np.float32(2688.0) * ts) if fmt == "modelopt" else np.float32(
                     np.float32(2688.0) / ts)
         inp = _scalar(got["input_scale"]) if "input_scale" in got else None
-        weights[m] = QuantWeight(m, ts, amax, inp, entries)
+        weights[m] = QuantWeight(m, ts, amax, inp, entries, dtypes)
     other = {n: (f, str(_dtype(f, n)), _shape(f, n)) for n, f in files.items() if n not in used}
     return Checkpoint(d, fmt, group, weights, excluded, other, cfg)
 
@@ -255,7 +260,7 @@ def dequantize_weight(w: QuantWeight, fmt: str) -> np.ndarray:
 _CT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def compressed_tensors_quantize(x, dtype: str | None = None):
+def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
     """compressed-tensors' NVFP4 weight quantizer, byte for byte: ``(codes, scales, weight_global_scale)`` —
     packed E2M1 codes (uint8, (out, in/2)), E4M3 block-scale bytes (uint8, (out, in/16)) and the float32 global
     scale its export stores, for a 2-D weight ``x`` (in a multiple of 16).
@@ -270,6 +275,10 @@ def compressed_tensors_quantize(x, dtype: str | None = None):
       becomes 0.125 (E4M3's "eps", byte 0x20), so an all-zero block stores 0x20, not 0x00;
     - element ``E2M1_rne(fl(x / fl(scale / gs)))`` in float32, clamped to ±6; a negative input that rounds to
       zero keeps its sign (code 0x8), while an input of -0 gives code 0x0 (torch's ``sign(-0) = 0``).
+
+    ``amax``: the amax the global scale is computed from (default: the weight's own, ``max |x|`` in its dtype);
+    llm-compressor gives the weights of one fused GEMM (q / k / v, gate / up) the smallest of their global scales,
+    which is the global scale of their largest amax: pass that amax to reproduce such a weight.
 
     ModelOpt's rule differs in the order of the operations (``amax_b / fl(6 · amax / 2688)`` and ``x / fl(scale ·
     amax / 2688)``), so the two exporters' bytes differ where a block scale or an element falls on a rounding
@@ -300,7 +309,12 @@ def compressed_tensors_quantize(x, dtype: str | None = None):
     with np.errstate(all="ignore"):
         # compressed-tensors clamps amax to the dtype's smallest normal, which changes no result: at and below it
         # 2688 / amax overflows to Inf either way, and Inf gives 1
-        amax = f32(ab.max()) if ab.size else f32(0)
+        if amax is None:
+            amax = f32(ab.max()) if ab.size else f32(0)
+        else:
+            amax = f32(amax)
+            if not (np.isfinite(amax) and amax >= 0):
+                raise ValueError(f"amax: {float(amax)!r}; give a finite, non-negative amax (or None: the weight's own)")
         gs = r(r(f32(1.0) / amax) * f32(2688.0))
         gs = f32(gs) if np.isfinite(gs) else f32(1.0)
         sb = encode((gs * r(ab.max(-1) / f32(6.0))).astype(np.float32), E4M3)

@@ -106,12 +106,18 @@ def _looks_swizzled(sc) -> bool:
     return _structure(un) < 0.93 * _structure(lin)
 
 
-def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list]:
+def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list, float | None]:
+    """(faults, notes, the largest block scale (None where the scales cannot be read))."""
     kc, ks, kg, _ = KEYS[fmt]
     faults, notes = [], []
+    top = None
     codes = w.codes
     if codes.dtype != np.uint8 or codes.ndim != 2:
-        return [f"{kc} has dtype {codes.dtype} and {codes.ndim} axes; packed codes are 2-D uint8 (out, in/2)"], []
+        return [f"{kc} has dtype {codes.dtype} and {codes.ndim} axes; packed codes are 2-D uint8 (out, in/2)"], [], None
+    label = w.dtypes.get("codes", "U8")
+    if label != "U8":
+        faults.append(f"{kc} is stored as {label}: packed E2M1 codes are U8 (a loader that honours the header reads "
+                      "signed bytes and unpacks the high nibbles wrong); its bytes are checked as U8 here")
     R, K = w.shape
     nb = -(-K // 16)
     sc = w.scales
@@ -140,10 +146,6 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list]:
                 faults.append(f"{neg} block-scale bytes are negative (sign bit set): scales are magnitudes")
             if not nan:
                 top = float(_decode_scales(sc).max())
-                if top != 448.0:
-                    notes.append(f"the largest block scale is {top:g}, not 448: the tensor scale does not come from "
-                                 "this weight's own amax (a scale shared with another tensor, e.g. fused gate / up, "
-                                 "or a calibrated amax)")
                 if _looks_swizzled(sc):
                     faults.append(f"{ks} looks swizzled: read in cuBLAS's 128x4 layout its rows and columns are far "
                                   "more coherent than read as rows x blocks (a swizzled copy written as linear)")
@@ -162,7 +164,7 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list]:
                           f"convention) the weight's amax is {amax:.4g}, read the other way {alt:.4g}")
         elif not lo <= amax <= hi:
             notes.append(f"{kg} implies a weight amax of {amax:.4g}, outside the usual {lo:g} ... {hi:g}")
-    return faults, notes
+    return faults, notes, top
 
 
 def _excluded(ck: Checkpoint, rep: CheckpointReport):
@@ -182,23 +184,116 @@ def _excluded(ck: Checkpoint, rep: CheckpointReport):
                                   "precision")
 
 
+def shared_scale_groups(ck: Checkpoint) -> list:
+    """The groups of quantized weights that share one tensor scale: siblings (the same parent module) whose
+    stored tensor scales are the same finite, positive float32. ModelOpt's ``export_hf_checkpoint`` and
+    llm-compressor give the weights of one fused GEMM (q / k / v, gate / up) the tensor scale of the largest amax
+    among them, so that the fused kernel can use one; each weight's block scales and codes are then computed with
+    that shared scale. Returns tuples of module names (two or more each), in checkpoint order."""
+    by = {}
+    for name, w in ck.weights.items():
+        ts = w.tensor_scale
+        if ts is None or not (np.isfinite(ts) and ts > 0):
+            continue
+        by.setdefault((name.rpartition(".")[0], np.float32(ts).tobytes()), []).append(name)
+    return [tuple(v) for v in by.values() if len(v) > 1]
+
+
+def _group_summary(groups, kg) -> str:
+    """One line for every shared group: how many, of which sibling names."""
+    kinds = {}
+    for g in groups:
+        key = "{" + ", ".join(n.rpartition(".")[2] for n in g) + "}"
+        kinds[key] = kinds.get(key, 0) + 1
+    what = "; ".join(f"{k} in {n} module{'s' * (n > 1)}" for k, n in kinds.items())
+    return (f"{len(groups)} groups of sibling weights share one {kg} ({what}): the fused-GEMM export of ModelOpt's "
+            "export_hf_checkpoint and llm-compressor, whose shared scale comes from the group's largest amax")
+
+
 def check_checkpoint(path, reference=None) -> CheckpointReport:
     """Read and check an NVFP4 checkpoint folder (see the module docstring); ``reference``: the high-precision
-    weights it was made from (each weight is then compared byte for byte, :mod:`.checkpoint_ref`)."""
+    weights it was made from (each weight is then compared byte for byte, :mod:`.checkpoint_ref`; the weights of
+    a shared tensor scale (:func:`shared_scale_groups`) against the group's largest amax)."""
     ck = read_checkpoint(path)
+    kg = KEYS[ck.format][2]
     rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)
     refs = _reference_sources(reference) if reference else None
+    groups = shared_scale_groups(ck)
+    group_of = {n: g for g in groups for n in g}
+    tops = {}
     for name, w in ck.weights.items():
-        faults, notes = _check_weight(w, ck.format)
-        t = {"ok": not faults, "faults": faults, "notes": notes, "shape": list(w.shape),
-             "global_amax": None if w.global_amax is None else float(w.global_amax), "exact": None,
-             "rule": None, "rules": []}
+        faults, notes, tops[name] = _check_weight(w, ck.format)
+        rep.tensors[name] = {"ok": not faults, "faults": faults, "notes": notes, "shape": list(w.shape),
+                             "global_amax": None if w.global_amax is None else float(w.global_amax),
+                             "shared_scale": list(group_of.get(name, ())), "exact": None, "rule": None,
+                             "rules": []}
+    if groups:
+        rep.notes.append(_group_summary(groups, kg))
+    for unit in _units(ck, groups):
+        top = [tops[n] for n in unit if tops[n] is not None]
+        if top and max(top) != 448.0:
+            who = (f"of the weights that share one {kg} ({', '.join(unit)})" if len(unit) > 1 else "")
+            rep.tensors[unit[0]]["notes"].append(
+                f"the largest block scale {who} is {max(top):g}, not 448: the tensor scale does not come from "
+                + ("their largest amax" if len(unit) > 1 else "this weight's own amax (a scale shared with another "
+                   "tensor, e.g. fused gate / up, or a calibrated amax)"))
         if refs is not None:
-            from .checkpoint_ref import compare_to_reference
-            compare_to_reference(w, ck.format, refs, t)
-        rep.tensors[name] = t
+            _compare_unit(ck, unit, refs, rep)
+    if refs is not None:
+        _count_compared(ck, rep)
     _excluded(ck, rep)
     return rep
+
+
+def _units(ck: Checkpoint, groups):
+    """The weights in checkpoint order, each shared group as one unit (a tuple of names)."""
+    seen = set()
+    group_of = {n: g for g in groups for n in g}
+    for name in ck.weights:
+        if name in seen:
+            continue
+        unit = group_of.get(name, (name,))
+        seen.update(unit)
+        yield unit
+
+
+def _compare_unit(ck: Checkpoint, unit, refs, rep: CheckpointReport):
+    """Each weight of ``unit`` against its reference; a shared group's weights with the group's largest amax
+    (their references read once, held while the group is compared)."""
+    from .checkpoint_ref import compare_to_reference, reference_weight
+    xs = {}
+    for n in unit:
+        xs[n], why = reference_weight(ck.weights[n], refs)
+        if why:
+            rep.tensors[n]["notes"].append(f"{why}: not compared")
+    amax = None
+    if len(unit) > 1:
+        am = [np.nanmax(np.abs(x)) for x in xs.values() if x is not None and x.size]
+        if len(am) < len(unit):          # a member without its reference: the group's amax is not known
+            for n in unit:
+                if xs[n] is not None:
+                    rep.tensors[n]["notes"].append("not compared: a weight that shares its tensor scale lacks its "
+                                                   "reference, so the shared amax is not known")
+            return
+        amax = np.float32(max(am))
+    for n in unit:
+        compare_to_reference(ck.weights[n], ck.format, refs, rep.tensors[n], x=xs.pop(n),
+                             amax=amax, group=unit if amax is not None else None)
+
+
+def _count_compared(ck: Checkpoint, rep: CheckpointReport):
+    """A reference that leaves quantized weights uncompared is a fault: nothing is passed unseen."""
+    missing = [n for n, t in rep.tensors.items() if not t.get("compared")]
+    if not missing:
+        return
+    n = len(rep.tensors)
+    if len(missing) == n:
+        rep.faults.append(f"none of the {n} quantized weights was compared: --reference {rep.reference} holds none "
+                          f"of them usably (first: {missing[0]}; the per-tensor notes say why). Give the "
+                          "high-precision weights this checkpoint was made from")
+    else:
+        rep.faults.append(f"{len(missing)} of {n} quantized weights were not compared with the reference (first: "
+                          f"{', '.join(missing[:3])}; the per-tensor notes say why)")
 
 
 def _reference_sources(reference) -> dict:

@@ -63,10 +63,12 @@ def _exact_in(x, dtype) -> bool:
         return bool(np.array_equal(x.astype(dt).astype(np.float32), x))
 
 
-def _rules(x, fmt: str) -> list:
-    """The exporters' rules for the reference ``x`` (float32), the checkpoint format's own first."""
+def _rules(x, fmt: str, amax=None) -> list:
+    """The exporters' rules for the reference ``x`` (float32), the checkpoint format's own first; ``amax``: the
+    amax the tensor scale comes from (default: the weight's own; a shared group's largest, see
+    :func:`fp4sim.validate.checkpoint.shared_scale_groups`)."""
     from ..checkpoint import compressed_tensors_quantize
-    amax = F32(np.nanmax(np.abs(x)))
+    amax = F32(np.nanmax(np.abs(x))) if amax is None else F32(amax)
     with np.errstate(divide="ignore", over="ignore"):
         ws2 = F32(amax / C2688)
         mc, ms = _flavour_bytes(x, "modelopt", amax)
@@ -75,7 +77,7 @@ def _rules(x, fmt: str) -> list:
         if x.shape[1] % 16 == 0:
             for dt in ("bfloat16", "float16", "float32"):
                 if dt == "float32" or _exact_in(x, dt):
-                    cc, cs, gs = compressed_tensors_quantize(x, dt)
+                    cc, cs, gs = compressed_tensors_quantize(x, dt, amax=amax)
                     cts.append(_rule(f"compressed-tensors' rule (in {dt})", cc, cs, gs, fmt != "modelopt"))
     if fmt == "modelopt":
         rules = [mo] + cts
@@ -88,19 +90,30 @@ def _rules(x, fmt: str) -> list:
     return rules
 
 
-def compare_to_reference(w, fmt: str, refs: dict, t: dict):
-    """Fill ``t`` (a tensor entry of the report) with the comparison of ``w`` against its reference weight."""
+def reference_weight(w, refs: dict):
+    """(the reference weight of ``w`` as float32, None) or (None, why it cannot be compared)."""
     from ..analyze.inputs import TensorError, load
-    from ..checkpoint import KEYS
     src = refs.get(f"{w.name}.weight") or refs.get(w.name)
     if src is None:
-        t["notes"].append(f"no reference tensor {w.name}.weight: not compared")
-        return
+        return None, f"no reference tensor {w.name}.weight"
     try:
-        x = load(src)
+        return load(src), None
     except TensorError as e:
-        t["notes"].append(f"the reference {src.name} {e}: not compared")
-        return
+        return None, f"the reference {src.name} {e}"
+
+
+def compare_to_reference(w, fmt: str, refs: dict, t: dict, x=None, amax=None, group=None):
+    """Fill ``t`` (a tensor entry of the report) with the comparison of ``w`` against its reference weight ``x``
+    (default: read from ``refs``); ``amax``: the amax the tensor scale comes from when ``w`` shares it with the
+    weights of ``group`` (their largest), else the weight's own. Sets ``t["compared"]``."""
+    from ..checkpoint import KEYS
+    t["compared"] = False
+    if x is None:
+        x, why = reference_weight(w, refs)
+        if x is None:
+            t["notes"].append(f"{why}: not compared")
+            return
+    src = refs.get(f"{w.name}.weight") or refs.get(w.name)
     if x.shape != tuple(w.shape):
         _fail(t, f"the reference {src.name} has shape {x.shape}; the checkpoint's codes hold {tuple(w.shape)}")
         return
@@ -108,7 +121,8 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict):
         t["notes"].append(f"the reference {src.name} holds NaN or Inf: not compared")
         return
     kg = KEYS[fmt][2]
-    rules = _rules(x, fmt)
+    t["compared"] = True
+    rules = _rules(x, fmt, amax)
     got_c = np.asarray(w.codes)
     got_s = w.scales
     got_s = None if got_s is None else np.asarray(got_s).reshape(-1)
@@ -148,7 +162,9 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict):
             _fail(t, f"{kg} is {float(ts)!r}, the inverse of the {float(inv.ts)!r} that {inv.name} gives "
                      f"({want}): the global scale was not inverted (the other format's direction written)")
         else:
-            _fail(t, f"{kg} is {float(ts)!r}; {main.name} gives {float(main.ts)!r} ({want}) for the reference")
+            whose = (f"the largest amax of the weights that share it ({', '.join(group)})" if group else
+                     "the reference")
+            _fail(t, f"{kg} is {float(ts)!r}; {main.name} gives {float(main.ts)!r} ({want}) for {whose}")
     if match is not None:
         return
     scales = main.scales
