@@ -7,12 +7,15 @@ import numpy as np
 from .accumulate import accumulate
 from .models import MODELS, get_model
 
-__all__ = ["scaled_mm"]
+__all__ = ["scaled_mm", "FP8_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
+           "epilogue"]
 
-_FP8 = {"float8_e4m3fn": ("e4m3", ml_dtypes.float8_e4m3fn, 448.0),
+# what scaled_mm and fp4sim.validate's compare_scaled_mm share: the FP8 operand dtypes (name -> (format, ml_dtypes
+# dtype, largest finite value)), the output dtypes (name -> NumPy / ml_dtypes dtype) and the readers below
+FP8_OPERANDS = {"float8_e4m3fn": ("e4m3", ml_dtypes.float8_e4m3fn, 448.0),
         "float8_e5m2": ("e5m2", ml_dtypes.float8_e5m2, 57344.0)}
 _OUT = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-_NP_OUT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+OUT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
            "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 _CANON_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7FFF), "float16": (np.uint16, 0x7FFF),
               "float8_e4m3fn": (np.uint8, 0x7F), "float8_e5m2": (np.uint8, 0x7F)}
@@ -27,26 +30,36 @@ def _dtype_name(dt) -> str:
     return {"float": "float32", "half": "float16", "<class 'numpy.float32'>": "float32"}.get(s, s)
 
 
-def _operand(x, name):
+def fp8_operand(x, name: str):
     """(float32 values, FP8 format, dtype name, is_torch) of an FP8 matrix (torch tensor or ml_dtypes array)."""
     if _is_torch(x):
         n = _dtype_name(x.dtype)
-        if n not in _FP8:
+        if n not in FP8_OPERANDS:
             raise TypeError(f"{name} is a {n} tensor: scaled_mm takes FP8 operands (torch.float8_e4m3fn or "
                             f"torch.float8_e5m2), as torch._scaled_mm does; quantize it first")
         import torch
         codes = x.detach().cpu().contiguous().view(torch.uint8).numpy()
-        vals = codes.view(_FP8[n][1]).astype(np.float32)
-        return vals, _FP8[n][0], n, True
+        vals = codes.view(FP8_OPERANDS[n][1]).astype(np.float32)
+        return vals, FP8_OPERANDS[n][0], n, True
     a = np.asarray(x)
     n = _dtype_name(a.dtype)
-    if n not in _FP8:
+    if n not in FP8_OPERANDS:
         raise TypeError(f"{name} has dtype {a.dtype}: scaled_mm takes FP8 operands (ml_dtypes.float8_e4m3fn or "
                         f"float8_e5m2 arrays, or torch float8 tensors)")
-    return a.astype(np.float32), _FP8[n][0], n, False
+    return a.astype(np.float32), FP8_OPERANDS[n][0], n, False
 
 
-def _scale(s, name) -> np.float32:
+def per_tensor_scale(s, name: str, finite: bool = False) -> np.float32:
+    """A per-tensor scale (a one-element float32 tensor or array, a float32 scalar, or a float that is a float32
+    value) as np.float32; ValueError naming ``name`` otherwise. ``finite``: refuse NaN and Inf as well (a check of
+    a kernel's output, where a NaN scale makes every model's output NaN)."""
+    v = _per_tensor_scale(s, name)
+    if finite and not np.isfinite(v):
+        raise ValueError(f"{name} is {float(v)!r}: give the finite scale the kernel was called with")
+    return v
+
+
+def _per_tensor_scale(s, name) -> np.float32:
     if _is_torch(s):
         if _dtype_name(s.dtype) != "float32" or s.numel() != 1:
             raise ValueError(f"{name} must be a one-element float32 tensor (a per-tensor scale), got "
@@ -64,7 +77,7 @@ def _scale(s, name) -> np.float32:
     return np.float32(a.reshape(()))
 
 
-def _out_name(out_dtype, default: str) -> str:
+def out_dtype_name(out_dtype, default: str) -> str:
     """The output dtype's name from a torch dtype, a NumPy / ml_dtypes dtype or a name (None: ``default``)."""
     if out_dtype is None:
         return default
@@ -88,12 +101,12 @@ def epilogue(acc: np.ndarray, scale_a, scale_b, out: str, scale_result=None) -> 
     alpha = np.float64(np.float32(np.float64(scale_a) * np.float64(scale_b)))
     with np.errstate(invalid="ignore", over="ignore"):
         y = (acc.astype(np.float64) * alpha + 0.0).astype(np.float32)
-        if out in _FP8:
+        if out in FP8_OPERANDS:
             if scale_result is not None:
                 y = (y.astype(np.float64) * np.float64(scale_result)).astype(np.float32)
-            mx = np.float32(_FP8[out][2])
+            mx = np.float32(FP8_OPERANDS[out][2])
             y = np.where(np.isnan(y), y, np.clip(y, -mx, mx))
-        r = y.astype(_NP_OUT[out])
+        r = y.astype(OUT_DTYPES[out])
     nan = np.isnan(y)
     if nan.any():
         ut, bits = _CANON_NAN[out]
@@ -120,8 +133,8 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     scheme the model's library uses ("contiguous" on hopper, "serial" / "pairwise" on ada); which split cuBLAS
     picks for a shape is its heuristic and is not modelled. See docs/validation.md for the evidence behind each
     model."""
-    A, fa, na, ta = _operand(a, "a")
-    Bk, fb, nb_, tb = _operand(b, "b")
+    A, fa, na, ta = fp8_operand(a, "a")
+    Bk, fb, nb_, tb = fp8_operand(b, "b")
     if ta != tb:
         raise TypeError("a and b must both be torch tensors or both NumPy arrays")
     if A.ndim != 2 or Bk.ndim != 2:
@@ -135,13 +148,13 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
         raise ValueError(f"K = {K} and N = {N} must be multiples of 16 (torch._scaled_mm's rule); pad them")
     if fa == "e5m2" and fb == "e5m2":
         raise ValueError("a and b are both float8_e5m2: torch._scaled_mm refuses E5M2 x E5M2; use E4M3 for one")
-    sa, sb = _scale(scale_a, "scale_a"), _scale(scale_b, "scale_b")
-    out = _out_name(out_dtype, na)
+    sa, sb = per_tensor_scale(scale_a, "scale_a"), per_tensor_scale(scale_b, "scale_b")
+    out = out_dtype_name(out_dtype, na)
     if fa == fb == "e4m3" and out == "float8_e5m2":
         raise ValueError("out_dtype=float8_e5m2 with two E4M3 operands: cuBLASLt refuses this combination "
                          "(CUBLAS_STATUS_NOT_SUPPORTED), so no tensor core computes it")
     if scale_result is not None:
-        scale_result = _scale(scale_result, "scale_result")
+        scale_result = per_tensor_scale(scale_result, "scale_result")
     if not isinstance(use_fast_accum, (bool, np.bool_)):
         raise TypeError(f"use_fast_accum={use_fast_accum!r}: pass True or False")
     Bt = np.ascontiguousarray(Bk.T)

@@ -71,7 +71,9 @@ class GemmReport:
         lines = [head]
         if len(self.matches) > 1:
             lines.append(f"  also reproduced by {', '.join(m for m in self.matches if m != self.best)}: these "
-                         "operands do not tell them apart (python -m fp4sim.validate gemm-witnesses)")
+                         f"operands cannot separate the {len(self.matches)} models, and {self.best} is named only as "
+                         "the first in candidate order (python -m fp4sim.validate gemm-witnesses writes operands "
+                         "that separate them)")
         for m, f in sorted(self.match_fraction.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {m:18s} {100 * f:8.3f}% of elements identical")
         if self.mismatches:
@@ -102,17 +104,22 @@ def _output(out):
     return out, "float32"
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
 def _ordered(a):
-    """Integers in the order of the floats (adjacent floats differ by 1), for distances in ulps."""
-    bits = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32).astype(np.int64)
-    sign = np.int64(1) << (16 if a.dtype.itemsize == 2 else 32) - 1
+    """Integers in the order of the floats (adjacent floats differ by 1), for distances in ulps; any float width
+    (float32, bfloat16 / float16, the one-byte FP8 formats)."""
+    n = a.dtype.itemsize
+    bits = a.view(_UINT[n]).astype(np.int64)
+    sign = np.int64(1) << 8 * n - 1
     return np.where(bits & sign, -(bits & (sign - 1)), bits)
 
 
 def _same(a, b):
     """Elementwise: identical bits, or NaN on both sides (a NaN's payload is not the accumulation's)."""
     na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
-    w = np.uint16 if a.dtype.itemsize == 2 else np.uint32
+    w = _UINT[a.dtype.itemsize]
     return np.where(na | nb, na & nb, a.view(w) == b.view(w))
 
 
@@ -260,6 +267,11 @@ def gemm_operand(codes, scales, amax, K: int | None = None, *, block=(1, 16), fl
     scales = as_bytes(scales, f"{name} scales")
     block = tuple(block)
     amax = np.asarray(amax, np.float32)
+    if amax.size == 0 or not (np.isfinite(amax) & (amax > 0)).all():
+        bad = amax.reshape(-1)[~(np.isfinite(amax) & (amax > 0)).reshape(-1)] if amax.size else amax
+        raise ValueError(f"{name} amax {float(bad[0]) if bad.size else 'empty'!r}: a tensor amax is finite and "
+                         "positive; give the amax the kernel's scales were computed from (an all-zero operand has a "
+                         "zero GEMM, which tells no model apart)")
     row_scaled = amax.size > 1
     sch = get_scheme("nvfp4", flavor=flavor, block=block, row_scaled=row_scaled or None)
     srows = -(-R // block[0])

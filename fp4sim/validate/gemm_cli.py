@@ -168,6 +168,12 @@ def _fp8_operand(path, fmt, flag):
     import ml_dtypes
     import numpy as np
     x = load_array(path)
+    if x.dtype.kind == "V" and x.dtype.itemsize == 1:
+        # np.save of an ml_dtypes float8 array records it as one-byte void records, its format lost
+        if not fmt:
+            raise ValueError(f"--{flag}-fp8 {path} holds one-byte void records (an ml_dtypes float8 array saved with "
+                             f"np.save loses its dtype): name the format with --{flag}-format e4m3 or e5m2")
+        x = x.view(np.uint8)
     if x.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
         if fmt and fmt != ("e4m3" if x.dtype == np.dtype(ml_dtypes.float8_e4m3fn) else "e5m2"):
             raise ValueError(f"--{flag}-fp8 {path} holds {x.dtype} but --{flag}-format says {fmt}")
@@ -197,6 +203,10 @@ def _fp8_main(a, models) -> int:
     sb = np.float32(number_or_array(a.b_scale, True, "--b-scale")).reshape(-1)
     if sa.size != 1 or sb.size != 1:
         raise ValueError("--a-scale and --b-scale are one value each (per-tensor scales)")
+    for flag, v in (("--a-scale", sa[0]), ("--b-scale", sb[0])):
+        if not np.isfinite(v):
+            raise ValueError(f"{flag} {a.a_scale if flag == '--a-scale' else a.b_scale}: a decode scale is finite; "
+                             "give the scale the kernel was called with")
     split = 1
     if a.split_k:
         try:
@@ -204,8 +214,14 @@ def _fp8_main(a, models) -> int:
             split = (int(S), scheme.strip())
         except ValueError:
             raise ValueError(f"--split-k {a.split_k!r}: write it as S,scheme, e.g. 2,contiguous") from None
+        from ..tensorcore import MODELS
+        known = sorted({s for m in MODELS.values() for s in m.split_schemes})
+        if split[1] not in known:
+            raise ValueError(f"--split-k {a.split_k!r}: the split scheme is one of {', '.join(known)}")
     from .gemm import load_output
     o = load_array(a.out) if a.out_dtype not in ("float32", "bfloat16") else load_output(a.out, a.out_dtype)
+    if o.dtype.kind == "V":                      # an ml_dtypes array saved with np.save: its bits, --out-dtype names them
+        o = o.view({1: np.uint8, 2: np.uint16, 4: np.uint32}.get(o.dtype.itemsize, o.dtype))
     rep = compare_scaled_mm(A, B.T, sa[0], sb[0], o, out_dtype=a.out_dtype, candidates=models, split_k=split,
                             max_mismatches=a.max_mismatches)
     print(rep.summary())

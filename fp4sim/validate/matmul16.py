@@ -59,11 +59,11 @@ def _operand16(x, name):
 
 def _output16(out, out_dtype):
     """(the output as an array of its dtype, dtype name): float32, bfloat16 or float16."""
-    from .scaled_mm import _out_array
+    from .scaled_mm import output_array
     if out_dtype is not None and out_dtype not in _NP:
         raise ValueError(f"out_dtype={out_dtype!r}: a 16-bit GEMM's output is float32, bfloat16 or float16")
     try:
-        o, n = _out_array(out, out_dtype)
+        o, n = output_array(out, out_dtype)
     except TypeError:
         n = str(getattr(out, "dtype", type(out).__name__)).replace("torch.", "")
     if n not in _NP:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensorcore.scaled_mm import _FP8, _NP_OUT, _operand, _out_name, _scale, epilogue, scaled_mm
+from ..tensorcore.scaled_mm import (FP8_OPERANDS, OUT_DTYPES, epilogue, fp8_operand, out_dtype_name, per_tensor_scale,
+                                    scaled_mm)
 from .gemm import GemmReport, model_report
 
-__all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES"]
+__all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES", "output_array"]
 
 # label -> (model, use_fast_accum)
 SCALED_MM_CANDIDATES = {"hopper": ("hopper", False), "hopper_fast_accum": ("hopper", True),
@@ -40,22 +41,24 @@ def _to_out(y32, out):
     return epilogue(y32, np.float32(1.0), np.float32(1.0), out)
 
 
-def _out_array(o, want_dtype):
-    """(the output as a NumPy array of its dtype, dtype name)."""
+def output_array(o, want_dtype):
+    """(a kernel's output as a NumPy / ml_dtypes array of its dtype, the dtype's name): a torch tensor or an array
+    of one of :data:`~fp4sim.tensorcore.scaled_mm.OUT_DTYPES`, or raw integer bits with ``want_dtype`` naming the
+    dtype; TypeError otherwise."""
     if type(o).__module__.startswith("torch"):
         import torch
         t = o.detach().cpu().contiguous()
         name = str(t.dtype).replace("torch.", "")
-        if name not in _NP_OUT:
+        if name not in OUT_DTYPES:
             raise TypeError(f"out is a {name} tensor: give the kernel's output in its dtype (float32, bfloat16, "
                             "float16, float8_e4m3fn or float8_e5m2)")
         bits = t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]).numpy()
-        return bits.view(_NP_OUT[name]), name
+        return bits.view(OUT_DTYPES[name]), name
     o = np.asarray(o)
-    name = {np.dtype(v): k for k, v in _NP_OUT.items()}.get(o.dtype)
+    name = {np.dtype(v): k for k, v in OUT_DTYPES.items()}.get(o.dtype)
     if name is None and want_dtype is not None and o.dtype.kind in "ui":
-        name = _out_name(want_dtype, None)                       # raw bits with the dtype named
-        o = o.view(_NP_OUT[name])
+        name = out_dtype_name(want_dtype, None)                       # raw bits with the dtype named
+        o = o.view(OUT_DTYPES[name])
     if name is None:
         raise TypeError(f"out has dtype {o.dtype}: give the kernel's output in its dtype (float32, bfloat16, float16, "
                         "float8_e4m3fn or float8_e5m2 as ml_dtypes arrays), or its bits with out_dtype=")
@@ -76,16 +79,16 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
     bad = [n for n in names if n not in SCALED_MM_CANDIDATES]
     if bad:
         raise ValueError(f"candidates {bad}: choose from {', '.join(SCALED_MM_CANDIDATES)}")
-    A, fa, na, _ = _operand(a, "a")
-    Bk, fb, nb_, _ = _operand(b, "b")
-    o, dname = _out_array(out, out_dtype)
+    A, fa, na, _ = fp8_operand(a, "a")
+    Bk, fb, nb_, _ = fp8_operand(b, "b")
+    o, dname = output_array(out, out_dtype)
     M, N = A.shape[0], Bk.shape[1] if Bk.ndim == 2 else 0
     if o.shape != (M, N):
         raise ValueError(f"out has shape {o.shape}; a @ b of a {A.shape} and b {Bk.shape} is ({M}, {N}) (b is "
                          "(K, N), typically w.t())")
     if o.size == 0:
         raise ValueError(f"out has shape {o.shape}: an empty output matches every model")
-    sa, sb = _scale(scale_a, "scale_a"), _scale(scale_b, "scale_b")
+    sa, sb = per_tensor_scale(scale_a, "scale_a", finite=True), per_tensor_scale(scale_b, "scale_b", finite=True)
     ys = {}
     skipped = {}
     for n in names:
@@ -97,10 +100,15 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
                               split_k=split_k if model != "exact" else 1)
         except ValueError as e:
             skipped[n] = str(e)
+    if skipped and len(skipped) == sum(SCALED_MM_CANDIDATES[n][0] is not None for n in names):
+        # no tensor-core model can compute these operands: bad input (a shape torch refuses, E5M2 x E5M2, a
+        # split no model's library uses), not a kernel that matches no model
+        why = list(dict.fromkeys(skipped.values()))
+        raise ValueError("no candidate model computes this GEMM: " + "; ".join(why))
     if "dequant_f32" in names:
         acc, Af, Bf = _dequant_f32(A, np.ascontiguousarray(Bk.T), sa, sb)
         ys["dequant_f32"] = _to_out(acc, dname)
-    ys = {n: (np.asarray(y) if not type(y).__module__.startswith("torch") else _out_array(y, None)[0])
+    ys = {n: (np.asarray(y) if not type(y).__module__.startswith("torch") else output_array(y, None)[0])
           for n, y in ys.items()}
     rep = model_report(o, ys, f"fp8 {fa} x {fb}", max_mismatches)
     matches = rep.matches
@@ -117,6 +125,11 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
             rep.notes.append("the output agrees with dequant_f32 (decoded float32 operands, a float32 matmul) to "
                              "within float32 summation-order error, not bit for bit: an emulating kernel that "
                              "sums in another order (a BLAS), not a tensor core's FP8 GEMM")
+    if not matches:
+        split = "no split" if split_k == 1 else f"split_k={split_k!r}"
+        rep.notes.append(f"the models assumed {split}: cuBLAS splits K for some shapes by its own heuristics "
+                         "(hopper's library as 'contiguous', ada's as 'serial' or 'pairwise'); if the kernel may have "
+                         "split K, try split_k=(S, scheme) (python -m fp4sim.validate gemm --split-k S,scheme)")
     if dname != "float32" and len(matches) > 1:
         rep.notes.append(f"{dname} outputs hide float32 differences: compare float32 outputs where the kernel can "
                          "write them")
@@ -188,7 +201,7 @@ def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
 
 
 def _fmt(x) -> str:
-    return _FP8[str(x.dtype)][0] if str(x.dtype) in _FP8 else str(x.dtype)
+    return FP8_OPERANDS[str(x.dtype)][0] if str(x.dtype) in FP8_OPERANDS else str(x.dtype)
 
 
 def fp8_outputs(a, b, sa, sb) -> dict:
