@@ -23,7 +23,7 @@ def check_writable(path, what: str, directory: bool = False) -> None:
         q = p
         while not q.exists():
             q = q.parent
-        if not q.is_dir() or not os.access(q, os.W_OK | os.X_OK):
+        if not q.is_dir() or not os.access(q, os.W_OK | os.X_OK) or not _can_create_in(q):
             raise ValueError(f"{what} {path}: cannot create it ({q} is not a writable directory)")
         return
     if p.is_dir():
@@ -33,6 +33,19 @@ def check_writable(path, what: str, directory: bool = False) -> None:
         raise ValueError(f"{what} {path}: the directory {parent} does not exist")
     if (p.exists() and not os.access(p, os.W_OK)) or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: not writable")
+
+
+def _can_create_in(d: Path) -> bool:
+    """Whether a file can be made in ``d``, tried (the permission bits do not tell for root, nor for folders such as
+    /proc that refuse new entries)."""
+    import tempfile
+    try:
+        fd, name = tempfile.mkstemp(dir=d, prefix=".fp4sim-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
 
 
 def load_array(spec: str) -> np.ndarray:

@@ -492,10 +492,12 @@ def main(argv=None) -> int:
     ds.to_netcdf(out / "layers.nc")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.html").write_text(report_html(ds, summary), encoding="utf-8")
-    print(f"fp4sim inspect: {len(summary['layers'])} linear layers; recommended for BF16: "
+    from .cli import say
+    say(f"fp4sim inspect: {len(summary['layers'])} linear layers; recommended for BF16: "
           f"{', '.join(summary['recommendation']) or 'none'}; wrote {out}/layers.nc, summary.json, report.html")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from .cli import run_tool
+    raise SystemExit(run_tool(main, "fp4sim inspect"))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import ablations, figures
 from .figures import FIGURES
+from fp4sim.cli import say
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 
@@ -112,11 +113,10 @@ def main(argv=None) -> int:
             print(f"paper_repro: no ablation figure in {a.out} yet; make them with 'python -m paper_repro "
                   f"ablations --out {a.out}'", file=sys.stderr)
             return 2
-        print(ablations.verdict_table(a.out), end="")
+        say(ablations.verdict_table(a.out).rstrip("\n"))
         return 0
     if a.fig == "list":
-        for f in FIGURES.values():
-            print(f"{f.name:6}  {f.what}{'' if f.trains else ' (no training)'}")
+        say("\n".join(f"{f.name:6}  {f.what}{'' if f.trains else ' (no training)'}" for f in FIGURES.values()))
         return 0
     names = list(figures.PART1) if a.fig == "all" else list(ablations.ABLATIONS) if a.fig == "ablations" else [a.fig]
     bad = [n for n in names if n not in FIGURES]
@@ -135,6 +135,12 @@ def main(argv=None) -> int:
     if a.scheduler and names != ["scaling"]:
         print("paper_repro: --scheduler applies to scaling only", file=sys.stderr)
         return 2
+    from fp4sim.arrays_io import check_writable
+    try:
+        check_writable(a.out, "--out", directory=True)       # before any run: a long run never ends unwritable
+    except ValueError as e:
+        print(f"paper_repro: bad input: {e}", file=sys.stderr)
+        return 2
     for n in names:
         try:
             make(n, a.quick, a.out, a.seeds, a.quiet, a.threads, a.scheduler, a.short)
@@ -143,8 +149,13 @@ def main(argv=None) -> int:
                 raise
             print(f"paper_repro: {e}", file=sys.stderr)
             return 2
+        except OSError as e:                                   # the disk filled, the folder went away, ...
+            print(f"paper_repro: {n}: writing under {a.out}: {e.strerror or e} ({e.filename or a.out}); what "
+                  "finished is kept, and a rerun resumes from the checkpoints under --out", file=sys.stderr)
+            return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fp4sim.cli import run_tool
+    sys.exit(run_tool(main, "paper_repro"))

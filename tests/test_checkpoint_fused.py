@@ -172,7 +172,7 @@ def test_a_reference_that_holds_none_or_not_all_of_the_weights_is_a_fault(llama,
     part = tmp_path / "part"
     part.mkdir()
     sd = _tensors(ref)
-    gone = f"model.layers.1.mlp.down_proj.weight"
+    gone = "model.layers.1.mlp.down_proj.weight"
     del sd[gone]
     _save(part / "model.safetensors", sd)
     rep = check_checkpoint(d, part)
@@ -213,3 +213,16 @@ def test_compressed_tensors_fused_global_scale_is_reproduced():
     assert own[2] != ours[2]                        # the shared scale is not the member's own
     with pytest.raises(ValueError, match="amax: nan"):
         compressed_tensors_quantize(q.float().numpy(), amax=np.nan)
+
+
+def test_a_checkpoint_without_quantized_linears_is_not_consistent(tmp_path):
+    """A ModelOpt config over weights of which none is quantized: nothing was checked, so it cannot pass."""
+    torch = torch_or_skip()
+    d = tmp_path / "plain"
+    d.mkdir()
+    (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    _save(d / "model.safetensors", {"a.weight": torch.zeros(32, 32), "norm.weight": torch.ones(32)})
+    rep = check_checkpoint(d)
+    assert not rep.ok and any("no quantized linear found" in f for f in rep.faults), rep.summary()
+    r = _cli(d)
+    assert r.returncode == 1 and "CONSISTENT" not in r.stdout, r.stdout + r.stderr

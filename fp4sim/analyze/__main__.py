@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from .. import threads
 from ..arrays_io import check_writable
+from ..cli import say
 from .core import analyze
 from .figures import write_figures
 from .inputs import ROLES, SUFFIXES
@@ -131,14 +131,7 @@ def _run(a) -> int:
             done.append(f"wrote {len(files)} figures into {a.figures}: " + ", ".join(Path(f).name for f in files))
     except OSError as e:
         raise BadInput(f"writing the results: {e}") from None
-    try:
-        print(table(ds))
-        if done:
-            print("\n" + "\n".join(done))
-        sys.stdout.flush()
-    except BrokenPipeError:                 # as a Unix tool: stop printing, keep the exit status
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    say(table(ds) + ("\n\n" + "\n".join(done) if done else ""))
     return 1 if any(not sk.get("ignored") for sk in skipped) else 0
 
 
@@ -168,4 +161,5 @@ def _connect(address):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ..cli import run_tool
+    raise SystemExit(run_tool(main, "fp4sim.analyze"))

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..arrays_io import check_writable, load_array, number_or_array
+from ..cli import say
 from ..schemes import SCHEMES, get_scheme
 from .core import CLI_NAMES, compare
 
@@ -37,10 +38,20 @@ def checkpoint_main(argv) -> int:
     except (ValueError, OSError) as e:
         print(f"fp4sim.validate checkpoint: bad input: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(rep.summary())
-    if a.json:
-        Path(a.json).write_text(rep.to_json() + "\n")
+    # the JSON first, then the report: a reader that closes the pipe early (| head) loses no result
+    if a.json and not _write_json(a.json, rep.to_json() + "\n", "fp4sim.validate checkpoint"):
+        return 2
+    say(rep.summary())
     return 0 if rep.ok else 1
+
+
+def _write_json(path, text: str, prog: str) -> bool:
+    try:
+        Path(path).write_text(text)
+        return True
+    except OSError as e:
+        print(f"{prog}: bad input: --json {path}: {e.strerror or e}", file=sys.stderr)
+        return False
 
 
 def main(argv=None) -> int:
@@ -117,14 +128,9 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"fp4sim.validate: bad input: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(rep.summary())
-    if a.json:
-        try:
-            with open(a.json, "w") as f:
-                f.write(rep.to_json())
-        except OSError as e:
-            print(f"fp4sim.validate: bad input: --json {a.json}: {e.strerror or e}", file=sys.stderr)
-            return 2
+    if a.json and not _write_json(a.json, rep.to_json(), "fp4sim.validate"):
+        return 2
+    say(rep.summary())
     return 0 if rep.ok else 1
 
 
@@ -152,5 +158,6 @@ def _check_options(a):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ..cli import run_tool
+    raise SystemExit(run_tool(main, "fp4sim.validate"))
 

@@ -227,6 +227,9 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
                              "global_amax": None if w.global_amax is None else float(w.global_amax),
                              "shared_scale": list(group_of.get(name, ())), "exact": None, "rule": None,
                              "rules": []}
+    if not ck.weights:
+        rep.faults.append(f"no quantized linear found (no {KEYS[ck.format][0]} entry of packed codes): nothing was "
+                          "checked")
     if groups:
         rep.notes.append(_group_summary(groups, kg))
     for unit in _units(ck, groups):

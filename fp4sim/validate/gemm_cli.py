@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..arrays_io import check_writable, load_array, number_or_array
+from ..cli import say
 
 GEMM_DOC = """python -m fp4sim.validate gemm: which accumulation model reproduces a GEMM kernel's output, y = A . B^T.
 
@@ -101,6 +102,7 @@ def gemm_main(argv) -> int:
             else:
                 res = check_witnesses(a.witnesses, a.outputs, a.out_dtype)
             ok = (a.expect in res["consistent"]) if a.expect else bool(res["consistent"])
+            lines = []
             for n, rep in res["reports"].items():
                 if len(rep.matches) == len(rep.match_fraction):
                     got = f"consistent with all {len(rep.matches)} models (this witness does not separate them)"
@@ -112,16 +114,17 @@ def gemm_main(argv) -> int:
                 else:
                     got = (f"NO MODEL MATCHES (closest: {rep.closest}, {100 * rep.match_fraction[rep.closest]:.2f}% "
                            "identical)" + "".join(f"; {f}" for f in rep.faults))
-                print(f"{n}: {got}")
+                lines.append(f"{n}: {got}")
             if res["missing"]:
-                print(f"no output for {', '.join(res['missing'])}: the verdict below is over the other "
-                      f"{len(res['reports'])} witnesses only")
-            print(("consistent with every witness present: " if res["missing"] else
-                   "consistent with every witness: ") + (", ".join(res["consistent"]) or "no model"))
+                lines.append(f"no output for {', '.join(res['missing'])}: the verdict below is over the other "
+                             f"{len(res['reports'])} witnesses only")
+            lines.append(("consistent with every witness present: " if res["missing"] else
+                          "consistent with every witness: ") + (", ".join(res["consistent"]) or "no model"))
             if a.json:
                 Path(a.json).write_text(json.dumps({"consistent": res["consistent"], "missing": res["missing"],
                                                     "reports": {
                     n: r.to_dict() for n, r in res["reports"].items()}}, indent=1, default=float) + "\n")
+            say("\n".join(lines))
             return 0 if ok else 1
         if not a.out:
             raise ValueError("--out (the kernel's output) is required, or --witnesses with --outputs")
@@ -155,11 +158,16 @@ def gemm_main(argv) -> int:
         if qa.K != qb.K:
             raise ValueError(f"A has K={qa.K} and B K={qb.K}")
         rep = compare_gemm(qa, qb, load_output(a.out, a.out_dtype), models=models, max_mismatches=a.max_mismatches)
+        return _report(rep, a)
     except (ValueError, TypeError, OSError) as e:
         return _fail(e)
-    print(rep.summary())
+
+
+def _report(rep, a) -> int:
+    """The JSON first, then the summary (a reader that closes the pipe early loses no result); the exit status."""
     if a.json:
         Path(a.json).write_text(rep.to_json() + "\n")
+    say(rep.summary())
     return 0 if (a.expect in rep.matches if a.expect else rep.ok) else 1
 
 
@@ -224,10 +232,7 @@ def _fp8_main(a, models) -> int:
         o = o.view({1: np.uint8, 2: np.uint16, 4: np.uint32}.get(o.dtype.itemsize, o.dtype))
     rep = compare_scaled_mm(A, B.T, sa[0], sb[0], o, out_dtype=a.out_dtype, candidates=models, split_k=split,
                             max_mismatches=a.max_mismatches)
-    print(rep.summary())
-    if a.json:
-        Path(a.json).write_text(rep.to_json() + "\n")
-    return 0 if (a.expect in rep.matches if a.expect else rep.ok) else 1
+    return _report(rep, a)
 
 
 def witnesses_main(argv) -> int:
@@ -246,7 +251,7 @@ def witnesses_main(argv) -> int:
         if a.format == "bf16":
             from .matmul16 import write_bf16_witnesses
             man = write_bf16_witnesses(a.out, a.seed)
-            print(f"wrote {len(man['witnesses'])} BF16 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
+            say(f"wrote {len(man['witnesses'])} BF16 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
                   f"pair of the {len(man['models'])} models differs in at least "
                   f"{min(man['separating_cells'].values())} cells (float32; bfloat16: "
                   f"{min(man['separating_cells_bf16'].values())})")
@@ -254,7 +259,7 @@ def witnesses_main(argv) -> int:
         if a.format == "fp8":
             from .scaled_mm import write_fp8_witnesses
             man = write_fp8_witnesses(a.out, a.seed)
-            print(f"wrote {len(man['witnesses'])} FP8 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
+            say(f"wrote {len(man['witnesses'])} FP8 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
                   f"pair of the {len(man['models'])} models differs in at least {min(man['separating_cells'].values())}"
                   " cells (float32)")
             return 0
@@ -264,7 +269,7 @@ def witnesses_main(argv) -> int:
     except OSError as e:
         return _fail(f"--out {a.out}: {e.strerror or e}")
     worst = min(man["separating_cells"].values())
-    print(f"wrote {len(man['witnesses'])} witnesses to {a.out} ({', '.join(man['witnesses'])}); every pair of "
+    say(f"wrote {len(man['witnesses'])} witnesses to {a.out} ({', '.join(man['witnesses'])}); every pair of "
           f"the {len(man['models'])} models differs in at least {worst} cells "
           f"(float32; bfloat16: {min(man['separating_cells_bf16'].values())})")
     return 0
