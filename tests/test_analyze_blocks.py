@@ -119,3 +119,35 @@ def test_the_blocks_option_of_the_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(tmp_path / "a.weight.npy"), "--blocks",
                         str(tmp_path / "nowhere" / "b.nc")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--blocks" in r.stderr
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_blocks_that_lose_values_have_infinite_error(tmp_path, fused):
+    """One Inf and one NaN in a tensor: NVFP4's tensor scale is Inf and every finite value comes back NaN, so every
+    NVFP4 block is lost (sq_err +Inf, lost = its finite values), as the table's mse is Inf; MXFP4's blocks keep
+    their finite errors (lost 0). The counts against fs.fake_quantize on the whole tensor."""
+    from fp4sim.analyze import metrics
+    x = np.random.default_rng(0).standard_normal((24, 80)).astype(np.float32)
+    x[3, 5], x[10, 20] = np.inf, np.nan
+    fin = np.isfinite(x)
+    old = metrics._FUSED
+    metrics._FUSED = fused
+    try:
+        for label in ("nvfp4", "mxfp4_rceil"):
+            spec = SCHEMES_BY_LABEL[label]
+            recs = []
+            m, _, _ = scheme_metrics(x, spec, "activation", blocks=recs)
+            r = {f: np.concatenate([c[f] for c in recs]) for f in recs[0]}
+            y = fs.fake_quantize(x, spec.scheme, **spec.options("activation"))
+            B = spec.block
+            lost = np.pad(fin & ~np.isfinite(y), ((0, 0), (0, -x.shape[1] % B))).reshape(24, -1, B).sum(-1)
+            assert np.array_equal(r["lost"], lost.ravel())
+            assert np.array_equal(np.isinf(r["sq_err"]), lost.ravel() > 0)
+            if label == "nvfp4":
+                assert (lost.ravel() > 0).all() and m["mse"] == np.inf and m["lost_frac"] == 1.0
+            else:
+                assert lost.sum() == 0 and np.isfinite(m["mse"])
+                e = np.where(fin, (y.astype(np.float64) - x) ** 2, 0.0)
+                assert r["sq_err"].sum() == pytest.approx(e.sum(), rel=1e-12)
+    finally:
+        metrics._FUSED = old

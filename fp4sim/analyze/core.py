@@ -258,8 +258,9 @@ def blocks_dataset(results) -> xr.Dataset:
     ``record``: ``tensor`` and ``scheme`` (indices into the coordinates ``tensor_name`` and ``scheme_name``),
     ``row`` and ``block`` (the 1 x B segment of the tensor's (rows, last axis) view; B the scheme's block length,
     the whole row for per-tensor schemes), ``scale_byte`` (E4M3 for NVFP4, UE8M0 for MX; -1 where the scheme has
-    no byte scales), ``amax`` (the segment's max |x|) and ``sq_err`` (its squared quantization error: a tensor's
-    errors sum to ``mse * numel``). Select one tensor and scheme with ``b.isel(record=(b.tensor == i) &
+    no byte scales), ``amax`` (the segment's max |x|), ``sq_err`` (its squared quantization error: a tensor's
+    errors sum to ``mse * numel``) and ``lost`` (how many of its finite values came back Inf or NaN: then its
+    ``sq_err`` is +Inf, as the tensor's mse is). Select one tensor and scheme with ``b.isel(record=(b.tensor == i) &
     (b.scheme == j))``."""
     names = [r["name"] for r in results]
     labels = list(dict.fromkeys(lab for r in results for lab in r["schemes"]))
@@ -275,13 +276,14 @@ def blocks_dataset(results) -> xr.Dataset:
             for f in BLOCK_FIELDS:
                 cols[f].append(b[f])
     empty = {"tensor": np.int32, "scheme": np.int16, "row": np.int32, "block": np.int32, "scale_byte": np.int16,
-             "amax": np.float32, "sq_err": np.float64}
+             "amax": np.float32, "sq_err": np.float64, "lost": np.int32}
     data = {f: ("record", np.concatenate(v) if v else np.zeros(0, empty[f])) for f, v in cols.items()}
     ds = xr.Dataset(data, coords={"tensor_name": ("tensor_index", names), "scheme_name": ("scheme_index", labels)})
     ds.attrs["producer"] = "fp4sim.analyze --blocks"
     ds.attrs["description"] = ("one record per block segment (1 x B along the last axis) per tensor and scheme; "
                                "tensor / scheme index tensor_name / scheme_name; scale_byte -1: no byte scales; "
-                               "sq_err sums to the tensor's mse * numel")
+                               "sq_err sums to the tensor's mse * numel; lost: finite values that came back Inf / "
+                               "NaN, and then sq_err is +Inf")
     return ds
 
 

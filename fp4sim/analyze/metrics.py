@@ -23,7 +23,7 @@ SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err"
 # NVFP4's g_amax window: a block whose amax b has 28672 * b < g_amax (28672 = 448 / 2^-6) gets a subnormal E4M3
 # scale (one with b > g_amax, possible only with a stale tensor amax, a saturated one)
 WINDOW = 28672.0
-BLOCK_FIELDS = ("row", "block", "scale_byte", "amax", "sq_err")
+BLOCK_FIELDS = ("row", "block", "scale_byte", "amax", "sq_err", "lost")
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,26 @@ def _scales(q, spec: SchemeSpec, c, acc: dict, scale_hist, scale_vals: list):
         scale_vals.append(np.exp2(s.astype(np.float64).ravel() - 127))
 
 
-def _block_records(q, spec: SchemeSpec, xm, eb, r0: int) -> dict:
+def _block_records(q, spec: SchemeSpec, xm, eb, r0: int, c, y) -> dict:
     """One chunk's per-block records (:data:`BLOCK_FIELDS`) from its block amaxes ``xm`` and squared errors ``eb``
-    (rows x blocks) and its quantization ``q``; ``r0``: the chunk's first row."""
+    (rows x blocks), its quantization ``q``, the chunk ``c`` and its dequantized values ``y``; ``r0``: the chunk's
+    first row. A block in which finite values come back Inf or NaN (``lost``: how many) has an unbounded error:
+    its ``sq_err`` is +Inf, as the tensor's mse is then (its other elements' errors are not a bound on it)."""
     nr, nbk = xm.shape
     sb = np.full((nr, nbk), -1, np.int16)
     if spec.fp4 or spec.scheme.startswith("mx"):
         sb[:] = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+    lost = np.isfinite(c) & ~np.isfinite(y)
+    if lost.any():
+        K = c.shape[1]
+        B = -(-K // nbk)
+        lost = np.pad(lost, ((0, 0), (0, nbk * B - K))).reshape(nr, nbk, B).sum(-1, dtype=np.int32)
+        eb = np.where(lost > 0, np.inf, eb)
+    else:
+        lost = np.zeros((nr, nbk), np.int32)
     return {"row": np.repeat(np.arange(r0, r0 + nr, dtype=np.int32), nbk),
             "block": np.tile(np.arange(nbk, dtype=np.int32), nr), "scale_byte": sb.ravel(),
-            "amax": xm.ravel().astype(np.float32), "sq_err": eb.ravel()}
+            "amax": xm.ravel().astype(np.float32), "sq_err": eb.ravel(), "lost": lost.ravel()}
 
 
 def _chunk_fused(c, q, spec: SchemeSpec, win, amax, acc: dict, code_hist, blk_errs: list, blocks, r0: int,
@@ -179,7 +189,7 @@ def _chunk_fused(c, q, spec: SchemeSpec, win, amax, acc: dict, code_hist, blk_er
         acc["win_out"] += int((ok & (xm * WINDOW < g)).sum())
         acc["dead"] += int(tot[ka.DEAD])
     if blocks is not None:
-        blocks.append(_block_records(q, spec, xm, eb, r0))
+        blocks.append(_block_records(q, spec, xm, eb, r0, c, y))
     acc["zero"] += int(tot[ka.ZERO])
     if spec.fp4:
         code_hist += hist.sum(0)
@@ -201,7 +211,8 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     for 16x16 and 128x128 tiles. ``amax``: the tensor's |x| max, when the caller has it already. ``blocks``: a
     list to which one dict of per-block arrays per row chunk is appended (:data:`BLOCK_FIELDS`: the segment's
     row and block index, its scale byte — E4M3 for NVFP4, UE8M0 for MX, -1 for schemes without byte scales —
-    its amax and its squared error; the tensor's squared error is their sum). ``shared``: a dict the caller
+    its amax, its squared error and how many of its finite values came back Inf or NaN (``lost``; such a block's
+    squared error is +Inf); the tensor's squared error is their sum). ``shared``: a dict the caller
     passes to every scheme of one tensor ``x`` (same ``chunk_elems``), where the scheme-independent sums are
     kept between the calls.
 
@@ -259,7 +270,7 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
             acc["win_out"] += int((ok & (xm * WINDOW < g)).sum())     # (b <= g holds: g is the current amax)
             acc["dead"] += int(((xa > 0) & (xa < xm[..., None] / 24.0)).sum())
         if blocks is not None:
-            blocks.append(_block_records(q, spec, xm, eb, r0))
+            blocks.append(_block_records(q, spec, xm, eb, r0, c, y))
         r0 += c.shape[0]
         if spec.fp4:
             codes = unpack_fp4(q.codes.reshape(c.shape[0], -1))
