@@ -107,10 +107,20 @@ def test_dask_worker_killed_mid_tensor_and_an_out_of_memory_tensor(tmp_path):
     with dask.config.set({"distributed.scheduler.allowed-failures": 2}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="700MiB",
                          dashboard_address=None) as cluster, Client(cluster) as client:
-        got = analyze([str(big)], client=client, schemes=["nvfp4"], quiet=True, hadamard=False)
+        got = analyze([str(big)], client=client, schemes=["nvfp4"], quiet=True, hadamard=False,
+                      resume=tmp_path / "parts")
     assert list(got.tensor.values) == ["small.weight"]
     sk = json.loads(got.attrs["skipped"])
     assert sk[0]["tensor"] == "huge.weight" and "killed every Dask worker" in sk[0]["reason"]
+    # the kill is not kept as the tensor's outcome: a resumed run (with more memory) analyses it again, where a
+    # kept skip would be read back; only small.weight's result is in the resume folder
+    import pickle
+    kept = []
+    for f in sorted((tmp_path / "parts").glob("*.pkl")):
+        with open(f, "rb") as fh:
+            stamp, (kind, _) = pickle.load(fh)
+        kept.append((stamp["name"], kind))
+    assert kept == [("small.weight", "result")]
 
 
 def _sharded(d: Path, n: int, shape=(256, 1024), per_shard=2):

@@ -315,3 +315,27 @@ def test_scales_written_in_the_padded_swizzled_layout_are_named(tmp_path):
     f = check_checkpoint(d, ref).tensors["proj"]["faults"]
     assert any("the block scales are compressed-tensors' rule (in bfloat16)'s in cuBLAS's swizzled 128x4 layout"
                in m for m in f), f
+
+
+def test_dequantized_float32_values_are_compressed_tensors_own(tmp_path):
+    """fp4sim's float32 dequantization of a compressed-tensors weight is compressed-tensors' own ``dequantize`` in
+    float32, bit for bit (``fl(scale / global_scale)``, then times the element): compared unrounded, where the
+    other order of the same operations, ``scale · fl(1 / global_scale)``, differs. The weight: MiniLM's FFN weight
+    in float32 times 1.065, a magnitude whose global scale separates the two orders."""
+    torch = torch_or_skip()
+    fwd = import_or_missing("compressed_tensors.quantization.lifecycle.forward")
+    from fp4sim.formats import E2M1, E4M3
+    from fp4sim.layout import unpack_fp4
+    h, scheme, comp = _ct()
+    w = torch.from_numpy(np.load(SAMPLE)[f"minilm.{D}.weight"] * np.float32(1.065))
+    sd = ct_compress(w)
+    d = write_ct(tmp_path / "ct", {f"{D}.{k}": v for k, v in sd.items()})
+    ours = dequantize_weight(read_checkpoint(d).weights[D], "compressed-tensors")
+    xq = torch.from_numpy(E2M1.values[unpack_fp4(sd["weight_packed"].numpy())].astype(np.float32))
+    theirs = fwd.dequantize(xq, sd["weight_scale"].float(), args=scheme.weights, dtype=torch.float32,
+                            global_scale=sd["weight_global_scale"]).numpy()
+    assert theirs.dtype == np.float32 and ours.view(np.uint32).tobytes() == theirs.view(np.uint32).tobytes()
+    s = E4M3.values[sd["weight_scale"].view(torch.uint8).numpy()].astype(np.float32)
+    g = np.float32(sd["weight_global_scale"].item())
+    other = (xq.numpy().reshape(*s.shape, 16) * (s * (np.float32(1) / g))[:, :, None]).reshape(ours.shape)
+    assert (other.astype(np.float32) != ours).sum() > 100

@@ -235,6 +235,38 @@ def test_the_operation_order_is_the_kernels():
     assert got == e_want[0, 33] and got != fs.E2M1.values[fs.encode(np.array([f(xe / dec)], f), fs.E2M1)[0]]
 
 
+def test_the_block_scale_multiplier_is_s_enc_times_the_rounded_sixth():
+    """The block-scale multiplier is fl(s_enc · fl(1/6)), the source's constant, not fl(s_enc / 6): at a tensor amax
+    of 7.1 the two multipliers differ by an ulp, and a block amax placed on a UE5M3 midpoint between them gets the
+    byte of the first, as the oracle (the rule in torch) says."""
+    f = np.float32
+    amax = f(7.1)
+    s_enc = f(f(2688.0) / amax)
+    m_src, m_div = f(s_enc * f(1.0 / 6.0)), f(s_enc / f(6.0))
+    assert m_src != m_div
+    v = UE5M3.finite_values
+    found = None
+    for m in ((v[:-1] + v[1:]) / 2)[40:220].astype(np.float32):
+        b0 = f(m / m_src)
+        for k in range(-4, 5):
+            b = f(b0 + k * np.spacing(b0))
+            c1 = fs.encode(np.array([f(b * m_src)], f), UE5M3)[0]
+            c2 = fs.encode(np.array([f(b * m_div)], f), UE5M3)[0]
+            if c1 != c2 and b < amax:
+                found = (b, c1, c2)
+                break
+        if found:
+            break
+    assert found is not None
+    b, c_src, c_div = found
+    x = np.zeros((1, 32), f)
+    x[0, 0], x[0, 16] = amax, b
+    q = fs.quantize(x, "nvfp4_ue5m3")
+    s_want, _ = oracle(x, 1, 448.0, True)
+    assert UE5M3.values[q.scales[0, 1]] == s_want[0, 1] == UE5M3.values[c_src]
+    assert q.scales[0, 1] != c_div
+
+
 def test_bad_input_is_refused_naming_it():
     x = np.ones((4, 32), np.float32)
     for g in (np.nan, -1.0):

@@ -365,6 +365,20 @@ def test_suggest_high_precision_orders_its_errors_worst_first():
     assert list(err)[-1] == "0" and list(err) != [str(i) for i in range(5)]      # not the module order
 
 
+def test_suggest_high_precision_keeps_the_nearest_count_of_layers():
+    """The count kept is fraction x layers rounded to the nearest whole number (halves to even, as Python's
+    round), at least one: 5 layers x 0.35 = 1.75 keeps 2 and x 0.7 = 3.5 keeps 4, where rounding down would keep 1
+    and 3; x 0.5 = 2.5 keeps 2, where rounding up would keep 3; x 0.05 keeps 1."""
+    torch = pytest.importorskip("torch")
+    from fp4sim.torch import convert, suggest_high_precision
+    torch.manual_seed(2)
+    m = convert(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(5)]), "nvfp4_paper", quantize_head=True)
+    x = torch.randn(64, 32)
+    for fraction, n in ((0.35, 2), (0.7, 4), (0.5, 2), (0.05, 1), (1.0, 5)):
+        keep, err = suggest_high_precision(m, lambda: m(x).pow(2).mean().backward(), fraction=fraction)
+        assert len(keep) == n and keep == list(err)[:n], (fraction, keep)
+
+
 def test_dump_linear_tensors_saves_a_shared_input_once(tmp_path):
     """q / k / v take the same tensor: it is saved once (as q's input), and the dump's __meta__ pairs k and v
     with it, so analyze still runs the weight-gradient study of all three."""

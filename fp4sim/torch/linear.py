@@ -507,7 +507,8 @@ class _StatsLog:
 def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0.15, steps: int = 1):
     """Rank the QuantLinear layers by the relative error of their quantized weight-gradient GEMM (against the
     float32 product of the same operands) over ``steps`` calls of ``batch_fn()`` (a forward and backward pass),
-    and propose the worst ``fraction`` for high precision — the diagnostic the paper suggests (its App. E.2).
+    and propose the worst ``fraction`` for high precision — the diagnostic the paper suggests (its App. E.2): the
+    nearest whole number of layers to ``fraction`` x their count (halves to even, as ``round``), at least one.
     Returns ``(names to keep, {name: relative Wgrad error})``, the dict ordered worst first (its first entries are
     the names to keep); the model's gradients are left as they were."""
     if not 0 < fraction <= 1:
