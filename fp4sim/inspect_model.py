@@ -55,6 +55,12 @@ def _load(model_dir: Path):
     transformers.utils.logging.disable_progress_bar()
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a folder (give a Hugging Face model folder: config.json and weights)")
+    from .checkpoint import is_checkpoint
+    if is_checkpoint(model_dir):
+        raise BadInput(f"{model_dir}: an NVFP4 checkpoint (ModelOpt or compressed-tensors export); fp4sim inspect "
+                       "takes the high-precision model it was made from and quantizes it itself. Check the "
+                       "checkpoint with python -m fp4sim.validate checkpoint DIR --reference HIGH_PRECISION_DIR, or "
+                       "analyse its stored values with python -m fp4sim.analyze DIR")
     ggufs = sorted(model_dir.glob("*.gguf"))
     kw = dict(local_files_only=True)
     if not (model_dir / "config.json").is_file():

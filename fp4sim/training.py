@@ -396,6 +396,11 @@ class Recipe:
                                  "preset such as 'nvfp4_paper'")
             for op in hit:
                 ops[op] = rep(ops[op], four_over_six=sw["four_over_six"])
+        if sw.get("scale_format") == "ue5m3" and sw.get("per_token"):
+            raise ValueError("per_token=True with scale_format='ue5m3': fp4sim's per-row (per-token) outer scale is an "
+                             "option of NVFP4's E4M3 block scales; UE5M3 block scales take one tensor scale "
+                             "(per_tensor_scale=True) or none (False), their range being wide enough without it. "
+                             "Choose one of the two switches")
         if sw.get("scale_format") == "ue5m3":
             hit = [op for op in OPERANDS if ops[op].scheme == "nvfp4"]
             if not hit:

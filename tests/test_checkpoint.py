@@ -128,6 +128,11 @@ def _fault(mo, kind):
     elif kind == "swizzled scales":
         s = t[f"{D}.weight_scale"].view(torch.uint8).numpy()
         t[f"{D}.weight_scale"] = torch.from_numpy(np.asarray(swizzle_scales(s))).view(torch.float8_e4m3fn)
+    elif kind == "transposed scales":                   # scales.T's bytes in the linear layout's shape
+        s = t[f"{D}.weight_scale"]
+        t[f"{D}.weight_scale"] = s.t().contiguous().reshape(s.shape)
+    elif kind == "transposed scale shape":              # scales.T stored as it is: (blocks, rows)
+        t[f"{D}.weight_scale"] = t[f"{D}.weight_scale"].t().contiguous()
     elif kind == "one binade off":
         s = t[f"{Q}.weight_scale"].view(torch.uint8).clone()
         s[3, 5] += 8
@@ -144,6 +149,8 @@ FAULTS = {   # fault -> (the tensor named, a phrase of its message, needs the re
     "global scale inverted": (Q, "looks inverted", False),
     "half-size scales": (Q, "half of the 384 x 24", False),
     "swizzled scales": (D, "swizzled", False),
+    "transposed scales": (D, "looks transposed", False),
+    "transposed scale shape": (D, "the transpose of the (1536, 24) rows x blocks layout", False),
     "one binade off": (Q, "the scale bytes of 1 blocks are one binade high", True),
     "missing global scale": (D, "no tensor scale", False),
 }

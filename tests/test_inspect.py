@@ -143,7 +143,13 @@ def test_bad_inputs_get_one_line_and_exit_2(models, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "noconfig").mkdir()
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
+    nv = tmp_path / "nvfp4_export"                    # a ModelOpt NVFP4 export's config files beside the model's
+    nv.mkdir()
+    for f in llama.glob("*.json"):
+        (nv / f.name).write_text(f.read_text())
+    (nv / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4", "group_size": 16}}')
     cases = [
+        ((nv, "--text", text), "takes the high-precision model it was made from"),
         ((tmp_path / "noconfig", "--text", text), "no config.json"),
         ((tmp_path / "nowhere", "--text", text), "not a folder"),
         ((llama, "--text", tmp_path / "empty.txt"), "the file is empty"),

@@ -106,6 +106,24 @@ def _looks_swizzled(sc) -> bool:
     return _structure(un) < 0.93 * _structure(lin)
 
 
+def _log2_scales(sc):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.log2(_decode_scales(sc))
+    v[~np.isfinite(v)] = np.nan
+    return v
+
+
+def _looks_transposed(sc) -> bool:
+    """Scale bytes of the linear shape (rows, blocks) that show much more structure when read as the transpose
+    of a (blocks, rows) matrix: the bytes of ``scales.T`` written with the linear layout's shape. Real weights
+    have per-row and per-column magnitudes: MiniLM's FFN weight 0.83 read right against 0.95 transposed; its
+    query weight only 0.59 against 0.63, which stays below this threshold (the reference comparison names it)."""
+    R, B = sc.shape
+    if R == B or R * B < 512 or min(R, B) < 4:
+        return False
+    return _structure(_log2_scales(sc.reshape(B, R).T)) < 0.93 * _structure(_log2_scales(sc))
+
+
 def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list, float | None]:
     """(faults, notes, the largest block scale (None where the scales cannot be read))."""
     kc, ks, kg, _ = KEYS[fmt]
@@ -125,7 +143,10 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list, float | None]:
         faults.append(f"no block scales ({w.name}.{ks})")
     else:
         want = R * nb
-        if sc.size == want and sc.shape != (R, nb):
+        if sc.size == want and sc.shape == (nb, R) and R != nb:
+            faults.append(f"{ks} has shape ({nb}, {R}): blocks x rows, the transpose of the ({R}, {nb}) rows x "
+                          "blocks layout checkpoints store (a scale matrix written transposed)")
+        elif sc.size == want and sc.shape != (R, nb):
             notes.append(f"{ks} has shape {tuple(sc.shape)}, read as ({R}, {nb})")
         if sc.size == want // 2 and want % 2 == 0:
             faults.append(f"{ks} holds {sc.size} bytes, half of the {R} x {nb} = {want} that {R} rows of {K} "
@@ -149,6 +170,10 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list, float | None]:
                 if _looks_swizzled(sc):
                     faults.append(f"{ks} looks swizzled: read in cuBLAS's 128x4 layout its rows and columns are far "
                                   "more coherent than read as rows x blocks (a swizzled copy written as linear)")
+                elif sc.shape == (R, nb) and _looks_transposed(sc):
+                    faults.append(f"{ks} looks transposed: its bytes read as blocks x rows ({nb} x {R}) and "
+                                  "transposed have far more coherent rows and columns than read as rows x blocks (a "
+                                  "transposed scale matrix written in the linear layout's shape)")
     if w.tensor_scale is None:
         faults.append(f"no tensor scale ({w.name}.{kg}): the weight cannot be dequantized (an MoE expert that lost "
                       "its global scale?)")
