@@ -45,22 +45,34 @@ def _import(order: str):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--json")
-    ap.add_argument("--only", choices=("gemm", "step"), help="only part 1 (gemm) or part 2 (step)")
-    ap.add_argument("--model", choices=("tiny", "paper"), default="tiny")
-    ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise")
-    ap.add_argument("--general", action="store_true", help="also time the general path (fast path off)")
-    ap.add_argument("--sizes", default="128x32,64x64", help="d_model x sequences of 128 tokens (--model paper)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="calls per timing, the best kept (default 3); each ratio's sides alternate over 3 rounds")
+    ap.add_argument("--d-model", type=int, default=256, help="--model tiny: the model width (default 256)")
+    ap.add_argument("--json", help="write the ratios (and, --model paper, tokens/s) to this JSON file")
+    ap.add_argument("--only", choices=("gemm", "step"), help="--model tiny: only part 1 (gemm) or part 2 (step)")
+    ap.add_argument("--model", choices=("tiny", "paper"), default="tiny",
+                    help="tiny (default): fs.gemm at 1024^3 and a 2-block transformer's forward + backward; paper: "
+                         "paper_repro's GPT, the whole AdamW step")
+    ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise",
+                    help="--model paper: comma-separated Recipe presets to time, each optionally with switches as "
+                         "PRESET:KEY=VALUE[:KEY=VALUE] (e.g. nvfp4_paper:scale_format=ue5m3, "
+                         "nvfp4_paper:delayed_amax=16) (default: %(default)s)")
+    ap.add_argument("--general", action="store_true",
+                    help="--model paper: also time each preset with the fast path off (the general path), in the "
+                         "same rounds")
+    ap.add_argument("--sizes", default="128x32,64x64",
+                    help="--model paper: comma-separated D_MODELxSEQUENCES, each sequence 128 tokens (default "
+                         "%(default)s)")
     ap.add_argument("--accumulate", choices=("fast", "exact", "hopper", "hopper_fast_accum"), default="fast",
-                    help="the recipes' GEMM rule (--model paper)")
+                    help="--model paper: the recipes' GEMM rule (default fast)")
     ap.add_argument("--keep-last", type=int, default=0,
-                    help="blocks at the end kept in BF16 (--model paper; paper_repro's full mode keeps 1)")
+                    help="--model paper: blocks at the end kept in BF16 (default 0; paper_repro's full mode keeps 1)")
     ap.add_argument("--import-order", help="--model paper: comma-separated orders among torch, numpy, fp4sim, "
-                    "each timed in a fresh process against a process without fp4sim")
-    ap.add_argument("--rounds", type=int, default=2, help="--import-order: rounds of the processes")
+                    "each timed in a fresh process against a process without fp4sim; a line per process as it "
+                    "finishes and the ratios after every round")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="--import-order: rounds of the processes, best time kept (default 2)")
     ap.add_argument("--child", choices=tuple(ORDERS), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.import_order:
@@ -128,8 +140,16 @@ def import_orders(a):
     args = ["--model", "paper", "--repeat", str(a.repeat), "--sizes", a.sizes, "--presets", a.presets,
             "--accumulate", a.accumulate, "--keep-last", str(a.keep_last)]
     best: dict = {}
-    for _ in range(a.rounds):
+    import time
+    n = a.rounds * (len(orders) + 1)
+    i = 0
+    t_start = time.perf_counter()
+    for r in range(a.rounds):
         for order in ["none"] + orders:
+            i += 1
+            t0 = time.perf_counter()
+            print(f"[{i}/{n}] round {r + 1}/{a.rounds}: the {order if order != 'none' else 'fp4sim-free'}"
+                  f"{'-first' if order != 'none' else ''} process ...", end="", flush=True, file=sys.stderr)
             out = subprocess.run([sys.executable, __file__, *args, "--child", order], capture_output=True,
                                  text=True)
             if out.returncode:
@@ -138,6 +158,18 @@ def import_orders(a):
             for key, t in got["time"].items():
                 k = (order, key)
                 best[k] = min(best.get(k, float("inf")), t)
+            el = time.perf_counter() - t_start
+            print(f" {time.perf_counter() - t0:.0f} s (about {el / i * (n - i):.0f} s left)", flush=True,
+                  file=sys.stderr)
+        if r + 1 < a.rounds:
+            print(f"after round {r + 1} of {a.rounds} (best so far):", flush=True)
+            _order_table(a, orders, best)
+    print(f"after {a.rounds} round{'s' * (a.rounds > 1)}:", flush=True)
+    return _order_table(a, orders, best)
+
+
+def _order_table(a, orders, best):
+    """Print and return the ratios to the fp4sim-free process's plain step, from the best times so far."""
     res = {"baseline_plain_s": {}, "orders": {}}
     for size in a.sizes.split(","):
         d, B = (int(v) for v in size.split("x"))
@@ -145,7 +177,7 @@ def import_orders(a):
         t0 = best[("none", f"d{d}_B{B}_plain")]
         res["baseline_plain_s"][size] = t0
         print(f"d_model {d}, {B} x 128 tokens: plain float32 step without fp4sim in the process {t0 * 1e3:.1f} ms "
-              f"({tok / t0:.0f} tokens/s)")
+              f"({tok / t0:.0f} tokens/s)", flush=True)
         for order in orders:
             tp = best[(order, f"d{d}_B{B}_plain")]
             row = {"plain": tp / t0}
@@ -159,6 +191,21 @@ def import_orders(a):
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return res
+
+
+def _preset_spec(spec: str):
+    """("nvfp4_paper", {"scale_format": "ue5m3"}) from "nvfp4_paper:scale_format=ue5m3" (values read as Python
+    literals where they are one, else as strings)."""
+    import ast
+    name, *kvs = spec.split(":")
+    sw = {}
+    for kv in kvs:
+        k, _, v = kv.partition("=")
+        try:
+            sw[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            sw[k] = v
+    return name, sw
 
 
 def paper_steps(a):
@@ -205,12 +252,12 @@ def paper_steps(a):
             if a.child == "none":
                 continue
             for preset in a.presets.split(","):
-                f = step_fn(build(c, make_recipe(preset, {}, a.keep_last, 0, a.accumulate), 0))
+                f = step_fn(build(c, make_recipe(*_preset_spec(preset), a.keep_last, 0, a.accumulate), 0))
                 out["time"][f"d{d}_B{B}_{preset}"] = best(f, a.repeat)
                 out["time"][f"d{d}_B{B}_plain"] = min(out["time"][f"d{d}_B{B}_plain"], best(base, a.repeat))
             continue
         for preset in a.presets.split(","):
-            rec = make_recipe(preset, {}, a.keep_last, 0, a.accumulate)
+            rec = make_recipe(*_preset_spec(preset), a.keep_last, 0, a.accumulate)
             fns = [base, step_fn(build(c, rec, 0))]
             if a.general:
                 fns.append(step_fn(build(c, rec, 0), fast=False))

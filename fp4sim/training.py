@@ -22,7 +22,12 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Operand", "Recipe", "PRESETS", "OPERANDS", "presets_markdown"]
+__all__ = ["Operand", "Recipe", "PRESETS", "OPERANDS", "presets_markdown", "SlowPathWarning"]
+
+
+class SlowPathWarning(UserWarning):
+    """A recipe whose operands cannot take the fused fast-path kernels (``accumulate="fast"``): its training
+    steps run several times slower than the presets' (:meth:`Recipe.general_path_operands` says which and why)."""
 
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w": "dgrad", "wgrad_x": "wgrad",
@@ -288,6 +293,21 @@ class Recipe:
         """The recipe the backward GEMMs run under: this one, or with ``backward_override`` set the high-precision
         recipe (on the original or the dequantized forward operands, which :mod:`fp4sim.emulate` chooses)."""
         return self if self.backward_override is None else self.high_precision_recipe()
+
+    def general_path_operands(self) -> dict:
+        """``{operand: why}`` for the operands that ``accumulate="fast"`` quantizes through the general path
+        (``fake_quantize``, the planning layer) instead of a fused fast-path kernel (:mod:`fp4sim.fastpath`): UE5M3
+        block scales (no fused kernel), and every operand of a recipe with a delayed or history amax (the fast
+        path reads the current amax only). The values are the same bits either way; the step is slower (see
+        docs/training.md for the measured factors). Empty unless ``accumulate`` is ``"fast"``."""
+        if self.accumulate != "fast":
+            return {}
+        held = sorted({getattr(self, op).amax for op in OPERANDS} - {"current"})
+        if held:
+            why = f"a {' / '.join(held)} amax: the fast path reads the current amax, so every operand takes the general path"
+            return {op: why for op in OPERANDS if getattr(self, op).quantized}
+        return {op: "UE5M3 block scales have no fused fast-path kernel" for op in OPERANDS
+                if getattr(self, op).scheme == "nvfp4_ue5m3"}
 
     def high_precision_recipe(self) -> "Recipe":
         """The recipe a kept layer runs under."""

@@ -288,3 +288,41 @@ def test_bad_input_is_refused_naming_it():
         q = fs.quantize(xn, "nvfp4_ue5m3")
     assert fs.layout.unpack_fp4(q.codes)[0, 0] == 7 and q.global_amax == 1.0     # +6, as E2M1 encodes NaN;
     assert np.isfinite(fs.dequantize(q)).all()                                   # NaN left out of the amax
+
+
+def test_convert_says_which_operands_take_the_general_path():
+    """UE5M3 block scales and a held amax have no fused fast-path kernel: convert warns (SlowPathWarning) naming
+    the operands, and they are the ones fp4sim.emulate sends to the general path; the presets themselves and
+    non-fast accumulation convert silently."""
+    import warnings
+
+    torch = torch_or_skip()
+    from fp4sim import emulate, fastpath
+    from fp4sim.torch import convert
+    from fp4sim.training import OPERANDS, Recipe, SlowPathWarning
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+
+    ue = Recipe.preset("nvfp4_paper", scale_format="ue5m3", accumulate="fast")
+    with pytest.warns(SlowPathWarning, match="UE5M3 block scales") as w:
+        convert(model(), ue, quantize_head=True)
+    assert len(w) == 1
+    slow = ue.general_path_operands()
+    assert set(slow) == set(OPERANDS)                  # all six of nvfp4_paper's operands are NVFP4
+    for op in OPERANDS:
+        kind = fastpath.operand_plan(getattr(ue, op), (64, 32), 1).kind
+        assert (kind == "general") == (op in slow), op
+    half = Recipe.preset("nvfp4_paper", scale_format="ue5m3", accumulate="fast",
+                         fprop_w=Recipe.preset("nvfp4_paper").fprop_w)
+    assert "fprop_w" not in half.general_path_operands() and "fprop_x" in half.general_path_operands()
+    held = Recipe.preset("nvfp4_paper", delayed_amax=16, accumulate="fast")
+    with pytest.warns(SlowPathWarning, match="delayed amax"):
+        convert(model(), held, quantize_head=True)
+    assert set(held.general_path_operands()) == set(OPERANDS)
+    x = np.zeros((4, 32), np.float32)
+    assert not emulate._fast(held, None, x) and emulate._fast(Recipe.preset("nvfp4_paper", accumulate="fast"), None, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)
+        convert(model(), Recipe.preset("nvfp4_paper", accumulate="fast"), quantize_head=True)
+        convert(model(), Recipe.preset("nvfp4_paper", scale_format="ue5m3"), quantize_head=True)    # exact rule

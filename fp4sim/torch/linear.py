@@ -395,6 +395,14 @@ def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=()
     _unmatched(keep_high_precision, names, "keep_high_precision")
     _unmatched(recipe.keep, names, f"recipe {recipe.name!r}: keep glob")
     n_blocks = _n_blocks(recipe, names)
+    slow = recipe.general_path_operands() if not recipe.identity else {}
+    if slow:
+        from ..training import SlowPathWarning
+        whys = sorted(set(slow.values()))
+        warnings.warn(f"recipe {recipe.name!r}: {', '.join(slow)} take fp4sim's general path ({'; '.join(whys)}); "
+                      "the bits are the same, a training step several times slower than the presets' (see "
+                      "docs/training.md, 'Speed'). Filter fp4sim.training.SlowPathWarning to silence this",
+                      SlowPathWarning, stacklevel=2)
     for i, (name, lin) in enumerate(lins):
         kept = (recipe.keeps(name, n_blocks) or any(fnmatch.fnmatchcase(name, g) for g in keep_high_precision)
                 or (not quantize_head and is_output_head(model, name, lin)))
