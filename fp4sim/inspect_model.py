@@ -81,6 +81,8 @@ def _load(model_dir: Path):
         raise BadInput(f"{model_dir}: transformers cannot read its configuration ({str(e).splitlines()[0]})") \
             from None
     archs = " ".join(getattr(cfg, "architectures", None) or [])
+    tq = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"           # transformers' GGUF conversion bar (a tqdm of its own)
     try:
         if "CausalLM" in archs or "gguf_file" in kw or getattr(cfg, "is_decoder", False) and "Masked" not in archs:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="float32", **kw)
@@ -90,6 +92,11 @@ def _load(model_dir: Path):
             kind = "encoder"
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{model_dir}: the model does not load offline ({str(e).splitlines()[0]})") from None
+    finally:
+        if tq is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = tq
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), **kw)
     except Exception as e:  # noqa: BLE001
@@ -155,7 +162,7 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
 
     from .analyze.studies import kurtosis, outliers
     from .quantize import fake_quantize, rht
-    from .torch import QuantLinear, collect_stats, convert, gradient_fidelity, suggest_high_precision
+    from .torch import QuantLinear, collect_stats, convert, gradient_fidelity, rank_high_precision, wgrad_errors
     from .training import Recipe
     progress = progress or (lambda what: None)
     model_dir, text_file = Path(model_dir), Path(text_file)
@@ -174,21 +181,22 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
         rec = Recipe.preset(recipe, seed=seed, accumulate=accumulate) if isinstance(recipe, str) else recipe
     except ValueError as e:
         raise BadInput(f"--recipe: {e}") from None
-    progress("loading the model")
     model, tok, kind = _load(model_dir)
+    progress("model loaded")
     ctx = _context(model)
     if ctx is not None and seq_len > ctx:
         raise BadInput(f"--seq-len {seq_len}: longer than the model's context ({ctx} positions)")
     data, reps = _batches(tok, text, batches, batch_size, seq_len)
+    # a layer the loss does not reach (a BERT pooler under mean pooling) has no weight gradient to inspect: found
+    # in one float32 pass of the model as loaded, it is left as the plain nn.Linear it is, and listed as unused
+    model.zero_grad(set_to_none=True)
+    _loss(model, kind, data[0]).backward()
+    unused = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.grad is None]
+    model.zero_grad(set_to_none=True)
     try:
         convert(model, rec)
     except ValueError as e:                 # no nn.Linear at all, a keep glob that matches nothing
         raise BadInput(f"{model_dir}: {e}") from None
-    # a layer the loss does not reach (a BERT pooler under mean pooling) has no weight gradient to inspect: it is
-    # put back as the plain nn.Linear it was (sharing its parameters), and listed as unused
-    model.zero_grad(set_to_none=True)
-    _loss(model, kind, data[0]).backward()
-    unused = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.weight.grad is None]
     for n in unused:
         q = model.get_submodule(n)
         lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
@@ -198,53 +206,53 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise BadInput(f"{model_dir}: no linear layer takes part in the loss")
-    for _, m in layers:
-        m._calls = 0                       # the probe pass leaves the stochastic-rounding calls where they were
-    model.zero_grad(set_to_none=True)
     names = [n for n, _ in layers]
     torch.manual_seed(seed)
-
-    def step(i):
-        def fn():
-            model.zero_grad(set_to_none=True)
-            _loss(model, kind, data[i]).backward()
-        return fn
-
-    # forward error of the operands, over every batch
-    progress("operand errors")
-    with collect_stats(model) as log:
-        losses = []
-        for i in range(batches):
-            model.zero_grad(set_to_none=True)
-            loss = _loss(model, kind, data[i])
-            loss.backward()
-            losses.append(float(loss.detach()))
-    stats = log.dataset()
-    # gradient fidelity per batch
+    # one quantized and one float32 pass per batch (gradient_fidelity's two runs), and every study reads them:
+    # the operand errors (collect_stats) and the Wgrad GEMM errors (wgrad_errors) log the quantized pass, the
+    # inputs and output gradients of the first batch's quantized pass are kept for the outlier and RHT studies.
+    # Batch i draws its stochastic rounding at call count i, as the i-th step of a run would.
     snr = np.full((len(names), batches), np.nan)
     cos = np.full((len(names), batches), np.nan)
-    for i in range(batches):
-        progress(f"gradient fidelity, batch {i + 1} of {batches}")
-        g = gradient_fidelity(model, step(i))
-        order = [names.index(str(n)) for n in g.layer.values]
-        snr[order, i] = g.snr.values
-        cos[order, i] = g.cosine.values
-    # the ranking and the recommendation
-    progress("ranking the layers")
-    keep, rel = suggest_high_precision(model, step(0), fraction=fraction)
-    # inputs and output gradients of the first batch: outliers and the Wgrad RHT
-    progress("outliers and the RHT on the Wgrad operands")
+    losses, losses_ref = [], []
     cap = {}
-    hooks = []
-    for n, m in layers:
-        hooks.append(m.register_forward_hook(lambda mod, inp, out, n=n: cap.__setitem__((n, "x"), inp[0].detach())))
-        hooks.append(m.register_full_backward_hook(lambda mod, gin, gout, n=n: cap.__setitem__((n, "dy"),
-                                                                                               gout[0].detach())))
-    model.zero_grad(set_to_none=True)
-    _loss(model, kind, data[0]).backward()
-    for h in hooks:
-        h.remove()
-    model.zero_grad(set_to_none=True)
+    with collect_stats(model) as log, wgrad_errors(model) as werr:
+        for i in range(batches):
+            runs = []
+
+            def fn(i=i, runs=runs):
+                quantized = not runs                 # gradient_fidelity runs the model as it is, then in float32
+                runs.append(quantized)
+                hooks = []
+                if quantized and i == 0:
+                    for n, m in layers:
+                        hooks.append(m.register_forward_hook(
+                            lambda mod, inp, out, n=n: cap.__setitem__((n, "x"), inp[0].detach())))
+                        hooks.append(m.register_full_backward_hook(
+                            lambda mod, gin, gout, n=n: cap.__setitem__((n, "dy"), gout[0].detach())))
+                try:
+                    model.zero_grad(set_to_none=True)
+                    loss = _loss(model, kind, data[i])
+                    loss.backward()
+                finally:
+                    for h in hooks:
+                        h.remove()
+                (losses if quantized else losses_ref).append(float(loss.detach()))
+
+            g = gradient_fidelity(model, fn)
+            order = [names.index(str(n)) for n in g.layer.values]
+            snr[order, i] = g.snr.values
+            cos[order, i] = g.cosine.values
+            for _, m in layers:
+                m._calls += 1                        # gradient_fidelity restored it: the next batch is the next call
+            progress(f"batch {i + 1} of {batches} done")
+    stats = log.dataset()
+    keep, rel = rank_high_precision(werr, fraction)
+    rel_b = np.full((len(names), batches), np.nan)     # the Wgrad GEMM error of each batch
+    for j, n in enumerate(names):
+        for i, (e, r) in enumerate(werr[n][:batches]):
+            rel_b[j, i] = (e / r) ** 0.5 if r > 0 else 0.0
+    # inputs and output gradients of the first batch: outliers and the Wgrad RHT
     n_out = np.zeros(len(names), np.int64)
     kurt = np.full(len(names), np.nan)
     rht_err = np.full((len(names), 2, 2), np.nan)        # layer, operand (x, dy), rht (no, yes)
@@ -264,6 +272,8 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
                 y = fake_quantize(b, "nvfp4", axis=0)           # one fused pass
                 rht_err[j, k, r] = float(np.mean((y.astype(np.float64) - b.astype(np.float64)) ** 2)) / ms if ms \
                     else np.nan
+    cap.clear()
+    progress("outlier and RHT studies done")
     blocks = {n: rec.block_of(n) for n in names}
     nb = max((b for b in blocks.values() if b is not None), default=-1) + 1
     n_last = max(1, math.ceil(0.15 * nb)) if nb else 0
@@ -281,6 +291,7 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
          "outlier_channels": ("layer", n_out), "input_kurtosis": ("layer", kurt),
          "wgrad_rel_mse": (("layer", "wgrad_operand", "rht"), rht_err),
          "wgrad_gemm_rel_error": ("layer", np.array([rel[n] for n in names])),
+         "wgrad_gemm_rel_error_batch": (("layer", "batch"), rel_b),
          "recommended": ("layer", np.array([n in keep for n in names])),
          "paper_rule": ("layer", np.array([n in paper for n in names])),
          "block": ("layer", np.array([-1 if blocks[n] is None else blocks[n] for n in names])),
@@ -296,11 +307,13 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
         "model": str(model_dir), "kind": kind, "loss": ds.attrs["loss"], "recipe": rec.name,
         "arguments": {"text": str(text_file), "batches": batches, "batch_size": batch_size, "seq_len": seq_len,
                       "fraction": fraction, "seed": seed, "accumulate": rec.accumulate},
-        "text_repeated": reps, "losses": losses, "versions": _versions(), "unused_layers": unused,
+        "text_repeated": reps, "losses": losses, "losses_float32": losses_ref, "versions": _versions(),
+        "unused_layers": unused,
         "layers": [{"name": n, "block": blocks[n], "kind": _kind_of(n), "snr": _num(ds.snr_mean.values[j]),
                     "snr_spread": _num(ds.snr_spread.values[j]), "cosine": _num(ds.cosine_mean.values[j]),
                     "rel_mse": {o: _num(ds.rel_mse.values[j, k]) for k, o in enumerate(ops)},
                     "outlier_channels": int(n_out[j]), "wgrad_gemm_rel_error": _num(rel[n]),
+                    "wgrad_gemm_rel_error_spread": _num(np.std(rel_b[j])) if batches > 1 else None,
                     "wgrad_rel_mse": {"x": _num(rht_err[j, 0, 0]), "x_rht": _num(rht_err[j, 0, 1]),
                                       "dy": _num(rht_err[j, 1, 0]), "dy_rht": _num(rht_err[j, 1, 1])},
                     "recommended": n in keep, "paper_rule": n in paper, "flops_share": flops[n] / total}
@@ -310,7 +323,59 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
         "overlap_with_paper_rule": sorted(set(keep) & set(paper)),
         "below_sqrt3": [n for j, n in enumerate(names) if ds.snr_mean.values[j] < math.sqrt(3.0)],
     }
+    summary["verdict"] = verdict(names, rel, rel_b, keep, losses, losses_ref, share, len(summary["below_sqrt3"]))
     return ds, summary
+
+
+def verdict(names, rel, rel_b, keep, losses, losses_ref, share, n_below) -> dict:
+    """What the numbers decide, as the report's first section says it.
+
+    Per layer the ranking's measure, the Wgrad GEMM relative error pooled over the batches (``rel``), and its
+    per-batch values (``rel_b``, layer x batch): their standard error ``se = sd / sqrt(batches)``. A layer is a
+    *clear outlier* when even ``rel - 2 se`` lies above the bulk of the layers, ``median + 3 x 1.4826 MAD`` of
+    the pooled errors. A recommended layer is *resolved* when ``rel - 2 se`` lies above ``rel + 2 se`` of every
+    layer left out; the others rank within the batch-to-batch noise of the cutoff. The loss: each batch's loss
+    under the recipe against the same batch's float32 loss (gradient_fidelity's reference pass); ``share``: the
+    share of the linear FLOPs a list of layers holds. Which list to
+    follow: the resolved recommendation where all of it is resolved; the clear outliers plus the paper's rule
+    where only some layers stand out; the paper's rule where none does (the ranking has no evidence to pick
+    layers there)."""
+    n_b = rel_b.shape[1]
+    r = np.array([rel[n] for n in names])
+    se = np.nanstd(rel_b, axis=1) / math.sqrt(n_b) if n_b > 1 else np.full(len(names), np.nan)
+    med = float(np.median(r))
+    mad = float(1.4826 * np.median(np.abs(r - med)))
+    bulk = med + 3 * mad
+    lo, hi = r - 2 * np.nan_to_num(se), r + 2 * np.nan_to_num(se)
+    idx = {n: j for j, n in enumerate(names)}
+    outliers = [n for n in sorted(names, key=lambda n: -rel[n]) if n_b > 1 and lo[idx[n]] > bulk]
+    left = [j for j, n in enumerate(names) if n not in keep]
+    top_left = float(max(hi[left])) if left else -math.inf
+    resolved = [n for n in keep if n_b > 1 and lo[idx[n]] > top_left]
+    d = np.array(losses) - np.array(losses_ref)
+    loss = {"recipe": float(np.mean(losses)), "float32": float(np.mean(losses_ref)), "difference": float(np.mean(d)),
+            "difference_se": float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None,
+            "batches": len(d)}
+    if n_b < 2:
+        follow, why = "paper_rule", ("one batch gives no spread, so no layer can be told apart from the noise: run "
+                                     "--batches 2 or more; until then the paper's rule")
+    elif keep and len(resolved) == len(keep):
+        follow, why = "recommendation", (f"all {len(keep)} recommended layers stand above every layer left out "
+                                         "beyond the batch-to-batch spread")
+    elif outliers:
+        within = len(keep) - len(resolved)
+        follow, why = "outliers_and_paper_rule", (
+            f"{len(outliers)} layer{'s' * (len(outliers) > 1)} stand{'s' * (len(outliers) == 1)} out from the "
+            f"bulk beyond the batch-to-batch spread and should stay in BF16; {within} of the {len(keep)} "
+            "recommended layers rank within noise of the layers left out, so the recommendation beyond the "
+            "outliers is no better evidence than the paper's rule, which the paper validated at scale")
+    else:
+        follow, why = "paper_rule", ("no layer's Wgrad error stands out from the others beyond the batch-to-batch "
+                                     "spread: the ranking cannot pick layers on this evidence (more --batches may "
+                                     "resolve it), so the paper's rule, validated at scale by the paper")
+    return {"clear_outliers": outliers, "resolved": resolved, "within_noise": [n for n in keep if n not in resolved],
+            "bulk": {"median": med, "robust_sd": mad, "threshold": bulk}, "loss": loss, "follow": follow,
+            "why": why, "below_sqrt3": n_below, "layers": len(names), "flops_share_outliers": share(outliers)}
 
 
 def _num(v):
@@ -374,7 +439,7 @@ def _figures(ds) -> list:
 
 
 _SORT_JS = """
-document.querySelectorAll('th').forEach(function(th, col) {
+document.querySelectorAll('#layers th').forEach(function(th, col) {
   th.addEventListener('click', function() {
     var tb = th.closest('table').tBodies[0], rows = Array.from(tb.rows);
     var asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
@@ -422,34 +487,103 @@ def report_html(ds, summary) -> str:
         more = f" and {len(ns) - most} more" if len(ns) > most else ""
         return f"{len(ns)} layers: " + ", ".join(ns[:most]) + more
 
-    rec = names(s["recommendation"])
     paper = names(s["paper_rule"], "none (no numbered blocks)")
-    below = names(s["below_sqrt3"]) + f" (of {len(s['layers'])})"
+    v = s.get("verdict")
+    verdict_html = _verdict_html(v, s) if v else ""
+    rec_table = _recommendation_table(s) if v else f"<p>{e(names(s['recommendation']))}</p>"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fp4sim inspect: {e(s['model'])}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;font-size:12px}}
 td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}td:first-child{{text-align:left}}
 th{{cursor:pointer;background:#eee}}figure{{display:inline-block;margin:0 1em 1em 0}}img{{max-width:560px}}
+.verdict{{background:#f4f8ff;border:1px solid #9ab;padding:0.5em 1em}}
 </style></head><body>
 <h1>fp4sim inspect</h1>
 <p>Model <code>{e(s['model'])}</code> ({e(s['kind'])}; loss: {e(s['loss'])}) under recipe <code>{e(s['recipe'])}</code>,
 {s['arguments']['batches']} batches of {s['arguments']['batch_size']} x {s['arguments']['seq_len']} tokens from
 <code>{e(s['arguments']['text'])}</code>{' (the text repeated ' + str(s['text_repeated']) + ' times)'
 if s['text_repeated'] > 1 else ''}.</p>
+{verdict_html}
 <h2>Recommendation</h2>
-<p>Keep in BF16 (the worst {s['arguments']['fraction']:.0%} by Wgrad GEMM error): {e(rec)} —
-{s['flops_share']['recommended']:.1%} of the linear FLOPs.</p><p>
-The paper's rule (the last ~15% of the {s['blocks']} blocks): {e(paper)} — {s['flops_share']['paper_rule']:.1%} of
+<p>The worst {s['arguments']['fraction']:.0%} by Wgrad GEMM error (pooled over the batches; sd: its spread over
+them), {s['flops_share']['recommended']:.1%} of the linear FLOPs:</p>
+{rec_table}
+<p>The paper's rule (the last ~15% of the {s['blocks']} blocks): {e(paper)} — {s['flops_share']['paper_rule']:.1%} of
 the linear FLOPs. In both: {e(names(s['overlap_with_paper_rule']))}. The table's BF16 columns mark every
-layer of both.</p><p>
-Layers whose weight-gradient SNR is below sqrt(3): {e(below)}.</p>
+layer of both.</p>
 {figs}
 <h2>Layers</h2><p>Click a column to sort.</p>
-<table><thead><tr>{''.join(f'<th>{e(t)}</th>' for _, t in cols)}</tr></thead>
+<table id="layers"><thead><tr>{''.join(f'<th>{e(t)}</th>' for _, t in cols)}</tr></thead>
 <tbody>{''.join(rows)}</tbody></table>
 <script>{_SORT_JS}</script>
 </body></html>
 """
+
+
+_FOLLOW = {"recommendation": "the recommendation (the ranking below)",
+           "outliers_and_paper_rule": "the clear outliers in BF16, then the paper's rule",
+           "paper_rule": "the paper's rule (the last blocks in BF16)"}
+
+
+def _verdict_html(v, s) -> str:
+    """The report's first section: which list to follow and why, the clear outliers with their spread, what the
+    ranking resolves, the loss against float32 and the SNR threshold."""
+    e = html.escape
+    byname = {L["name"]: L for L in s["layers"]}
+
+    def err(n):
+        L = byname[n]
+        sd = L.get("wgrad_gemm_rel_error_spread")
+        return f"{n} ({L['wgrad_gemm_rel_error']:.3g}" + (f" ± {sd:.2g}" if sd is not None else "") + ")"
+    out = (", ".join(err(n) for n in v["clear_outliers"][:12])
+           + (f" and {len(v['clear_outliers']) - 12} more" if len(v["clear_outliers"]) > 12 else "")) or "none"
+    L = v["loss"]
+    se = f" ± {L['difference_se']:.3g}" if L["difference_se"] is not None else ""
+    k = len(s["recommendation"])
+    return f"""<div class="verdict"><h2>Verdict</h2>
+<p><b>Follow {e(_FOLLOW[v['follow']])}</b>: {e(v['why'])}.</p>
+<ul>
+<li>Clear outliers (Wgrad GEMM error, pooled ± sd over {s['arguments']['batches']} batches, above the bulk of the
+layers — median {v['bulk']['median']:.3g} + 3 x {v['bulk']['robust_sd']:.2g} robust sd — by more than 2 standard
+errors): {e(out)}{f" — {v['flops_share_outliers']:.1%} of the linear FLOPs" if v['clear_outliers'] else ''}.</li>
+<li>The recommendation's {k} layers: {len(v['resolved'])} stand above every layer left out beyond 2 standard
+errors, {len(v['within_noise'])} rank within the batch-to-batch noise of the cutoff (their places can swap with
+another batch or seed).</li>
+<li>Loss under <code>{e(s['recipe'])}</code>: {L['recipe']:.4f} against {L['float32']:.4f} in float32 on the same
+batches: {L['difference']:+.4f}{se} nats ({L['batches']} batches, difference ± standard error).</li>
+<li>Weight-gradient SNR below √3: {v['below_sqrt3']} of {v['layers']} layers. The SNR compares against a float32
+step whose forward differs too, so on a pretrained model most layers sit below √3; it ranks layers, the
+threshold alone does not decide.</li>
+</ul></div>"""
+
+
+def _recommendation_table(s) -> str:
+    e = html.escape
+    v = s["verdict"]
+    byname = {L["name"]: L for L in s["layers"]}
+    rows = []
+    for n in s["recommendation"]:
+        L = byname[n]
+        sd = L.get("wgrad_gemm_rel_error_spread")
+        status = ("clear outlier" if n in v["clear_outliers"] else "resolved" if n in v["resolved"]
+                  else "within noise")
+        cells = [n, "" if L["block"] is None else str(L["block"]), L["kind"], f"{L['wgrad_gemm_rel_error']:.4g}",
+                 "—" if sd is None else f"{sd:.2g}", "—" if L["snr"] is None else f"{L['snr']:.3g}", status,
+                 "yes" if L["paper_rule"] else "", f"{L['flops_share']:.2%}"]
+        rows.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+    head = ["layer", "block", "kind", "Wgrad GEMM rel. error", "sd over batches", "Wgrad SNR", "against the rest",
+            "in the paper's rule", "FLOPs"]
+    return (f"<table class=\"rec\"><thead><tr>{''.join(f'<th>{e(h)}</th>' for h in head)}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def _quiet_loaders():
+    """The command's stderr holds its progress and its errors: torch's notices about Enum registrations (which
+    torchao's import triggers through transformers) and torchao's note on CUDA extensions a CPU build cannot load
+    are not printed on every run."""
+    import logging
+    for name in ("torch.utils._pytree", "torchao"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv=None) -> int:
@@ -470,8 +604,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.batch_size, a.seq_len = 2, 2, 32
+    _quiet_loaders()
     from tqdm import tqdm
-    bar = None if a.quiet else tqdm(total=a.batches + 4, file=sys.stderr, bar_format="{l_bar}{bar}| {postfix}")
+    # one tick for the model's loading, one per batch (its quantized and float32 passes), one for the studies
+    bar = None if a.quiet else tqdm(total=a.batches + 2, file=sys.stderr, unit="step",
+                                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
     def progress(what):
         if bar is not None:
@@ -499,8 +636,11 @@ def main(argv=None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.html").write_text(report_html(ds, summary), encoding="utf-8")
     from .cli import say
-    say(f"fp4sim inspect: {len(summary['layers'])} linear layers; recommended for BF16: "
-          f"{', '.join(summary['recommendation']) or 'none'}; wrote {out}/layers.nc, summary.json, report.html")
+    v, rec = summary["verdict"], summary["recommendation"]
+    say(f"fp4sim inspect: {len(summary['layers'])} linear layers; verdict: follow {_FOLLOW[v['follow']]} "
+        f"({len(v['clear_outliers'])} clear outliers; {len(v['resolved'])} of the {len(rec)} recommended layers "
+        f"resolved beyond the batch-to-batch spread); loss {v['loss']['difference']:+.4f} nats against float32; "
+        f"wrote {out}/layers.nc, summary.json, report.html")
     return 0
 
 

@@ -80,7 +80,7 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
     torch = torch_or_skip()
     import xarray as xr
     from fp4sim.inspect_model import _batches, _load, _loss
-    from fp4sim.torch import collect_stats, convert, gradient_fidelity, suggest_high_precision
+    from fp4sim.torch import collect_stats, convert, gradient_fidelity, suggest_high_precision, wgrad_errors
     from fp4sim.training import Recipe
     base, text, llama, bert = models
     out = tmp_path / "out"
@@ -106,26 +106,59 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
             _loss(model, kind, data[i]).backward()
         return fn
 
-    with collect_stats(model) as log:
+    # batch i: gradient_fidelity's quantized and float32 passes at SR call count i, logged by collect_stats and
+    # wgrad_errors during the quantized one
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_calls")]
+    with collect_stats(model) as log, wgrad_errors(model) as werr:
         for i in range(2):
-            step(i)()
+            for m in layers:
+                m._calls = i
+            g = gradient_fidelity(model, step(i))
+            np.testing.assert_array_equal(ds.snr.sel(batch=i).values, g.snr.sel(layer=names).values)
+            np.testing.assert_array_equal(ds.cosine.sel(batch=i).values, g.cosine.sel(layer=names).values)
     st = log.dataset()
     np.testing.assert_array_equal(ds.rel_mse.values, st.rel_mse.sel(layer=names).values)
+    assert all(len(werr[n]) == 2 for n in names)
     for i in range(2):
-        g = gradient_fidelity(model, step(i))
-        np.testing.assert_array_equal(ds.snr.sel(batch=i).values, g.snr.sel(layer=names).values)
-        np.testing.assert_array_equal(ds.cosine.sel(batch=i).values, g.cosine.sel(layer=names).values)
-    keep, rel = suggest_high_precision(model, step(0), fraction=0.15)
+        np.testing.assert_array_equal(ds.wgrad_gemm_rel_error_batch.sel(batch=i).values,
+                                      [(werr[n][i][0] / werr[n][i][1]) ** 0.5 for n in names])
+
+    def cycle():                                   # suggest_high_precision over the same two batches and calls
+        i = cycle.i % 2
+        cycle.i += 1
+        for m in layers:
+            m._calls = i
+        step(i)()
+    cycle.i = 0
+    keep, rel = suggest_high_precision(model, cycle, fraction=0.15, steps=2)
     assert summ["recommendation"] == keep and [n for n in names if ds.recommended.sel(layer=n)] == sorted(
         keep, key=names.index)
     np.testing.assert_array_equal(ds.wgrad_gemm_rel_error.values, [rel[n] for n in names])
+    # the losses: the recipe's as the quantized passes gave them, float32's those of the model as loaded
+    plain, _, _ = _load(llama)
+    with torch.no_grad():
+        assert summ["losses_float32"] == [float(_loss(plain, kind, data[i])) for i in range(2)]
+    v = summ["verdict"]
+    d = np.array(summ["losses"]) - np.array(summ["losses_float32"])
+    assert v["loss"]["difference"] == pytest.approx(d.mean(), abs=1e-15)
+    assert v["loss"]["difference_se"] == pytest.approx(d.std(ddof=1) / 2 ** 0.5, rel=1e-12)
+    # the verdict's rule, recomputed from the dataset: outliers above median + 3 x 1.4826 MAD by 2 s.e.
+    r = ds.wgrad_gemm_rel_error.values
+    se = ds.wgrad_gemm_rel_error_batch.values.std(1) / 2 ** 0.5
+    med = np.median(r)
+    bulk = med + 3 * 1.4826 * np.median(np.abs(r - med))
+    assert v["clear_outliers"] == [names[j] for j in np.argsort(-r, kind="stable") if r[j] - 2 * se[j] > bulk]
+    top_left = max(r[j] + 2 * se[j] for j, n in enumerate(names) if n not in keep)
+    assert v["resolved"] == [n for n in keep if r[names.index(n)] - 2 * se[names.index(n)] > top_left]
+    assert v["follow"] in ("recommendation", "outliers_and_paper_rule", "paper_rule")
     assert summ["paper_rule"] == [n for n in names if n.startswith("model.layers.2.")]   # the last of 3 blocks
     assert abs(sum(L["flops_share"] for L in summ["layers"]) - 1) < 1e-12
     # the RHT study: the Wgrad operands' relative error without and with the RHT, finite for every layer
     assert np.isfinite(ds.wgrad_rel_mse.values).all()
     p = _Rows()
     p.feed(page)
-    assert p.rows == len(names) and p.imgs == 2 and "sqrt(3)" in page and "<script>" in page
+    assert p.rows == len(names) + len(keep) and p.imgs == 2 and "sqrt(3)" in page and "<script>" in page
+    assert page.index("<h2>Verdict</h2>") < page.index("<h2>Recommendation</h2>") < page.index("<h2>Layers</h2>")
 
 
 def test_an_encoder_takes_the_contrastive_loss(models, tmp_path):
@@ -180,4 +213,6 @@ def test_the_committed_reports_regenerate_from_their_data(folder):
     assert strip(page) == strip((d / "report.html").read_text(encoding="utf-8"))
     p = _Rows()
     p.feed(page)
-    assert p.rows == xr.load_dataset(d / "layers.nc").sizes["layer"]
+    summary = json.loads((d / "summary.json").read_text())      # the layer table and the recommendation's
+    assert p.rows == xr.load_dataset(d / "layers.nc").sizes["layer"] + len(summary["recommendation"])
+    assert page.index("<h2>Verdict</h2>") < page.index("<h2>Recommendation</h2>")

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
-           "suggest_high_precision", "drop_extra_state", "gradient_fidelity"]
+           "suggest_high_precision", "drop_extra_state", "gradient_fidelity", "wgrad_errors", "rank_high_precision"]
 _LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
-           "gradient_fidelity"}
+           "gradient_fidelity", "wgrad_errors", "rank_high_precision"}
 
 
 def __getattr__(name):

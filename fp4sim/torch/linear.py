@@ -18,7 +18,7 @@ from ..planning import NAN_E2M1
 from ..training import OPERANDS, Recipe
 
 __all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
-           "gradient_fidelity"]
+           "gradient_fidelity", "wgrad_errors", "rank_high_precision"]
 
 HEAD_NAMES = ("lm_head", "output", "head")      # a model's output head, by the last component of its name
 _FP4 = ("nvfp4", "mxfp4")                       # element E2M1: NaN encodes as +6 and does not propagate
@@ -512,46 +512,67 @@ class _StatsLog:
         return ds
 
 
+@contextlib.contextmanager
+def wgrad_errors(model: torch.nn.Module):
+    """While active, every quantized weight-gradient GEMM of the model's QuantLinear layers appends ``(e, r)`` to
+    ``calls[name]``: its squared error against the float64 product of the same operands, and that product's
+    squared norm (``with wgrad_errors(model) as calls: ...``). A layer running under the ``"none"`` recipe (plain
+    ``F.linear``) adds nothing. :func:`suggest_high_precision` ranks the layers by these sums."""
+    mods = _quant_layers(model)
+    calls = {n: [] for n, _ in mods}
+
+    def probe(name):
+        def f(d, dy2, x2):
+            xp = np if isinstance(d, np.ndarray) else __import__("cupy")
+            ref = xp.matmul(dy2.T.astype(np.float64), x2.astype(np.float64))
+            calls[name].append((float(((d - ref) ** 2).sum()), float((ref ** 2).sum())))
+        return f
+
+    for n, m in mods:
+        m._wgrad_probe = probe(n)
+    try:
+        yield calls
+    finally:
+        for n, m in mods:
+            m._wgrad_probe = None
+
+
+def rank_high_precision(calls: dict, fraction: float = 0.15):
+    """``(names to keep, {name: relative Wgrad error})`` from :func:`wgrad_errors`'s record: each layer's error
+    pooled over its calls, ``sqrt(sum e / sum r)``, worst first; the worst ``fraction`` (the nearest whole number
+    of layers to ``fraction`` x their count, halves to even as ``round``, at least one) to keep."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r}: a share of the layers in (0, 1]")
+    rel = {}
+    for n, c in calls.items():
+        e, r = sum(v[0] for v in c), sum(v[1] for v in c)
+        rel[n] = (e / r) ** 0.5 if r > 0 else 0.0
+    order = sorted(rel, key=lambda n: -rel[n])
+    k = max(1, round(fraction * len(order)))
+    return order[:k], {n: rel[n] for n in order}
+
+
 def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0.15, steps: int = 1):
     """Rank the QuantLinear layers by the relative error of their quantized weight-gradient GEMM (against the
-    float32 product of the same operands) over ``steps`` calls of ``batch_fn()`` (a forward and backward pass),
+    float64 product of the same operands) over ``steps`` calls of ``batch_fn()`` (a forward and backward pass),
     and propose the worst ``fraction`` for high precision — the diagnostic the paper suggests (its App. E.2): the
     nearest whole number of layers to ``fraction`` x their count (halves to even, as ``round``), at least one.
     Returns ``(names to keep, {name: relative Wgrad error})``, the dict ordered worst first (its first entries are
     the names to keep); the model's gradients are left as they were."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction!r}: a share of the layers in (0, 1]")
-    mods = _quant_layers(model)
-    err = {n: [0.0, 0.0] for n, _ in mods}
-    probed = []
     grads = {id(p): (p.grad.clone() if p.grad is not None else None) for p in model.parameters()}
-
-    def probe(name):
-        def f(d, dy2, x2):
-            xp = np if isinstance(d, np.ndarray) else __import__("cupy")
-            ref = xp.matmul(dy2.T.astype(np.float64), x2.astype(np.float64))
-            err[name][0] += float(((d - ref) ** 2).sum())
-            err[name][1] += float((ref ** 2).sum())
-            probed.append(name)
-        return f
-
-    for n, m in mods:
-        m._wgrad_probe = probe(n)
     try:
-        for _ in range(steps):
-            batch_fn()
-        if not probed:
+        with wgrad_errors(model) as calls:
+            for _ in range(steps):
+                batch_fn()
+        if not any(calls.values()):
             raise ValueError("batch_fn ran no backward pass through the QuantLinear layers (no weight gradient "
                              "was computed): it must run the forward pass and loss.backward()")
     finally:
-        for n, m in mods:
-            m._wgrad_probe = None
         for p in model.parameters():
             p.grad = grads[id(p)]
-    rel = {n: (e / r) ** 0.5 if r > 0 else 0.0 for n, (e, r) in err.items()}
-    order = sorted(rel, key=lambda n: -rel[n])
-    k = max(1, round(fraction * len(order)))
-    return order[:k], {n: rel[n] for n in order}
+    return rank_high_precision(calls, fraction)
 
 
 SNR_THRESHOLD = 3 ** 0.5       # Chmiel et al. 2025: quantized training stops helping below this gradient SNR
