@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 
 import fp4sim as fs
-from fp4sim.cli import say
+from fp4sim._tool import say
 from fp4sim.formats import spec_markdown
 
 
@@ -49,5 +49,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import run_tool
+    from ._tool import run_tool
     raise SystemExit(run_tool(main, "fp4sim"))

@@ -635,7 +635,7 @@ def main(argv=None) -> int:
     ds.to_netcdf(out / "layers.nc")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.html").write_text(report_html(ds, summary), encoding="utf-8")
-    from .cli import say
+    from ._tool import say
     v, rec = summary["verdict"], summary["recommendation"]
     say(f"fp4sim inspect: {len(summary['layers'])} linear layers; verdict: follow {_FOLLOW[v['follow']]} "
         f"({len(v['clear_outliers'])} clear outliers; {len(v['resolved'])} of the {len(rec)} recommended layers "
@@ -645,5 +645,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import run_tool
+    from ._tool import run_tool
     raise SystemExit(run_tool(main, "fp4sim inspect"))

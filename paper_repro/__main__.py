@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import ablations, figures
 from .figures import FIGURES
-from fp4sim.cli import say
+from fp4sim._tool import say
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 
@@ -157,5 +157,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from fp4sim.cli import run_tool
+    from fp4sim._tool import run_tool
     sys.exit(run_tool(main, "paper_repro"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fp4sim.cli import run_tool
+from fp4sim._tool import run_tool
 from test_checkpoint import ckpt, weights, write_modelopt  # noqa: F401  (the fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import threads
 from ..arrays_io import check_writable
-from ..cli import say
+from .._tool import say
 from .core import analyze
 from .figures import write_figures
 from .inputs import ROLES, SUFFIXES
@@ -161,5 +161,5 @@ def _connect(address):
 
 
 if __name__ == "__main__":
-    from ..cli import run_tool
+    from .._tool import run_tool
     raise SystemExit(run_tool(main, "fp4sim.analyze"))

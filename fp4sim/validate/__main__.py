@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..arrays_io import check_writable, load_array, number_or_array
-from ..cli import say
+from .._tool import say
 from ..schemes import SCHEMES, get_scheme
 from .core import CLI_NAMES, compare
 
@@ -158,6 +158,6 @@ def _check_options(a):
 
 
 if __name__ == "__main__":
-    from ..cli import run_tool
+    from .._tool import run_tool
     raise SystemExit(run_tool(main, "fp4sim.validate"))
 

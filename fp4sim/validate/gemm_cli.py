@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..arrays_io import check_writable, load_array, number_or_array
-from ..cli import say
+from .._tool import say
 
 GEMM_DOC = """python -m fp4sim.validate gemm: which accumulation model reproduces a GEMM kernel's output, y = A . B^T.
 
