@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 ROLES = ("weight", "activation", "gradient")
-SUFFIXES = (".npy", ".npz", ".safetensors", ".pt", ".pth")
+SUFFIXES = (".npy", ".npz", ".safetensors", ".pt", ".pth", ".gguf")
 _OK_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -85,6 +85,8 @@ def _keys(path: Path) -> list[str | None]:
         return safetensors_keys(path)
     if suf == ".npy":
         return [None]
+    if suf == ".gguf":
+        return list(_gguf_file(path).tensors)
     obj = _torch_load(path)  # .pt: one tensor, TE DumpTensors' dict, or a state_dict
     if _is_tensor(obj) or (isinstance(obj, dict) and "high_precision" in obj):
         return [None]
@@ -282,6 +284,8 @@ def load(src: Source) -> np.ndarray:
         elif suf == ".safetensors":
             from .._safetensors import load_safetensors
             a = load_safetensors(path, src.key)
+        elif suf == ".gguf":
+            a = _load_gguf(path, src.key)
         else:
             a = _load_pt(path, src.key)
     except TensorError:
@@ -305,6 +309,41 @@ def load(src: Source) -> np.ndarray:
     if a.size == 0:
         raise TensorError(f"is empty (shape {a.shape})")
     return np.ascontiguousarray(a, dtype=np.float32)
+
+
+_GGUFS: dict = {}                   # GGUF files read in this process (headers; the data is memory-mapped)
+
+
+def _gguf_file(path: Path):
+    from ..gguf import read_gguf
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _GGUFS:
+        try:
+            _GGUFS[key] = read_gguf(path)
+        except (ValueError, ImportError) as e:
+            raise TensorError(str(e)) from None
+    return _GGUFS[key]
+
+
+def _load_gguf(path: Path, key):
+    """A GGUF tensor's values: ggml's FP4 types (MXFP4, NVFP4) as ggml reads them (fp4sim.gguf), float types as
+    stored, other quantized types as gguf-py dequantizes them; ggml's 2-D order (rows, K)."""
+    t = _gguf_file(path).tensors[key]
+    if t.fp4:
+        return t.values()
+    if t.type in ("F32", "F16", "F64"):
+        return np.asarray(t.raw).reshape(t.shape)
+    if t.type == "BF16":
+        return np.asarray(t.raw).view(ml_dtypes.bfloat16).reshape(t.shape)
+    if t.type.startswith(("I", "U")) and t.type[1:].isdigit():
+        raise NotATarget(f"has the integer type {t.type}: not a tensor to quantize")
+    try:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        return dequantize(np.asarray(t.raw), GGMLQuantizationType[t.type]).reshape(t.shape).astype(np.float32)
+    except (NotImplementedError, KeyError, ValueError) as e:
+        raise TensorError(f"is a {t.type} GGUF tensor, which gguf-py does not dequantize ({_first_line(e)})") \
+            from None
 
 
 def _load_pt(path: Path, key):

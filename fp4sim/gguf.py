@@ -1,0 +1,198 @@
+"""FP4 tensors of llama.cpp's GGUF files — ggml's block types MXFP4 (type 39) and NVFP4 (type 40) — read through
+gguf-py's reader into fp4sim's conventions, and ggml's MXFP4 quantizer rule.
+
+One GGUF row of a 2-D tensor (out, in) holds the row's blocks in order; per block:
+
+=========  =================================================  =================================================
+           MXFP4 (type 39)                                    NVFP4 (type 40)
+=========  =================================================  =================================================
+elements   32                                                 64, as four sub-blocks of 16 with a scale each
+bytes      17: one E8M0 scale byte, then 16 bytes of codes    36: four UE4M3 scale bytes, then 4 x 8 code bytes
+codes      byte j: element j (low nibble), element j + 16     sub-block s, byte j: element j (low nibble),
+           (high) — ggml's Q4_0 habit                         element j + 8 (high)
+value      E2M1 x 2^(e - 127) (ggml keeps E2M1 x 2 and the    E2M1 x E4M3(s): ggml keeps E2M1 x 2 and the
+           scale halved, the same product)                    scale x 0.5; byte 0x7F reads as zero; there is
+                                                              no tensor scale
+=========  =================================================  =================================================
+
+fp4sim packs element 2i of a row in the low nibble of byte i and 2i + 1 in the high one (gpt-oss's MXFP4
+safetensors too), so the same 17 bytes of a GGUF MXFP4 block mean another tensor read in fp4sim's order:
+:attr:`GGUFTensor.codes` returns them reordered, :func:`to_ggml_order` goes back.
+
+ggml's MXFP4 quantizer (gguf-py's ``MXFP4.quantize_blocks``), as a rule: the shared exponent ``e = floor(log2
+amax) - 2 + 127`` (0 for an all-zero block) — the OCP rule whose values above 6 · 2^(e - 127) clip to 6 — and each
+element the E2M1 code whose value times the scale is nearest in float32 (``|2^(e-128) · 2k - x|``), the first in
+code order on a tie: ties go to the smaller magnitude (not to even), and a negative value that rounds to zero is
++0 (code 0, not fp4sim's -0, code 8). fp4sim's ``mxfp4`` with ``scale_mode="floor"`` gives the same scale bytes
+(:func:`ggml_mxfp4_quantize` says where the codes differ).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "to_ggml_order", "from_ggml_order",
+           "FP4_TYPES"]
+
+FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
+_BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block
+_SUB = {"MXFP4": 32, "NVFP4": 16}                             # elements per scale
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading GGUF files needs gguf-py: pip install 'fp4sim[inspect]' (or pip install gguf)") \
+            from None
+    return gguf
+
+
+def from_ggml_order(q: np.ndarray, sub: int) -> np.ndarray:
+    """Codes (rows, K) uint8, one per element, from ggml's packed sub-blocks of ``sub`` elements (``sub / 2``
+    bytes each: byte j holds element j low and element j + sub/2 high): (rows, K / 2) -> (rows, K)."""
+    R, nbytes = q.shape
+    h = sub // 2
+    g = q.reshape(R, nbytes // h, h)
+    return np.concatenate([g & 0x0F, g >> 4], axis=-1).reshape(R, 2 * nbytes)
+
+
+def to_ggml_order(codes: np.ndarray, sub: int) -> np.ndarray:
+    """The inverse of :func:`from_ggml_order`: codes (rows, K) one per element -> ggml's bytes (rows, K / 2)."""
+    R, K = codes.shape
+    h = sub // 2
+    g = np.asarray(codes, np.uint8).reshape(R, K // sub, sub)
+    return (g[:, :, :h] | (g[:, :, h:] << 4)).reshape(R, K // 2).astype(np.uint8)
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file: ``name``, ggml ``type`` name ("MXFP4", "NVFP4", "F32", "Q4_1", ...), ``shape``
+    in NumPy order (rows, ..., K: ggml lists its dimensions innermost first), and, for the two FP4 types,
+    ``codes`` (uint8 (rows, K / 2), fp4sim's packing: element 2i low), ``scales`` (uint8 (rows, K / 32) E8M0
+    bytes for MXFP4; (rows, K / 16) UE4M3 bytes for NVFP4) and the dequantized ``values()`` (float32)."""
+    name: str
+    type: str
+    shape: tuple
+    raw: np.ndarray = field(repr=False)
+
+    @property
+    def fp4(self) -> bool:
+        return self.type in _BLOCK
+
+    def _blocks(self):
+        if not self.fp4:
+            raise ValueError(f"{self.name}: a {self.type} tensor, not one of ggml's FP4 types (MXFP4, NVFP4)")
+        n, nbytes, ns = _BLOCK[self.type]
+        K = self.shape[-1]
+        rows = int(np.prod(self.shape[:-1], dtype=np.int64))
+        b = np.ascontiguousarray(self.raw, np.uint8).reshape(rows, K // n, nbytes)
+        return b, ns, rows, K
+
+    @property
+    def scales(self) -> np.ndarray:
+        b, ns, rows, K = self._blocks()
+        return np.ascontiguousarray(b[:, :, :ns]).reshape(rows, -1)
+
+    @property
+    def codes(self) -> np.ndarray:
+        """The E2M1 codes in fp4sim's packing (element 2i in the low nibble of byte i), (rows, K / 2)."""
+        from .layout import pack_fp4
+        b, ns, rows, K = self._blocks()
+        q = np.ascontiguousarray(b[:, :, ns:]).reshape(rows, -1)
+        return pack_fp4(from_ggml_order(q, _SUB[self.type]))
+
+    def values(self) -> np.ndarray:
+        """The stored values as ggml reads them, float32 (rows, K): E2M1 x 2^(e - 127) (MXFP4; E8M0 255 is NaN,
+        as OCP defines it) or E2M1 x E4M3(s) (NVFP4; byte 0x7F reads as zero and the scale's sign bit is not
+        read); code 8 (E2M1's -0) reads as +0, as ggml's integer table has it."""
+        from .formats import E2M1, E4M3
+        from .layout import unpack_fp4
+        c = unpack_fp4(self.codes)
+        s = self.scales
+        if self.type == "MXFP4":
+            f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), s.astype(np.int32) - 127))
+        else:
+            s = s & 0x7F
+            f = np.where(s == 0x7F, np.float32(0), E4M3.values[s])
+        f = f.astype(np.float32)
+        rows, K = c.shape
+        sub = _SUB[self.type]
+        e2m1 = np.where(np.arange(16) == 8, 0.0, E2M1.values).astype(np.float32)    # ggml reads code 8 as +0
+        v = e2m1[c].reshape(rows, K // sub, sub) * f[:, :, None]
+        return v.reshape(rows, K).astype(np.float32)
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's tensors by name (:class:`GGUFTensor`) and its key-value metadata (``fields``: name -> value
+    where gguf-py decodes it to a scalar or string)."""
+    path: Path
+    tensors: dict
+    fields: dict
+
+    @property
+    def fp4(self) -> dict:
+        return {n: t for n, t in self.tensors.items() if t.fp4}
+
+
+def read_gguf(path) -> GGUFFile:
+    """Read a GGUF file's tensor headers and metadata (gguf-py's reader, memory-mapped: the bytes are read when a
+    tensor's codes, scales or values are asked for). ValueError naming the file when it is no GGUF file."""
+    gguf = _gguf()
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p}: no such file")
+    try:
+        r = gguf.GGUFReader(str(p))
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{p}: not a readable GGUF file ({' '.join(str(e).split())[:200]})") from None
+    tensors = {}
+    for t in r.tensors:
+        shape = tuple(int(v) for v in reversed([int(x) for x in t.shape]))
+        tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data)
+        if t.tensor_type.name in _BLOCK and shape[-1] % _BLOCK[t.tensor_type.name][0]:
+            raise ValueError(f"{p}: {t.name} is {t.tensor_type.name} with a last dimension of {shape[-1]}, not a "
+                             f"multiple of its {_BLOCK[t.tensor_type.name][0]}-element blocks")
+    fields = {}
+    for name, f in r.fields.items():
+        try:
+            v = f.contents()
+        except (ValueError, IndexError, TypeError, AttributeError):
+            continue
+        if isinstance(v, (str, int, float, bool)):
+            fields[name] = v
+    return GGUFFile(p, tensors, fields)
+
+
+def ggml_mxfp4_quantize(x) -> tuple:
+    """ggml's MXFP4 quantizer (the module docstring's rule, gguf-py's ``MXFP4.quantize_blocks`` byte for byte):
+    ``(codes, scales)`` of a 2-D float32 ``x`` (rows, K), K a multiple of 32 — codes in fp4sim's packing
+    (uint8 (rows, K / 2)), scales the E8M0 bytes (uint8 (rows, K / 32)). :func:`to_ggml_order` gives the bytes
+    ggml writes. ValueError for NaN / Inf (the rule has no answer for them) or a block amax below 2^-125 (its
+    exponent byte would leave E8M0's range)."""
+    from .formats import E2M1
+    from .layout import pack_fp4
+    a = np.asarray(x, np.float32)
+    if a.ndim != 2 or a.shape[1] % 32:
+        raise ValueError(f"x: a 2-D array (rows, K) with K a multiple of 32 is needed, not shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError("x holds NaN or Inf: ggml's MXFP4 rule has no code for them")
+    R, K = a.shape
+    blk = a.reshape(R, K // 32, 32)
+    amax = np.abs(blk).max(-1)
+    if ((amax > 0) & (amax < np.float32(2.0 ** -125))).any():
+        raise ValueError("x: a block amax below 2^-125 has no E8M0 exponent under ggml's rule "
+                         "(floor(log2 amax) - 2 + 127 < 0)")
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax.astype(np.float32))) - 2 + 127, 0).astype(np.uint8)
+    # the candidates' values in code order 0..15 (E2M1 x 2^(e-127), exact in float32) and |candidate - x|
+    # rounded to float32, as the rule computes it; argmin takes the first of equal errors
+    half = np.ldexp(np.float32(1), e.astype(np.int32) - 128).astype(np.float32)
+    doubled = np.round(E2M1.values.astype(np.float64) * 2).astype(np.float32)           # 0, 1, ..., 12, -0, ...
+    cand = (half[:, :, None] * doubled[None, None, :]).astype(np.float32)
+    err = np.abs(cand[:, :, None, :] - blk[:, :, :, None]).astype(np.float32)
+    codes = np.argmin(err, axis=-1).astype(np.uint8).reshape(R, K)
+    return pack_fp4(codes), e.astype(np.uint8)

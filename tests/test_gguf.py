@@ -1,0 +1,187 @@
+"""llama.cpp's GGUF FP4 tensors (ggml's MXFP4 and NVFP4 block types): files written by gguf-py's own writer and
+quantizer from real MiniLM weights, read back into fp4sim's conventions and decoded bit for bit as gguf-py decodes
+them; ggml's MXFP4 quantizer rule against gguf-py's ``quantize_blocks`` byte for byte, on real weights and on
+values placed on its ties, and where fp4sim's ``mxfp4`` (floor scale mode) differs from it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from fp4sim.gguf import from_ggml_order, ggml_mxfp4_quantize, read_gguf, to_ggml_order
+from fp4sim.layout import pack_fp4, unpack_fp4
+from peers import import_or_missing
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "fp4sim" / "data" / "sample_dump.npz"
+
+
+def _weights():
+    z = np.load(SAMPLE)
+    return {"query": z["minilm.encoder.layer.0.attention.self.query.weight"],
+            "ffn": z["minilm.encoder.layer.5.intermediate.dense.weight"]}
+
+
+def _ties():
+    """Blocks whose elements sit exactly on the rule's ties (midpoints between E2M1 values times the scale), on
+    both signs, small negatives that round to zero, amaxes on and off powers of two (values above 6 x scale clip),
+    and an all-zero block."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    rows = []
+    for e in (-3, 0, 5):
+        s = np.float32(2.0 ** e)
+        b = np.concatenate([mids, -mids, [-0.1, -0.2, 0.2, -1e-3], [4.0, 7.9, -7.5, 6.0, 3.0],
+                            [0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 0.0, -0.0, 1.5]]).astype(np.float32)[:32] * s
+        rows.append(b)
+    rows.append(np.zeros(32, np.float32))
+    return np.stack(rows)
+
+
+def _gguf_bytes(x):
+    q = import_or_missing("gguf.quants")
+    gg = import_or_missing("gguf")
+    return q.quantize(x, gg.GGMLQuantizationType.MXFP4)
+
+
+@pytest.mark.parametrize("case", ["query", "ffn", "ties"])
+def test_ggml_mxfp4_rule_is_gguf_pys_byte_for_byte(case):
+    x = _ties() if case == "ties" else _weights()[case]
+    codes, scales = ggml_mxfp4_quantize(x)
+    theirs = _gguf_bytes(x).reshape(x.shape[0], -1, 17)
+    assert np.array_equal(scales, theirs[:, :, 0])
+    ours = to_ggml_order(unpack_fp4(codes), 32).reshape(x.shape[0], -1, 16)
+    assert np.array_equal(ours, theirs[:, :, 1:])
+
+
+def test_ggml_mxfp4_against_fp4sims_floor_mode():
+    """fp4sim's mxfp4 with scale_mode="floor" (round-to-nearest-even) gives ggml's scale bytes; its codes differ
+    where a negative value rounds to zero (ggml +0, fp4sim -0) and where an element sits on a tie (ggml: the
+    smaller magnitude; fp4sim: the even code)."""
+    for x in (_weights()["ffn"], _ties()):
+        codes, scales = ggml_mxfp4_quantize(x)
+        q = fs.quantize(x, "mxfp4", scale_mode="floor")
+        assert np.array_equal(np.asarray(q.scales).reshape(scales.shape), scales)
+        g, f = unpack_fp4(codes), unpack_fp4(np.asarray(q.codes).reshape(x.shape[0], -1))
+        diff = g != f
+        zero = diff & (g == 0) & (f == 8)
+        s = np.repeat(np.ldexp(np.float64(1), scales.astype(np.int64) - 127), 32, axis=1)
+        y = np.abs(x.astype(np.float64)) / s                               # the element in units of the scale
+        grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+        tie = np.isin(y, (grid[:-1] + grid[1:]) / 2)
+        assert not (diff & ~zero & ~tie).any()
+        assert zero.any() and (diff & tie).any() == (x.shape[0] == 4)      # the ties case has both kinds
+    # on the real FFN weight: every scale byte and 95-96% of the codes, the rest all +0 against -0
+    x = _weights()["ffn"]
+    g = unpack_fp4(ggml_mxfp4_quantize(x)[0])
+    f = unpack_fp4(np.asarray(fs.quantize(x, "mxfp4", scale_mode="floor").codes).reshape(x.shape[0], -1))
+    assert 0.94 < (g == f).mean() < 0.97
+
+
+def test_one_detail_changed_fails_the_oracle():
+    """The oracle tells the rule from its neighbours: ties to even, the round-up (rceil) scale, fp4sim's nibble
+    order."""
+    x = _ties()
+    theirs = _gguf_bytes(x).reshape(x.shape[0], -1, 17)
+    q = fs.quantize(x, "mxfp4", scale_mode="floor")                     # ties to even
+    even = to_ggml_order(unpack_fp4(np.asarray(q.codes).reshape(4, -1)), 32).reshape(4, -1, 16)
+    assert not np.array_equal(even, theirs[:, :, 1:])
+    rceil = fs.quantize(_weights()["ffn"], "mxfp4", scale_mode="rceil")
+    assert not np.array_equal(np.asarray(rceil.scales).reshape(1536, -1),
+                              _gguf_bytes(_weights()["ffn"]).reshape(1536, -1, 17)[:, :, 0])
+    codes, _ = ggml_mxfp4_quantize(x)
+    assert not np.array_equal(codes.reshape(4, -1, 16), theirs[:, :, 1:])   # fp4sim's packing is not ggml's
+
+
+def test_a_gguf_file_reads_as_gguf_py_decodes_it(tmp_path):
+    """A GGUF file written by gguf-py (an MXFP4 tensor from its own quantizer, an NVFP4 tensor's raw blocks, an F32
+    tensor): the FP4 tensors' codes and scales in fp4sim's conventions, their values bit for bit gguf-py's
+    dequantization; the other tensor listed with its type."""
+    gg = import_or_missing("gguf")
+    gq = import_or_missing("gguf.quants")
+    T = gg.GGMLQuantizationType
+    w = _weights()["ffn"]
+    mx = gq.quantize(w, T.MXFP4)
+    rng = np.random.default_rng(3)
+    R, K = 64, 128
+    sc = rng.integers(0x08, 0x7F, (R, K // 16)).astype(np.uint8)              # UE4M3 bytes, subnormal to 240
+    sc[0, 0], sc[1, 1] = 0x00, 0x7F                                              # zero and ggml's "0x7F is zero"
+    c = rng.integers(0, 16, (R, K)).astype(np.uint8)
+    nv = np.concatenate([sc.reshape(R, K // 64, 4), to_ggml_order(c, 16).reshape(R, K // 64, 32)], -1)
+    nv = nv.reshape(R, -1)
+    wr = gg.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    wr.add_tensor("blk.0.ffn_up.weight", mx, raw_dtype=T.MXFP4)
+    wr.add_tensor("blk.0.attn_q.weight", nv, raw_dtype=T.NVFP4)
+    wr.add_tensor("blk.0.attn_norm.weight", np.ones(384, np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    f = read_gguf(tmp_path / "m.gguf")
+    assert set(f.fp4) == {"blk.0.ffn_up.weight", "blk.0.attn_q.weight"}
+    assert f.tensors["blk.0.attn_norm.weight"].type == "F32" and not f.tensors["blk.0.attn_norm.weight"].fp4
+    t = f.tensors["blk.0.ffn_up.weight"]
+    assert t.type == "MXFP4" and t.shape == w.shape
+    codes, scales = ggml_mxfp4_quantize(w)
+    assert np.array_equal(t.codes, codes) and np.array_equal(t.scales, scales)
+    dq = gq.dequantize(mx, T.MXFP4)
+    assert t.values().tobytes() == dq.astype(np.float32).tobytes()
+    n = f.tensors["blk.0.attn_q.weight"]
+    assert n.type == "NVFP4" and n.shape == (R, K) and np.array_equal(n.scales, sc)
+    assert np.array_equal(unpack_fp4(n.codes), c)
+    assert n.values().tobytes() == gq.dequantize(nv, T.NVFP4).astype(np.float32).tobytes()
+    assert (n.values()[1, 16:32] == 0).all()                                    # 0x7F: zero, as ggml reads it
+    with pytest.raises(ValueError, match="not one of ggml's FP4 types"):
+        f.tensors["blk.0.attn_norm.weight"].codes
+
+
+def test_orders_and_bad_input(tmp_path):
+    c = np.random.default_rng(0).integers(0, 16, (3, 64)).astype(np.uint8)
+    for sub in (16, 32):
+        assert np.array_equal(from_ggml_order(to_ggml_order(c, sub), sub), c)
+    b = to_ggml_order(c, 32)
+    assert b[0, 0] == c[0, 0] | (c[0, 16] << 4)                                 # element j and j + 16 share byte j
+    assert pack_fp4(c)[0, 0] == c[0, 0] | (c[0, 1] << 4)                        # fp4sim: 2i and 2i + 1
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ggml_mxfp4_quantize(np.full((1, 32), np.nan, np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ggml_mxfp4_quantize(np.zeros((2, 48), np.float32))
+    with pytest.raises(ValueError, match="below 2\\^-125"):
+        ggml_mxfp4_quantize(np.full((1, 32), 1e-39, np.float32))
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        read_gguf(tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="no such file"):
+        read_gguf(tmp_path / "missing.gguf")
+
+
+def test_analyze_reads_a_gguf_file(tmp_path):
+    """python -m fp4sim.analyze FILE.gguf: each tensor by its GGUF name, FP4 tensors as ggml reads them, other
+    quantized types as gguf-py dequantizes them, float tensors as stored."""
+    gg = import_or_missing("gguf")
+    gq = import_or_missing("gguf.quants")
+    from fp4sim.analyze.inputs import discover, load
+    T = gg.GGMLQuantizationType
+    w = _weights()["query"]
+    mx = gq.quantize(w, T.MXFP4)
+    q41 = gq.quantize(w, T.Q4_1)
+    wr = gg.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    wr.add_tensor("blk.0.attn_q.weight", mx, raw_dtype=T.MXFP4)
+    wr.add_tensor("blk.0.attn_k.weight", q41, raw_dtype=T.Q4_1)
+    wr.add_tensor("blk.0.attn_v.weight", w)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    srcs, problems, _ = discover([str(tmp_path / "m.gguf")])
+    assert not problems and [s.name for s in srcs] == ["blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                                       "blk.0.attn_v.weight"]
+    assert {s.role for s in srcs} == {"weight"}
+    got = {s.name: load(s) for s in srcs}
+    assert got["blk.0.attn_q.weight"].tobytes() == gq.dequantize(mx, T.MXFP4).astype(np.float32).tobytes()
+    assert got["blk.0.attn_k.weight"].tobytes() == gq.dequantize(q41, T.Q4_1).astype(np.float32).tobytes()
+    assert got["blk.0.attn_v.weight"].tobytes() == w.tobytes()
+    from fp4sim.analyze import analyze
+    ds = analyze([str(tmp_path / "m.gguf")], schemes=["mxfp4_floor"], quiet=True, hadamard=False)
+    assert list(ds.tensor.values) == [s.name for s in srcs]
