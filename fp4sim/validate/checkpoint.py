@@ -1,5 +1,6 @@
 """``python -m fp4sim.validate checkpoint DIR [--reference REF] [--json F]``: an NVFP4 checkpoint (ModelOpt or
-compressed-tensors export, :mod:`fp4sim.checkpoint`) checked tensor by tensor.
+compressed-tensors export, :mod:`fp4sim.checkpoint`), or a gpt-oss MXFP4 one (:mod:`.checkpoint_mx`), checked
+tensor by tensor.
 
 Without a reference, every quantized linear's internal consistency: the shapes of its codes, block scales and
 tensor scale (a half-size scale tensor, the swizzled layout's padded size, a missing tensor scale), scale bytes
@@ -15,66 +16,18 @@ swapped, scales swizzled or transposed, scale bytes one binade off, another rule
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from ..checkpoint import KEYS, Checkpoint, QuantWeight, excluded_by, read_checkpoint
 from ..formats import E4M3
 from ..layout import swizzled_size
+from .checkpoint_ref import CheckpointReport, _count_compared, _reference_sources
 
 __all__ = ["check_checkpoint", "CheckpointReport"]
 
 C2688 = np.float32(2688.0)
 PLAUSIBLE_AMAX = (1e-4, 1e4)        # a weight matrix's largest |w| in any model seen: far inside this range
-
-
-@dataclass
-class CheckpointReport:
-    """``tensors``: {module: {"ok": bool, "faults": [...], "notes": [...], "shape", "global_amax", "exact",
-    "rule", "rules"}} (``exact``: equal to the reference re-quantized by ``rule``, the first of the exporters'
-    rules that reproduces its bytes; ``rules``: every rule that does);
-    ``faults`` / ``notes`` of the checkpoint as a whole (excluded modules, ...); ``ok``: no fault anywhere."""
-    path: str
-    format: str
-    reference: str | None
-    tensors: dict = field(default_factory=dict)
-    faults: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.faults and all(t["ok"] for t in self.tensors.values())
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=float)
-
-    def summary(self) -> str:
-        bad = [n for n, t in self.tensors.items() if not t["ok"]]
-        exact = sum(1 for t in self.tensors.values() if t.get("exact"))
-        head = (f"fp4sim.validate checkpoint: {self.path} ({self.format}), {len(self.tensors)} quantized linears: "
-                + ("CONSISTENT" if self.ok else f"{len(bad) + bool(self.faults)} with faults"))
-        if self.reference:
-            head += f"; {exact} of {len(self.tensors)} equal to the reference re-quantized, byte for byte"
-        lines = [head]
-        rules = {}
-        for t in self.tensors.values():
-            if t.get("exact"):
-                rules[t["rule"]] = rules.get(t["rule"], 0) + 1
-        for r, n in rules.items():
-            lines.append(f"  equal by {r}: {n} tensors")
-        for n, t in self.tensors.items():
-            for f in t["faults"]:
-                lines.append(f"  FAULT {n}: {f}")
-        for f in self.faults:
-            lines.append(f"  FAULT: {f}")
-        for n, t in self.tensors.items():
-            for f in t["notes"]:
-                lines.append(f"  note {n}: {f}")
-        for f in self.notes:
-            lines.append(f"  note: {f}")
-        return "\n".join(lines)
 
 
 def _decode_scales(b):
@@ -236,9 +189,14 @@ def _group_summary(groups, kg) -> str:
 
 
 def check_checkpoint(path, reference=None) -> CheckpointReport:
-    """Read and check an NVFP4 checkpoint folder (see the module docstring); ``reference``: the high-precision
+    """Read and check an NVFP4 checkpoint folder (see the module docstring), or a gpt-oss MXFP4 one
+    (:mod:`.checkpoint_mx`); ``reference``: the high-precision
     weights it was made from (each weight is then compared byte for byte, :mod:`.checkpoint_ref`; the weights of
     a shared tensor scale (:func:`shared_scale_groups`) against the group's largest amax)."""
+    from ..gpt_oss import is_gpt_oss
+    if is_gpt_oss(path):
+        from .checkpoint_mx import check_gpt_oss
+        return check_gpt_oss(path, reference)
     ck = read_checkpoint(path)
     kg = KEYS[ck.format][2]
     rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)
@@ -307,28 +265,3 @@ def _compare_unit(ck: Checkpoint, unit, refs, rep: CheckpointReport):
     for n in unit:
         compare_to_reference(ck.weights[n], ck.format, refs, rep.tensors[n], x=xs.pop(n),
                              amax=amax, group=unit if amax is not None else None)
-
-
-def _count_compared(ck: Checkpoint, rep: CheckpointReport):
-    """A reference that leaves quantized weights uncompared is a fault: nothing is passed unseen."""
-    missing = [n for n, t in rep.tensors.items() if not t.get("compared")]
-    if not missing:
-        return
-    n = len(rep.tensors)
-    if len(missing) == n:
-        rep.faults.append(f"none of the {n} quantized weights was compared: --reference {rep.reference} holds none "
-                          f"of them usably (first: {missing[0]}; the per-tensor notes say why). Give the "
-                          "high-precision weights this checkpoint was made from")
-    else:
-        rep.faults.append(f"{len(missing)} of {n} quantized weights were not compared with the reference (first: "
-                          f"{', '.join(missing[:3])}; the per-tensor notes say why)")
-
-
-def _reference_sources(reference) -> dict:
-    """{tensor name: Source} of the reference weights (any layout analyze reads)."""
-    from ..analyze.inputs import discover
-    sources, problems, _ = discover([str(reference)])
-    if not sources:
-        why = "; ".join(f"{p}: {r}" for p, r in problems[:3])
-        raise ValueError(f"--reference {reference}: no tensors found" + (f" ({why})" if why else ""))
-    return {s.name: s for s in sources}

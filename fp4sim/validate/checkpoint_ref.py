@@ -10,7 +10,9 @@ rule reproduces codes, scale bytes and tensor scale; the rule is named."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -214,3 +216,75 @@ def _layout_fault(t, x, main: Rule, rules: list, got_c, got_s):
                       .reshape(*main.scales.shape, 16).any(-1))
     _fail(t, f"{len(bad)} of {main.scales.size} blocks differ from the reference quantized with {main.name} "
              f"(first at row {int(bad[0][0])}, block {int(bad[0][1])})")
+
+
+@dataclass
+class CheckpointReport:
+    """``tensors``: {module: {"ok": bool, "faults": [...], "notes": [...], "shape", "global_amax", "exact",
+    "rule", "rules"}} (``exact``: equal to the reference re-quantized by ``rule``, the first of the exporters'
+    rules that reproduces its bytes; ``rules``: every rule that does);
+    ``faults`` / ``notes`` of the checkpoint as a whole (excluded modules, ...); ``ok``: no fault anywhere."""
+    path: str
+    format: str
+    reference: str | None
+    tensors: dict = field(default_factory=dict)
+    faults: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults and all(t["ok"] for t in self.tensors.values())
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=float)
+
+    def summary(self) -> str:
+        bad = [n for n, t in self.tensors.items() if not t["ok"]]
+        exact = sum(1 for t in self.tensors.values() if t.get("exact"))
+        head = (f"fp4sim.validate checkpoint: {self.path} ({self.format}), {len(self.tensors)} quantized linears: "
+                + ("CONSISTENT" if self.ok else f"{len(bad) + bool(self.faults)} with faults"))
+        if self.reference:
+            head += f"; {exact} of {len(self.tensors)} equal to the reference re-quantized, byte for byte"
+        lines = [head]
+        rules = {}
+        for t in self.tensors.values():
+            if t.get("exact"):
+                rules[t["rule"]] = rules.get(t["rule"], 0) + 1
+        for r, n in rules.items():
+            lines.append(f"  equal by {r}: {n} tensors")
+        for n, t in self.tensors.items():
+            for f in t["faults"]:
+                lines.append(f"  FAULT {n}: {f}")
+        for f in self.faults:
+            lines.append(f"  FAULT: {f}")
+        for n, t in self.tensors.items():
+            for f in t["notes"]:
+                lines.append(f"  note {n}: {f}")
+        for f in self.notes:
+            lines.append(f"  note: {f}")
+        return "\n".join(lines)
+
+
+def _count_compared(ck, rep: CheckpointReport):
+    """A reference that leaves quantized weights uncompared is a fault: nothing is passed unseen."""
+    missing = [n for n, t in rep.tensors.items() if not t.get("compared")]
+    if not missing:
+        return
+    n = len(rep.tensors)
+    if len(missing) == n:
+        rep.faults.append(f"none of the {n} quantized weights was compared: --reference {rep.reference} holds none "
+                          f"of them usably (first: {missing[0]}; the per-tensor notes say why). Give the "
+                          "high-precision weights this checkpoint was made from")
+    else:
+        rep.faults.append(f"{len(missing)} of {n} quantized weights were not compared with the reference (first: "
+                          f"{', '.join(missing[:3])}; the per-tensor notes say why)")
+
+
+def _reference_sources(reference) -> dict:
+    """{tensor name: Source} of the reference weights (any layout analyze reads)."""
+    from ..analyze.inputs import discover
+    sources, problems, _ = discover([str(reference)])
+    if not sources:
+        why = "; ".join(f"{p}: {r}" for p, r in problems[:3])
+        raise ValueError(f"--reference {reference}: no tensors found" + (f" ({why})" if why else ""))
+    return {s.name: s for s in sources}

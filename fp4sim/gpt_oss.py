@@ -1,0 +1,171 @@
+"""gpt-oss's MXFP4 safetensors checkpoints (OpenAI's open-weight MoE models), read into fp4sim's conventions, and
+which MXFP4 rule reproduces a tensor of one from its high-precision weights.
+
+A quantized weight ``NAME`` (the experts' ``gate_up_proj`` and ``down_proj``) is stored as two entries:
+
+- ``NAME_blocks``: uint8 [experts, rows, K / 32, 16], 16 bytes = 32 E2M1 codes per block, element 2j in the low
+  nibble of byte j and 2j + 1 in the high one (fp4sim's own packing);
+- ``NAME_scales``: uint8 [experts, rows, K / 32], the E8M0 exponent bytes (value = E2M1 x 2^(e - 127)).
+
+``config.json`` names it: ``quantization_config: {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``.
+transformers' ``convert_moe_packed_tensors`` dequantizes a weight in bfloat16 (the E2M1 value times ``ldexp``)
+and transposes it to [experts, K, rows], the layout its forward pass multiplies; :meth:`MXFP4Weight.values` gives
+the float32 values in the stored [experts, rows, K] order (rounded to bfloat16 and transposed: transformers'
+tensor, bit for bit, for every scale byte but 255, which OCP's E8M0 reads as NaN and ldexp as 2^128).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["is_gpt_oss", "read_gpt_oss", "GptOssCheckpoint", "MXFP4Weight", "reproducing_rules", "MX_RULES"]
+
+MX_RULES = ("rceil", "floor", "ceil", "even", "ggml")        # fp4sim's MX scale modes, and ggml's quantizer
+
+
+def _config(d: Path) -> dict | None:
+    p = d / "config.json"
+    if not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: not readable JSON ({e})") from None
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return qc if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "mxfp4" else None
+
+
+def is_gpt_oss(d) -> bool:
+    """Whether the folder ``d`` holds a gpt-oss-style MXFP4 checkpoint (its config.json's quantization_config
+    says ``quant_method: mxfp4``)."""
+    try:
+        return Path(d).is_dir() and _config(Path(d)) is not None
+    except ValueError:
+        return False
+
+
+@dataclass
+class MXFP4Weight:
+    """One quantized weight: ``name`` (the entry names without ``_blocks`` / ``_scales``), ``shape`` (experts,
+    rows, K), and where its two entries are (``entries``: role -> (file, key)). ``codes`` (uint8 (experts x rows,
+    K / 2), fp4sim's packing), ``scales`` (uint8 (experts x rows, K / 32), E8M0 bytes) and ``values()`` are read
+    from the files when asked for."""
+    name: str
+    shape: tuple
+    entries: dict = field(default_factory=dict)
+
+    def _read(self, role):
+        from ._safetensors import load_safetensors
+        path, key = self.entries[role]
+        a = load_safetensors(path, key)
+        return np.ascontiguousarray(a).view(np.uint8) if a.dtype.itemsize == 1 else a
+
+    @property
+    def codes(self) -> np.ndarray:
+        b = self._read("blocks")
+        return b.reshape(-1, b.shape[-2] * b.shape[-1])
+
+    @property
+    def scales(self) -> np.ndarray:
+        s = self._read("scales")
+        return s.reshape(-1, s.shape[-1])
+
+    def values(self) -> np.ndarray:
+        """float32 (experts, rows, K): E2M1 x 2^(e - 127), E8M0 255 as NaN (OCP)."""
+        from .formats import E2M1
+        from .layout import unpack_fp4
+        c = unpack_fp4(self.codes)
+        s = self.scales
+        f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), s.astype(np.int32) - 127))
+        n, K = c.shape
+        v = E2M1.values[c].astype(np.float32).reshape(n, K // 32, 32) * f.astype(np.float32)[:, :, None]
+        return v.reshape(self.shape).astype(np.float32)
+
+
+@dataclass
+class GptOssCheckpoint:
+    """A gpt-oss MXFP4 folder: the quantized weights by name, the modules left in high precision
+    (``modules_to_not_convert``), every other entry (name -> (file, dtype, shape)) and the quantization config."""
+    path: Path
+    weights: dict
+    excluded: list
+    other: dict
+    config: dict
+
+
+def read_gpt_oss(path) -> GptOssCheckpoint:
+    """Read a gpt-oss MXFP4 checkpoint folder (sharded or not); ValueError naming the file and what is wrong:
+    a ``_blocks`` entry without its ``_scales`` (or the reverse), shapes that do not agree, blocks that are not
+    16 bytes."""
+    from .checkpoint import _dtype, _files, _shape
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a folder (give the checkpoint's folder, with its config.json and .safetensors)")
+    qc = _config(d)
+    if qc is None:
+        raise ValueError(f"{d}: config.json has no quantization_config with quant_method 'mxfp4' (not a gpt-oss "
+                         "MXFP4 checkpoint)")
+    files = _files(d)
+    if not files:
+        raise ValueError(f"{d}: no .safetensors files")
+    weights, used = {}, set()
+    for key in sorted(files):
+        if not key.endswith("_blocks"):
+            continue
+        name = key[: -len("_blocks")]
+        skey = name + "_scales"
+        if skey not in files:
+            raise ValueError(f"{d}: {key} has no {skey} beside it (the E8M0 scales of its blocks)")
+        bs, ss = _shape(files[key], key), _shape(files[skey], skey)
+        if len(bs) < 2 or bs[-1] != 16 or tuple(bs[:-1]) != tuple(ss):
+            raise ValueError(f"{d}: {key} has shape {bs} and {skey} {ss}; gpt-oss stores blocks as "
+                             "[..., rows, K/32, 16] bytes beside scales [..., rows, K/32]")
+        for k in (key, skey):
+            if str(_dtype(files[k], k)) not in ("U8", "I8"):
+                raise ValueError(f"{d}: {k} is {_dtype(files[k], k)}, not bytes (U8)")
+        weights[name] = MXFP4Weight(name, tuple(bs[:-2]) + (bs[-2] * 32,),
+                                    {"blocks": (files[key], key), "scales": (files[skey], skey)})
+        used.update((key, skey))
+    orphans = [k for k in files if k.endswith("_scales") and k not in used and k[: -len("_scales")] + "_blocks"
+               not in files]
+    if orphans:
+        raise ValueError(f"{d}: {orphans[0]} has no _blocks entry beside it")
+    other = {n: (f, str(_dtype(f, n)), _shape(f, n)) for n, f in files.items() if n not in used}
+    return GptOssCheckpoint(d, weights, list(qc.get("modules_to_not_convert") or []), other, qc)
+
+
+def _rule_bytes(x2, rule):
+    """(codes in fp4sim's packing, E8M0 bytes) of x2 (rows, K) under one of :data:`MX_RULES`."""
+    if rule == "ggml":
+        from .gguf import ggml_mxfp4_quantize
+        return ggml_mxfp4_quantize(x2)
+    from .quantize import quantize
+    q = quantize(x2, "mxfp4", scale_mode=rule)
+    return np.asarray(q.codes).reshape(x2.shape[0], -1), np.asarray(q.scales).reshape(x2.shape[0], -1)
+
+
+def reproducing_rules(w: MXFP4Weight, reference) -> list:
+    """The MXFP4 rules (:data:`MX_RULES`: fp4sim's scale modes with round-to-nearest-even elements, and ggml's
+    quantizer) that give ``w``'s stored codes and scale bytes, byte for byte, from ``reference``: the weight's
+    high-precision values, in the stored order (experts, rows, K) or transformers' (experts, K, rows)."""
+    x = np.asarray(reference, np.float32)
+    E = w.shape[:-2]
+    R, K = w.shape[-2:]
+    if x.shape == tuple(E) + (K, R) and x.shape != tuple(w.shape):
+        x = np.swapaxes(x, -1, -2)
+    if x.shape != tuple(w.shape):
+        raise ValueError(f"reference: shape {x.shape}; {w.name} holds {tuple(w.shape)} (or {tuple(E) + (K, R)} as "
+                         "transformers lays it out)")
+    if not np.isfinite(x).all():
+        raise ValueError(f"reference: {w.name}'s reference holds NaN or Inf")
+    x2 = np.ascontiguousarray(x.reshape(-1, K))
+    codes, scales = w.codes, w.scales
+    out = []
+    for rule in MX_RULES:
+        c, s = _rule_bytes(x2, rule)
+        if np.array_equal(c, codes) and np.array_equal(s, scales):
+            out.append(rule)
+    return out

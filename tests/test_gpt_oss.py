@@ -1,0 +1,189 @@
+"""gpt-oss MXFP4 checkpoints: a folder in gpt-oss's layout (two MoE weights of two experts each, made from real
+MiniLM weights, sharded with its index, a router and biases beside them) read back; its values, rounded to
+bfloat16 and transposed, are transformers' ``convert_moe_packed_tensors`` output bit for bit; the MXFP4 rule that
+wrote each weight is named from its high-precision values, and a weight with its nibbles swapped matches none."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4sim as fs
+from fp4sim.gpt_oss import is_gpt_oss, read_gpt_oss, reproducing_rules
+from peers import import_or_missing, torch_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "fp4sim" / "data" / "sample_dump.npz"
+GU = "model.layers.0.mlp.experts.gate_up_proj"
+DN = "model.layers.0.mlp.experts.down_proj"
+
+
+def _experts():
+    z = np.load(SAMPLE)
+    return {GU: z["minilm.encoder.layer.5.intermediate.dense.weight"].reshape(2, 768, 384),
+            DN: z["minilm.encoder.layer.0.attention.self.query.weight"].reshape(2, 192, 384)}
+
+
+def _pack(x, mode):
+    """gpt-oss's two entries of x (experts, rows, K) quantized with fp4sim's mxfp4 in ``mode``."""
+    E, R, K = x.shape
+    q = fs.quantize(x.reshape(E * R, K), "mxfp4", scale_mode=mode)
+    return (np.asarray(q.codes).reshape(E, R, K // 32, 16), np.asarray(q.scales).reshape(E, R, K // 32))
+
+
+def write_gpt_oss(d: Path, entries: dict):
+    from safetensors.numpy import save_file
+    d.mkdir(parents=True)
+    names = sorted(entries)
+    half = [names[: len(names) // 2], names[len(names) // 2:]]
+    wm = {}
+    for i, part in enumerate(half):
+        f = f"model-{i:05d}-of-00002.safetensors"
+        save_file({k: entries[k] for k in part}, str(d / f))
+        wm.update({k: f for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"], "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    x = _experts()
+    ent = {}
+    for name, mode in ((GU, "floor"), (DN, "rceil")):
+        b, s = _pack(x[name], mode)
+        ent[name + "_blocks"], ent[name + "_scales"] = b, s
+        ent[name + "_bias"] = np.zeros(x[name].shape[:2], np.float32)
+    ent["model.layers.0.mlp.router.weight"] = np.ones((2, 384), np.float32)
+    return write_gpt_oss(tmp_path_factory.mktemp("gptoss") / "ck", ent), x
+
+
+def test_a_gpt_oss_folder_reads_as_transformers_dequantizes_it(folder):
+    torch = torch_or_skip()
+    mx = import_or_missing("transformers.integrations.mxfp4")
+    d, x = folder
+    assert is_gpt_oss(d)
+    ck = read_gpt_oss(d)
+    assert set(ck.weights) == {GU, DN} and "model.layers.0.mlp.router.weight" in ck.other
+    assert ck.excluded[-1] == "lm_head"
+    for name in (GU, DN):
+        w = ck.weights[name]
+        assert w.shape == x[name].shape
+        blocks = torch.from_numpy(w._read("blocks").copy())
+        scales = torch.from_numpy(w._read("scales").copy())
+        theirs = mx.convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)     # [experts, K, rows]
+        ours = np.swapaxes(w.values(), -1, -2).astype(ml_dtypes.bfloat16)
+        assert theirs.view(torch.int16).numpy().tobytes() == np.ascontiguousarray(ours).view(np.int16).tobytes()
+
+
+def test_the_rule_that_wrote_each_weight_is_named(folder, tmp_path):
+    d, x = folder
+    ck = read_gpt_oss(d)
+    gu = reproducing_rules(ck.weights[GU], x[GU])
+    dn = reproducing_rules(ck.weights[DN], np.swapaxes(x[DN], -1, -2))         # transformers' layout
+    assert "floor" in gu and "rceil" not in gu, gu
+    assert "rceil" in dn and "floor" not in dn, dn
+    # nibbles swapped in one weight: no rule reproduces it
+    from fp4sim.gpt_oss import MXFP4Weight
+    b, s = _pack(x[GU], "floor")
+    bad = write_gpt_oss(tmp_path / "swapped", {GU + "_blocks": ((b >> 4) | (b << 4)).astype(np.uint8),
+                                               GU + "_scales": s})
+    w = read_gpt_oss(bad).weights[GU]
+    assert isinstance(w, MXFP4Weight) and reproducing_rules(w, x[GU]) == []
+    with pytest.raises(ValueError, match="reference: shape"):
+        reproducing_rules(ck.weights[GU], x[GU][:, :10])
+
+
+def test_bad_folders_are_named(tmp_path):
+    b, s = _pack(_experts()[GU], "floor")
+    with pytest.raises(ValueError, match="has no .*_scales beside it"):
+        read_gpt_oss(write_gpt_oss(tmp_path / "a", {GU + "_blocks": b}))
+    with pytest.raises(ValueError, match="gpt-oss stores blocks"):
+        read_gpt_oss(write_gpt_oss(tmp_path / "b", {GU + "_blocks": b, GU + "_scales": s[:, :10]}))
+    d = write_gpt_oss(tmp_path / "c", {GU + "_blocks": b, GU + "_scales": s})
+    (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert not is_gpt_oss(d)
+    with pytest.raises(ValueError, match="not a gpt-oss MXFP4 checkpoint"):
+        read_gpt_oss(d)
+
+
+def _reference(d: Path, x: dict, transformers_layout=True):
+    from safetensors.numpy import save_file
+    d.mkdir()
+    save_file({k: np.ascontiguousarray(np.swapaxes(v, -1, -2) if transformers_layout else v)
+               for k, v in x.items()}, str(d / "model.safetensors"))
+    return d
+
+
+FAULTS = {   # fault -> (how the stored bytes are changed, a phrase of the message)
+    "nibbles swapped": (lambda b, s: (((b >> 4) | (b << 4)).astype(np.uint8), s), "nibbles are swapped"),
+    "ggml order": (lambda b, s: (_ggml(b), s), "ggml's order"),
+    "bias 128": (lambda b, s: (b, (s + 1).astype(np.uint8)), "one binade high"),
+    "transposed": (lambda b, s: (np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(b.shape),
+                                 np.ascontiguousarray(s.transpose(0, 2, 1)).reshape(s.shape)), "transposed"),
+}
+
+
+def _ggml(b):
+    from fp4sim.gguf import to_ggml_order
+    from fp4sim.layout import unpack_fp4
+    E, R, nb, _ = b.shape
+    return to_ggml_order(unpack_fp4(b.reshape(E * R, nb * 16)), 32).reshape(b.shape)
+
+
+def test_validate_checkpoint_on_gpt_oss(folder, tmp_path):
+    import subprocess
+    import sys
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    ref = _reference(tmp_path / "ref", x)
+    rep = check_checkpoint(d)
+    assert rep.ok and rep.format == "gpt-oss mxfp4" and set(rep.tensors) == {GU, DN}, rep.summary()
+    rep = check_checkpoint(d, ref)
+    assert rep.ok and all(t["exact"] for t in rep.tensors.values()), rep.summary()
+    assert rep.tensors[GU]["rule"] == "MXFP4, scale mode floor" and rep.tensors[DN]["rule"] == "MXFP4, scale mode rceil"
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "checkpoint", str(d), "--reference", str(ref)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and "2 of 2 equal to the reference" in r.stdout, r.stdout + r.stderr
+    # the stored [experts, rows, K] layout is a reference too
+    assert check_checkpoint(d, _reference(tmp_path / "ref2", x, False)).ok
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_each_gpt_oss_fault_is_named(folder, tmp_path, kind):
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    change, phrase = FAULTS[kind]
+    b, s = _pack(x[GU], "floor")
+    b2, s2 = change(b, s)
+    bad = write_gpt_oss(tmp_path / "bad", {GU + "_blocks": b2, GU + "_scales": s2})
+    rep = check_checkpoint(bad, _reference(tmp_path / "ref", {GU: x[GU]}))
+    assert not rep.ok and any(phrase in f and "MXFP4, scale mode floor" in f for f in rep.tensors[GU]["faults"]), \
+        rep.summary()
+
+
+def test_gpt_oss_checks_without_a_reference(folder, tmp_path):
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    b, s = _pack(x[GU], "floor")
+    s = s.copy()
+    s[0, 3, 2] = 255
+    bad = write_gpt_oss(tmp_path / "nan", {GU + "_blocks": b, GU + "_scales": s})
+    rep = check_checkpoint(bad)
+    assert not rep.ok and any("1 E8M0 scale bytes are 255" in f for f in rep.tensors[GU]["faults"]), rep.summary()
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(num_local_experts=2, hidden_size=384, intermediate_size=300)          # 2 x 300 != 768 rows
+    (bad / "config.json").write_text(json.dumps(cfg))
+    s[0, 3, 2] = 120
+    from safetensors.numpy import save_file
+    for f in bad.glob("*.safetensors"):
+        f.unlink()
+    (bad / "model.safetensors.index.json").unlink()
+    save_file({GU + "_blocks": b, GU + "_scales": s}, str(bad / "model.safetensors"))
+    rep = check_checkpoint(bad)
+    assert any("the config's dimensions give (2, 600, 384)" in f for f in rep.tensors[GU]["faults"]), rep.summary()
