@@ -25,6 +25,13 @@ element the E2M1 code whose value times the scale is nearest in float32 (``|2^(e
 code order on a tie: ties go to the smaller magnitude (not to even), and a negative value that rounds to zero is
 +0 (code 0, not fp4sim's -0, code 8). fp4sim's ``mxfp4`` with ``scale_mode="floor"`` gives the same scale bytes
 (:func:`ggml_mxfp4_quantize` says where the codes differ).
+
+llama.cpp's NVFP4 quantizer (``quantize_row_nvfp4_ref`` in ggml's C source), as a rule: per 16-element
+sub-block, the scale byte ``ggml_ue4m3(fl(amax / 6))`` (:func:`ggml_ue4m3`: its own UE4M3 rounding, not
+round-to-nearest-even: the fourth mantissa bit rounds half up, a scale at or above 2^8 — after that rounding,
+so from 248 on — becomes 448 (byte 0x7E), and below 2^-6 the subnormal ``trunc(s · 512 + 0.5)``, at most 7), no tensor scale,
+and each element by the MXFP4 rule's nearest-candidate search over ``E2M1 x E4M3(byte)`` (ties to the smaller
+magnitude, +0 for negatives that round to zero).
 """
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "to_ggml_order", "from_ggml_order",
-           "FP4_TYPES"]
+__all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
+           "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
 
 FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
 _BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block
@@ -196,3 +203,68 @@ def ggml_mxfp4_quantize(x) -> tuple:
     err = np.abs(cand[:, :, None, :] - blk[:, :, :, None]).astype(np.float32)
     codes = np.argmin(err, axis=-1).astype(np.uint8).reshape(R, K)
     return pack_fp4(codes), e.astype(np.uint8)
+
+
+def ggml_ue4m3(v) -> np.ndarray:
+    """ggml's float32 -> UE4M3 scale byte (``ggml_fp32_to_ue4m3``) of non-negative float32 values: clamped to
+    [0, 448]; a normal value keeps three mantissa bits and adds the fourth (half up, in magnitude), the carry
+    moving into the exponent; an exponent field of 15 or more, before or after that carry, gives 448 (0x7E) — so
+    scales in [248, 256) round up to 448, not to 256; below 2^-6 the subnormal byte is ``trunc(fl(v · 512) + 0.5)``
+    clamped to 7 (so [7.5, 8) x 2^-9 stays at 7 x 2^-9 instead of becoming 2^-6); zero and negatives give 0."""
+    a = np.clip(np.asarray(v, np.float32), np.float32(0), np.float32(448)).astype(np.float32)
+    bits = a.view(np.uint32).astype(np.int64)
+    e = ((bits >> 23) & 0xFF) - 127 + 7
+    m = ((bits >> 20) & 7) + ((bits >> 19) & 1)
+    carry = m > 7
+    m = np.where(carry, 0, m)
+    e2 = np.where(carry, e + 1, e)
+    normal = np.where(e2 >= 15, 0x7E, (e2 << 3) | m)
+    sub = np.clip((a * np.float32(512) + np.float32(0.5)).astype(np.float32).astype(np.int64), 0, 7)
+    out = np.where(a <= 0, 0, np.where(e <= 0, sub, np.where(e >= 15, 0x7E, normal)))
+    return out.astype(np.uint8)
+
+
+def _nearest_codes(blk, d):
+    """The MXFP4 rule's element search: per element of ``blk`` (..., n) the first code whose E2M1 value times
+    ``d`` (..., broadcast) is nearest in float32."""
+    from .formats import E2M1
+    cand = (d[..., None, None] * E2M1.values.astype(np.float32)[None, :]).astype(np.float32)
+    err = np.abs(cand - blk[..., None]).astype(np.float32)
+    return np.argmin(err, axis=-1).astype(np.uint8)
+
+
+def ggml_nvfp4_quantize(x) -> tuple:
+    """llama.cpp's NVFP4 quantizer (the module docstring's rule): ``(codes, scales)`` of a 2-D float32 ``x``
+    (rows, K), K a multiple of 16 (GGUF tensors: of 64) — codes in fp4sim's packing (uint8 (rows, K / 2)),
+    scales the UE4M3 bytes (uint8 (rows, K / 16)); there is no tensor scale. :func:`to_gguf_blocks` gives the
+    36-byte blocks ggml writes. ValueError for NaN or Inf."""
+    from .formats import E4M3
+    from .layout import pack_fp4
+    a = np.asarray(x, np.float32)
+    if a.ndim != 2 or a.shape[1] % 16:
+        raise ValueError(f"x: a 2-D array (rows, K) with K a multiple of 16 is needed, not shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError("x holds NaN or Inf: ggml's NVFP4 rule has no code for them")
+    R, K = a.shape
+    blk = a.reshape(R, K // 16, 16)
+    sb = ggml_ue4m3((np.abs(blk).max(-1) / np.float32(6)).astype(np.float32))
+    d = np.where(sb == 0x7F, np.float32(0), E4M3.values[sb]).astype(np.float32)
+    codes = _nearest_codes(blk, d).reshape(R, K)
+    return pack_fp4(codes), sb
+
+
+def to_gguf_blocks(codes, scales, kind: str) -> np.ndarray:
+    """The GGUF rows (uint8 (rows, K / block x bytes per block)) of codes in fp4sim's packing and their scale
+    bytes: ``kind`` "MXFP4" (17-byte blocks of 32) or "NVFP4" (36-byte blocks of 64: four scale bytes, then the
+    four sub-blocks' codes)."""
+    from .layout import unpack_fp4
+    if kind not in _BLOCK:
+        raise ValueError(f"kind={kind!r}: 'MXFP4' or 'NVFP4'")
+    n, nbytes, ns = _BLOCK[kind]
+    c = unpack_fp4(np.asarray(codes, np.uint8))
+    R, K = c.shape
+    if K % n:
+        raise ValueError(f"codes: K = {K} is not a multiple of {kind}'s {n}-element blocks")
+    q = to_ggml_order(c, _SUB[kind]).reshape(R, K // n, n // 2)
+    s = np.asarray(scales, np.uint8).reshape(R, K // n, ns)
+    return np.concatenate([s, q], axis=-1).reshape(R, -1)

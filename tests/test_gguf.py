@@ -185,3 +185,49 @@ def test_analyze_reads_a_gguf_file(tmp_path):
     from fp4sim.analyze import analyze
     ds = analyze([str(tmp_path / "m.gguf")], schemes=["mxfp4_floor"], quiet=True, hadamard=False)
     assert list(ds.tensor.values) == [s.name for s in srcs]
+
+
+def test_ggml_ue4m3_is_gguf_pys_on_every_float32_pattern_in_range():
+    """ggml's UE4M3 rounding against gguf-py's fp32_to_ue4m3 (its port of ggml_fp32_to_ue4m3): every 97th float32
+    bit pattern from 0 to 464, and the edges (the subnormal boundary, the half-up ties, [248, 256) -> 448)."""
+    gq = import_or_missing("gguf.quants")
+    from fp4sim.gguf import ggml_ue4m3
+    v = np.arange(0, 0x43E80000, 97, dtype=np.uint32).view(np.float32)
+    edges = np.array([0, 2.0 ** -10, 2.0 ** -9, 7.5 / 512, 7.9 / 512, 2.0 ** -6, 1.0625, 1.1875, 240, 247.9, 248,
+                      255.9, 256, 300, 448, 460, -1.0], np.float32)
+    v = np.concatenate([v, edges]).astype(np.float32)
+    assert np.array_equal(ggml_ue4m3(v), gq.NVFP4.fp32_to_ue4m3(v))
+    assert ggml_ue4m3(np.float32(1.0625)) == 0x39 and ggml_ue4m3(np.float32(250)) == 0x7E      # half up; 448
+    assert fs.encode(np.array([1.0625], np.float32), "E4M3")[0] == 0x38                          # RNE: even
+
+
+def _nvfp4_oracle(x):
+    """ggml's quantize_row_nvfp4_ref composed of gguf-py's own pieces: its UE4M3 encoder and decoder (with the 0.5
+    factor) and the doubled E2M1 table, the first nearest candidate per element; the GGUF rows."""
+    gq = import_or_missing("gguf.quants")
+    R, K = x.shape
+    blk = x.reshape(R, K // 16, 16)
+    ue = gq.NVFP4.fp32_to_ue4m3((np.abs(blk).max(-1) / np.float32(6)).astype(np.float32))
+    d = gq.NVFP4.ue4m3_to_fp32(ue).astype(np.float32)
+    kv = np.array(gq.NVFP4.kvalues, np.float32)
+    err = np.abs((d[..., None, None] * kv).astype(np.float32) - blk[..., None]).astype(np.float32)
+    idx = np.argmin(err, -1).astype(np.uint8).reshape(R, K)
+    q = to_ggml_order(idx, 16).reshape(R, K // 64, 32)
+    return np.concatenate([ue.reshape(R, K // 64, 4), q], -1).reshape(R, -1)
+
+
+def test_ggml_nvfp4_rule_against_gguf_pys_pieces_and_its_decoder():
+    from fp4sim.gguf import ggml_nvfp4_quantize, to_gguf_blocks
+    gg = import_or_missing("gguf")
+    gq = import_or_missing("gguf.quants")
+    ties = _ties()[:, :32].reshape(-1, 64)
+    ties[0, :16] = np.linspace(-6.375, 6.375, 16)                  # amax / 6 = 1.0625, a half-up tie: 1.125
+    ties[1, 16:32] = np.linspace(-1500, 1500, 16)                   # amax / 6 = 250: 448
+    ties = ties.astype(np.float32)
+    for x in (_weights()["query"], _weights()["ffn"][:, :320].copy(), ties):
+        codes, scales = ggml_nvfp4_quantize(x)
+        rows = to_gguf_blocks(codes, scales, "NVFP4")
+        assert np.array_equal(rows, _nvfp4_oracle(x))
+        dq = gq.dequantize(rows, gg.GGMLQuantizationType.NVFP4).astype(np.float32)
+        assert np.isfinite(dq).all() and dq.shape == x.shape
+    assert scales[0, 0] == 0x39 and scales[1, 1] == 0x7E
