@@ -231,3 +231,96 @@ def test_ggml_nvfp4_rule_against_gguf_pys_pieces_and_its_decoder():
         dq = gq.dequantize(rows, gg.GGMLQuantizationType.NVFP4).astype(np.float32)
         assert np.isfinite(dq).all() and dq.shape == x.shape
     assert scales[0, 0] == 0x39 and scales[1, 1] == 0x7E
+
+
+def _write(path, tensors: dict):
+    """A GGUF file of {name: (raw rows, type name)} or {name: float array}."""
+    gg = import_or_missing("gguf")
+    wr = gg.GGUFWriter(str(path), "llama")
+    for n, v in tensors.items():
+        if isinstance(v, tuple):
+            wr.add_tensor(n, v[0], raw_dtype=gg.GGMLQuantizationType[v[1]])
+        else:
+            wr.add_tensor(n, v)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+GQ, GF = "blk.0.attn_q.weight", "blk.0.ffn_up.weight"
+
+
+def _clean(tmp_path):
+    from fp4sim.gguf import ggml_nvfp4_quantize, to_gguf_blocks
+    w = _weights()
+    mx = _gguf_bytes(w["query"])
+    nv = to_gguf_blocks(*ggml_nvfp4_quantize(w["ffn"]), "NVFP4")
+    ref = _write(tmp_path / "ref.gguf", {GQ: w["query"], GF: w["ffn"]})           # an F32 GGUF as the reference
+    return mx, nv, ref, w
+
+
+def test_validate_checkpoint_on_a_gguf_file(tmp_path):
+    import subprocess
+    import sys
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    f = _write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4"), "norm.weight": np.ones(8, np.float32)})
+    rep = check_checkpoint(f)
+    assert rep.ok and rep.format == "gguf" and set(rep.tensors) == {GQ, GF}, rep.summary()
+    rep = check_checkpoint(f, ref)
+    assert rep.ok and all(t["exact"] for t in rep.tensors.values()), rep.summary()
+    assert rep.tensors[GQ]["rule"] == "ggml's MXFP4 quantizer" and rep.tensors[GF]["rules"] == ["ggml's NVFP4 quantizer"]
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "checkpoint", str(f), "--reference", str(ref)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and "2 of 2 equal to the reference" in r.stdout, r.stdout + r.stderr
+    assert not check_checkpoint(_write(tmp_path / "none.gguf", {"a.weight": w["query"]})).ok
+
+
+def _pairs(rows, kind):
+    """GGUF rows with each block's code bytes in fp4sim / gpt-oss pair order instead of ggml's halves."""
+    from fp4sim.gguf import _BLOCK, _SUB
+    n, nbytes, ns = _BLOCK[kind]
+    b = rows.reshape(rows.shape[0], -1, nbytes).copy()
+    from fp4sim.gguf import from_ggml_order
+    q = b[:, :, ns:].reshape(rows.shape[0], -1)
+    b[:, :, ns:] = pack_fp4(from_ggml_order(q, _SUB[kind])).reshape(b[:, :, ns:].shape)
+    return b.reshape(rows.shape)
+
+
+def _scale_plus(rows, kind, step):
+    from fp4sim.gguf import _BLOCK
+    n, nbytes, ns = _BLOCK[kind]
+    b = rows.reshape(rows.shape[0], -1, nbytes).copy()
+    b[:, :, :ns] = (b[:, :, :ns].astype(np.int16) + step).clip(0, 254).astype(np.uint8)
+    return b.reshape(rows.shape)
+
+
+@pytest.mark.parametrize("kind", ["MXFP4", "NVFP4"])
+@pytest.mark.parametrize("fault", ["pairs", "binade"])
+def test_each_gguf_fault_is_named(tmp_path, kind, fault):
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    rows, name = (mx, GQ) if kind == "MXFP4" else (nv, GF)
+    bad = _pairs(rows, kind) if fault == "pairs" else _scale_plus(rows, kind, 1 if kind == "MXFP4" else 8)
+    f = _write(tmp_path / "bad.gguf", {name: (bad, kind)})
+    rep = check_checkpoint(f, ref)
+    phrase = "gpt-oss's pair order" if fault == "pairs" else "one binade high"
+    rule = "ggml's MXFP4 quantizer" if kind == "MXFP4" else "ggml's NVFP4 quantizer"
+    assert not rep.ok and any(phrase in x and rule in x for x in rep.tensors[name]["faults"]), rep.summary()
+
+
+def test_gguf_checks_without_a_reference(tmp_path):
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    mx2 = mx.copy().reshape(mx.shape[0], -1, 17)
+    mx2[3, 2, 0] = 255
+    nv2 = nv.copy().reshape(nv.shape[0], -1, 36)
+    nv2[0, 0, 1] |= 0x80
+    nv2[1, 0, 2] = 0x7F
+    rep = check_checkpoint(_write(tmp_path / "b.gguf", {GQ: (mx2.reshape(mx.shape), "MXFP4"),
+                                                        GF: (nv2.reshape(nv.shape), "NVFP4")}))
+    assert any("1 E8M0 scale bytes are 255" in x for x in rep.tensors[GQ]["faults"]), rep.summary()
+    assert any("1 UE4M3 scale bytes have the sign bit set" in x for x in rep.tensors[GF]["faults"]), rep.summary()
+    assert any("1 scale bytes are 0x7F" in x for x in rep.tensors[GF]["faults"]), rep.summary()

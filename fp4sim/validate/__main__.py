@@ -27,7 +27,7 @@ def checkpoint_main(argv) -> int:
     from .checkpoint import check_checkpoint
     ap = argparse.ArgumentParser(prog="python -m fp4sim.validate checkpoint", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dir", help="the checkpoint's folder (config files and .safetensors, sharded or not)")
+    ap.add_argument("dir", help="the checkpoint's folder (config files and .safetensors, sharded or not), or a .gguf file")
     ap.add_argument("--reference", help="the high-precision weights it was made from (a folder or file)")
     ap.add_argument("--json", help="write the report as JSON here")
     a = ap.parse_args(argv)

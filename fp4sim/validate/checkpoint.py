@@ -1,6 +1,6 @@
 """``python -m fp4sim.validate checkpoint DIR [--reference REF] [--json F]``: an NVFP4 checkpoint (ModelOpt or
-compressed-tensors export, :mod:`fp4sim.checkpoint`), or a gpt-oss MXFP4 one (:mod:`.checkpoint_mx`), checked
-tensor by tensor.
+compressed-tensors export, :mod:`fp4sim.checkpoint`), a gpt-oss MXFP4 folder or a GGUF file's MXFP4 / NVFP4
+tensors (:mod:`.checkpoint_mx`), checked tensor by tensor.
 
 Without a reference, every quantized linear's internal consistency: the shapes of its codes, block scales and
 tensor scale (a half-size scale tensor, the swizzled layout's padded size, a missing tensor scale), scale bytes
@@ -194,6 +194,9 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
     weights it was made from (each weight is then compared byte for byte, :mod:`.checkpoint_ref`; the weights of
     a shared tensor scale (:func:`shared_scale_groups`) against the group's largest amax)."""
     from ..gpt_oss import is_gpt_oss
+    if str(path).lower().endswith(".gguf"):
+        from .checkpoint_mx import check_gguf
+        return check_gguf(path, reference)
     if is_gpt_oss(path):
         from .checkpoint_mx import check_gpt_oss
         return check_gpt_oss(path, reference)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_gpt_oss"]
+__all__ = ["check_gpt_oss", "check_gguf"]
 
 
 def _expected_shapes(cfg: dict) -> dict:
@@ -128,4 +128,115 @@ def check_gpt_oss(path, reference=None):
         rep.tensors[name] = t
     if refs is not None:
         _count_compared(ck, rep)
+    return rep
+
+
+# ------------------------------------------------------------------------------------------------ GGUF files
+def _gguf_rules(t, x2) -> list:
+    """The rules that give the GGUF FP4 tensor ``t``'s codes and scale bytes from ``x2`` (rows, K)."""
+    from ..gguf import ggml_nvfp4_quantize
+    from ..gpt_oss import MX_RULES, _rule_bytes
+    codes, scales = t.codes, t.scales
+    out = []
+    if t.type == "NVFP4":
+        c, s = ggml_nvfp4_quantize(x2)
+        return ["ggml's NVFP4 quantizer"] if np.array_equal(c, codes) and np.array_equal(s, scales) else []
+    for rule in MX_RULES:
+        c, s = _rule_bytes(x2, rule)
+        if np.array_equal(c, codes) and np.array_equal(s, scales):
+            out.append(_rule_name(rule))
+    return out
+
+
+class _GGUFFixed:
+    """A GGUF FP4 tensor with other codes and scale bytes (a fault undone)."""
+
+    def __init__(self, t, codes, scales):
+        self.type, self.codes, self.scales = t.type, codes, scales
+
+
+def _gguf_fault(t, x2):
+    """(fault, rules) for the known GGUF faults whose undoing makes a rule reproduce ``t``, else None."""
+    from ..gguf import _SUB, to_ggml_order
+    from ..layout import unpack_fp4
+    codes, scales = t.codes, t.scales
+    sub = _SUB[t.type]
+    # the stored bytes are the true codes in fp4sim / gpt-oss pair packing; the reader took them for ggml's
+    # halves: packing its codes back in ggml's order gives those bytes, i.e. the true codes in fp4sim's packing
+    pairs = to_ggml_order(unpack_fp4(codes), sub)
+    step = 1 if t.type == "MXFP4" else 8                  # one binade: E8M0 + 1, E4M3's exponent field + 1
+    cands = [("the codes are in gpt-oss's pair order (elements 2j and 2j + 1 in byte j), not ggml's halves "
+              f"(elements j and j + {sub // 2})", pairs, scales),
+             ("the scale bytes are one binade high" + (" (E8M0 written with bias 128)" if step == 1 else
+                                                       " (the 0.5 factor of ggml's UE4M3 left out)"),
+              codes, (scales.astype(np.int16) - step).clip(0, 255).astype(np.uint8)),
+             ("the scale bytes are one binade low", codes,
+              (scales.astype(np.int16) + step).clip(0, 255).astype(np.uint8))]
+    for fault, c, s in cands:
+        rules = _gguf_rules(_GGUFFixed(t, c, s), x2)
+        if rules:
+            return fault, rules
+    return None
+
+
+def check_gguf(path, reference=None):
+    """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of a GGUF file's FP4 tensors (MXFP4, NVFP4).
+    Without a reference: MXFP4 scale bytes 255 (NaN blocks), NVFP4 scale bytes with the sign bit set or 0x7F
+    (ggml's quantizer writes neither; ggml reads 0x7F as zero), all-zero blocks under a non-zero scale (a
+    note). With ``reference`` (the high-precision tensors under the GGUF names, any format analyze reads, an
+    F32 / F16 / BF16 .gguf included): the rules that reproduce each tensor's bytes — ggml's MXFP4 quantizer and
+    fp4sim's MXFP4 scale modes, ggml's NVFP4 quantizer — or the fault that explains them: gpt-oss's pair order
+    written where ggml's halves belong, the scale bytes one binade off (E8M0's bias 128; NVFP4's 0.5 factor)."""
+    from ..gguf import read_gguf
+    from .checkpoint_ref import CheckpointReport, _count_compared, _reference_sources, reference_weight
+    f = read_gguf(path)
+    rep = CheckpointReport(str(path), "gguf", str(reference) if reference else None)
+    refs = _reference_sources(reference) if reference else None
+    if not f.fp4:
+        rep.faults.append("no MXFP4 or NVFP4 tensor in the file: nothing was checked (other types: "
+                          + ", ".join(sorted({t.type for t in f.tensors.values()})[:8]) + ")")
+    from ..layout import unpack_fp4
+    for name, t in f.fp4.items():
+        e = {"ok": True, "faults": [], "notes": [], "shape": list(t.shape), "global_amax": None,
+             "shared_scale": [], "exact": None, "rule": None, "rules": [], "compared": False, "type": t.type}
+        s = t.scales
+        if t.type == "MXFP4":
+            n = int((s == 255).sum())
+            if n:
+                e["faults"].append(f"{n} E8M0 scale bytes are 255, NaN: their blocks decode to NaN")
+        else:
+            n, m = int(((s & 0x80) != 0).sum()), int((s == 0x7F).sum())
+            if n:
+                e["faults"].append(f"{n} UE4M3 scale bytes have the sign bit set: the scales are unsigned (ggml "
+                                   "does not read the bit)")
+            if m:
+                e["faults"].append(f"{m} scale bytes are 0x7F, which ggml reads as zero and its quantizer never "
+                                   "writes")
+        c = unpack_fp4(t.codes)
+        sub = 32 if t.type == "MXFP4" else 16
+        zero = ((c & 7) == 0).reshape(s.shape[0], s.shape[1], sub).all(-1) & (s > 0)
+        if zero.any():
+            e["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
+        if refs is not None:
+            x, why = reference_weight(t, refs)
+            if x is None:
+                e["notes"].append(f"{why}: not compared")
+            elif tuple(x.shape) != tuple(t.shape):
+                e["faults"].append(f"the reference has shape {tuple(x.shape)}; the file's tensor {tuple(t.shape)}")
+            elif not np.isfinite(x).all():
+                e["notes"].append("the reference holds NaN or Inf: not compared")
+            else:
+                x2 = np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
+                e["compared"] = True
+                e["rules"] = _gguf_rules(t, x2)
+                e["exact"] = bool(e["rules"])
+                e["rule"] = e["rules"][0] if e["rules"] else None
+                if not e["rules"]:
+                    hit = _gguf_fault(t, x2)
+                    e["faults"].append(f"{hit[0]}: with that undone, {', '.join(hit[1])} reproduces it" if hit else
+                                       f"no {t.type} rule fp4sim knows reproduces its bytes from the reference")
+        e["ok"] = not e["faults"]
+        rep.tensors[name] = e
+    if refs is not None:
+        _count_compared(f, rep)
     return rep
