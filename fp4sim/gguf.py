@@ -29,9 +29,9 @@ code order on a tie: ties go to the smaller magnitude (not to even), and a negat
 llama.cpp's NVFP4 quantizer (``quantize_row_nvfp4_ref`` in ggml's C source), as a rule: per 16-element
 sub-block, the scale byte ``ggml_ue4m3(fl(amax / 6))`` (:func:`ggml_ue4m3`: its own UE4M3 rounding, not
 round-to-nearest-even: the fourth mantissa bit rounds half up, a scale at or above 2^8 — after that rounding,
-so from 248 on — becomes 448 (byte 0x7E), and below 2^-6 the subnormal ``trunc(s · 512 + 0.5)``, at most 7), no tensor scale,
-and each element by the MXFP4 rule's nearest-candidate search over ``E2M1 x E4M3(byte)`` (ties to the smaller
-magnitude, +0 for negatives that round to zero).
+so from 248 on — becomes 448 (byte 0x7E), and below 2^-6 the subnormal ``trunc(s · 512 + 0.5)``, at most 7), no
+tensor scale, and each element by the MXFP4 rule's nearest-candidate search over ``E2M1 x E4M3(byte)`` (ties
+to the smaller magnitude, +0 for negatives that round to zero).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
-           "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
+           "rule_costs", "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
 
 FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
 _BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block
@@ -268,3 +268,41 @@ def to_gguf_blocks(codes, scales, kind: str) -> np.ndarray:
     q = to_ggml_order(c, _SUB[kind]).reshape(R, K // n, n // 2)
     s = np.asarray(scales, np.uint8).reshape(R, K // n, ns)
     return np.concatenate([s, q], axis=-1).reshape(R, -1)
+
+
+COST_RULES = ("ggml MXFP4", "MXFP4 floor", "MXFP4 rceil", "ggml NVFP4", "NVFP4 (TE, tensor scale)")
+BITS_PER_VALUE = {"ggml MXFP4": 4.25, "MXFP4 floor": 4.25, "MXFP4 rceil": 4.25, "ggml NVFP4": 4.5,
+                  "NVFP4 (TE, tensor scale)": 4.5}
+
+
+def rule_costs(x) -> dict:
+    """What each FP4 rule costs on a high-precision 2-D weight ``x`` (rows, K; K a multiple of 64): ``{"rel_mse":
+    {rule: sum (y - x)^2 / sum x^2}, "clipped_blocks": share of 32-element blocks whose largest value exceeds
+    6 x the scale ggml's MXFP4 rule chooses (those values clip to 6), "bits_per_value": {rule: bits}}`` for
+    :data:`COST_RULES`: ggml's MXFP4 (floor exponent, ties to the smaller magnitude), fp4sim's MXFP4 with the
+    floor and the round-up (rceil, TE's and cuBLAS's) scale modes, ggml's NVFP4 (no tensor scale), and NVFP4 as
+    TransformerEngine quantizes it (E4M3 block scales under an FP32 tensor scale)."""
+    from .formats import E2M1
+    from .layout import unpack_fp4
+    from .quantize import fake_quantize
+    a = np.asarray(x, np.float32)
+    if a.ndim != 2 or a.shape[1] % 64:
+        raise ValueError(f"x: a 2-D weight (rows, K) with K a multiple of 64 is needed, not shape {a.shape}")
+    R, K = a.shape
+    a64 = a.astype(np.float64)
+    ref = float((a64 * a64).sum())
+    ys = {}
+    c, s = ggml_mxfp4_quantize(a)
+    f = np.repeat(np.ldexp(np.float64(1), s.astype(np.int64) - 127), 32, axis=1)
+    ys["ggml MXFP4"] = E2M1.values[unpack_fp4(c)].astype(np.float64) * f
+    ys["MXFP4 floor"] = fake_quantize(a, "mxfp4", scale_mode="floor")
+    ys["MXFP4 rceil"] = fake_quantize(a, "mxfp4", scale_mode="rceil")
+    from .formats import E4M3
+    c, s = ggml_nvfp4_quantize(a)
+    ys["ggml NVFP4"] = E2M1.values[unpack_fp4(c)].astype(np.float64) * np.repeat(E4M3.values[s], 16, axis=1)
+    ys["NVFP4 (TE, tensor scale)"] = fake_quantize(a, "nvfp4")
+    rel = {k: float(((np.asarray(v, np.float64) - a64) ** 2).sum() / ref) if ref else 0.0 for k, v in ys.items()}
+    blk = np.abs(a).reshape(R, K // 32, 32).max(-1).astype(np.float64)
+    _, s = ggml_mxfp4_quantize(a)
+    clipped = float((blk > 6 * np.ldexp(1.0, s.astype(np.int64) - 127)).mean())
+    return {"rel_mse": rel, "clipped_blocks": clipped, "bits_per_value": dict(BITS_PER_VALUE)}

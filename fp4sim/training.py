@@ -304,7 +304,8 @@ class Recipe:
             return {}
         held = sorted({getattr(self, op).amax for op in OPERANDS} - {"current"})
         if held:
-            why = f"a {' / '.join(held)} amax: the fast path reads the current amax, so every operand takes the general path"
+            why = (f"a {' / '.join(held)} amax: the fast path reads the current amax, so every operand takes the "
+                   "general path")
             return {op: why for op in OPERANDS if getattr(self, op).quantized}
         return {op: "UE5M3 block scales have no fused fast-path kernel" for op in OPERANDS
                 if getattr(self, op).scheme == "nvfp4_ue5m3"}

@@ -271,7 +271,8 @@ def test_validate_checkpoint_on_a_gguf_file(tmp_path):
     assert rep.ok and rep.format == "gguf" and set(rep.tensors) == {GQ, GF}, rep.summary()
     rep = check_checkpoint(f, ref)
     assert rep.ok and all(t["exact"] for t in rep.tensors.values()), rep.summary()
-    assert rep.tensors[GQ]["rule"] == "ggml's MXFP4 quantizer" and rep.tensors[GF]["rules"] == ["ggml's NVFP4 quantizer"]
+    assert rep.tensors[GQ]["rule"] == "ggml's MXFP4 quantizer"
+    assert rep.tensors[GF]["rules"] == ["ggml's NVFP4 quantizer"]
     r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "checkpoint", str(f), "--reference", str(ref)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0 and "2 of 2 equal to the reference" in r.stdout, r.stdout + r.stderr
@@ -324,3 +325,31 @@ def test_gguf_checks_without_a_reference(tmp_path):
     assert any("1 E8M0 scale bytes are 255" in x for x in rep.tensors[GQ]["faults"]), rep.summary()
     assert any("1 UE4M3 scale bytes have the sign bit set" in x for x in rep.tensors[GF]["faults"]), rep.summary()
     assert any("1 scale bytes are 0x7F" in x for x in rep.tensors[GF]["faults"]), rep.summary()
+
+
+def test_what_each_rule_costs_on_a_real_weight(tmp_path):
+    """rule_costs on MiniLM's FFN weight: ggml's MXFP4 error and clipped-block share from gguf-py's own bytes
+    (its quantizer, its decoder), ggml's NVFP4 error through gguf-py's decoder; and validate checkpoint's line."""
+    gg = import_or_missing("gguf")
+    gq = import_or_missing("gguf.quants")
+    from fp4sim.gguf import ggml_nvfp4_quantize, rule_costs, to_gguf_blocks
+    from fp4sim.validate.checkpoint import check_checkpoint
+    x = _weights()["ffn"]
+    c = rule_costs(x)
+    x64 = x.astype(np.float64)
+    ref = (x64 ** 2).sum()
+    rows = _gguf_bytes(x)
+    y = gq.dequantize(rows, gg.GGMLQuantizationType.MXFP4).astype(np.float64)
+    assert c["rel_mse"]["ggml MXFP4"] == pytest.approx(((y - x64) ** 2).sum() / ref, rel=1e-12)
+    e = rows.reshape(x.shape[0], -1, 17)[:, :, 0].astype(np.int64)
+    amax = np.abs(x64).reshape(x.shape[0], -1, 32).max(-1)
+    assert c["clipped_blocks"] == (amax > 6 * np.ldexp(1.0, e - 127)).mean()
+    y = gq.dequantize(to_gguf_blocks(*ggml_nvfp4_quantize(x), "NVFP4"), gg.GGMLQuantizationType.NVFP4)
+    assert c["rel_mse"]["ggml NVFP4"] == pytest.approx(((y.astype(np.float64) - x64) ** 2).sum() / ref, rel=1e-12)
+    y = fs.fake_quantize(x, "mxfp4", scale_mode="rceil").astype(np.float64)
+    assert c["rel_mse"]["MXFP4 rceil"] == pytest.approx(((y - x64) ** 2).sum() / ref, rel=1e-12)
+    assert 0.3 < c["clipped_blocks"] < 0.6 and c["rel_mse"]["ggml NVFP4"] < c["rel_mse"]["ggml MXFP4"]
+    mx, nv, ref_file, w = _clean(tmp_path)
+    rep = check_checkpoint(_write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4")}), ref_file)
+    assert any(n.startswith("what each rule costs on the reference") and "clip their largest values" in n
+               for n in rep.notes), rep.summary()

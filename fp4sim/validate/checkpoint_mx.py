@@ -115,20 +115,50 @@ def check_gpt_oss(path, reference=None):
                     rules = None
                 if rules is not None:
                     t["compared"] = True
+                    _add_costs(t, np.asarray(x, np.float32), w.shape)
                     t["exact"] = bool(rules)
                     t["rules"] = [_rule_name(r) for r in rules]
                     t["rule"] = t["rules"][0] if rules else None
                     if not rules:
                         hit = _fault_rules(w, x)
+                        fixed = ", ".join(map(_rule_name, hit[1])) if hit else ""
                         t["faults"].append(
-                            f"{hit[0]}: with that undone, {', '.join(map(_rule_name, hit[1]))} reproduces it" if hit else
+                            f"{hit[0]}: with that undone, {fixed} reproduces it" if hit else
                             "no MXFP4 rule (fp4sim's scale modes rceil / floor / ceil / even with round-to-nearest-"
                             "even elements, ggml's quantizer) reproduces its bytes from the reference")
         t["ok"] = not t["faults"]
         rep.tensors[name] = t
     if refs is not None:
         _count_compared(ck, rep)
+        _cost_note(rep)
     return rep
+
+
+def _add_costs(t, x, shape):
+    """The rules' costs on the reference (:func:`fp4sim.gguf.rule_costs`) in the tensor's entry, where its K is
+    a multiple of 64 (NVFP4's GGUF blocks)."""
+    from ..gguf import rule_costs
+    K = shape[-1]
+    if K % 64 == 0:
+        x = np.asarray(x, np.float32)
+        if x.shape != tuple(shape) and x.ndim >= 2:
+            x = np.swapaxes(x, -1, -2)
+        t["costs"] = rule_costs(np.ascontiguousarray(x.reshape(-1, K)))
+
+
+def _cost_note(rep):
+    """One line: each rule's relative MSE on the reference (median over the tensors compared) and the share of
+    blocks whose largest values clip under ggml's MXFP4 rule."""
+    from ..gguf import COST_RULES
+    got = [t["costs"] for t in rep.tensors.values() if t.get("costs")]
+    if not got:
+        return
+    med = {r: float(np.median([c["rel_mse"][r] for c in got])) for r in COST_RULES}
+    clip = float(np.median([c["clipped_blocks"] for c in got]))
+    rep.notes.append("what each rule costs on the reference (relative MSE, median over the "
+                     f"{len(got)} tensors compared): " + ", ".join(f"{r} {v:.4g}" for r, v in med.items())
+                     + f"; under ggml's MXFP4 rule {100 * clip:.1f}% of the 32-element blocks clip their largest "
+                     "values to 6 (MXFP4 4.25 bits per value, NVFP4 4.5)")
 
 
 # ------------------------------------------------------------------------------------------------ GGUF files
@@ -228,6 +258,7 @@ def check_gguf(path, reference=None):
             else:
                 x2 = np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
                 e["compared"] = True
+                _add_costs(e, x2, x2.shape)
                 e["rules"] = _gguf_rules(t, x2)
                 e["exact"] = bool(e["rules"])
                 e["rule"] = e["rules"][0] if e["rules"] else None
@@ -239,4 +270,5 @@ def check_gguf(path, reference=None):
         rep.tensors[name] = e
     if refs is not None:
         _count_compared(f, rep)
+        _cost_note(rep)
     return rep
