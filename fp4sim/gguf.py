@@ -111,6 +111,20 @@ class GGUFTensor:
         q = np.ascontiguousarray(b[:, :, ns:]).reshape(rows, -1)
         return pack_fp4(from_ggml_order(q, _SUB[self.type]))
 
+    def quantized(self):
+        """The tensor as an fp4sim :class:`~fp4sim.QuantizedTensor` (rows, K) along K, for ``fs.dequantize``,
+        ``fs.gemm`` and the validators: MXFP4 as fp4sim's ``mxfp4``; NVFP4 as ``nvfp4`` without a tensor scale
+        (the ``torchao`` flavour's ``per_tensor_scale=False``: E2M1 x E4M3(s), ggml's 0.5 factor folded into the
+        scale byte's meaning). Where the two readings differ: a scale byte 0x7F is E4M3's NaN for fp4sim and zero
+        for ggml (its quantizer never writes it), and code 8 decodes to -0 in fp4sim, +0 in ggml."""
+        from .qtensor import QuantizedTensor
+        from .schemes import get_scheme
+        b, ns, rows, K = self._blocks()
+        sch = (get_scheme("mxfp4") if self.type == "MXFP4" else
+               get_scheme("nvfp4", flavor="torchao", per_tensor_scale=False))
+        return QuantizedTensor(codes=self.codes, scales=self.scales, global_amax=None, scheme=sch, axis=1,
+                               shape=(rows, K))
+
     def values(self) -> np.ndarray:
         """The stored values as ggml reads them, float32 (rows, K): E2M1 x 2^(e - 127) (MXFP4; E8M0 255 is NaN,
         as OCP defines it) or E2M1 x E4M3(s) (NVFP4; byte 0x7F reads as zero and the scale's sign bit is not

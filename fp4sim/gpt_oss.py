@@ -73,6 +73,15 @@ class MXFP4Weight:
         s = self._read("scales")
         return s.reshape(-1, s.shape[-1])
 
+    def quantized(self):
+        """The weight as an fp4sim :class:`~fp4sim.QuantizedTensor` of scheme ``mxfp4``, (experts x rows, K) along
+        K (``fs.dequantize`` of it is :meth:`values`, reshaped)."""
+        from .qtensor import QuantizedTensor
+        from .schemes import get_scheme
+        n = int(np.prod(self.shape[:-1], dtype=np.int64))
+        return QuantizedTensor(codes=self.codes, scales=self.scales, global_amax=None, scheme=get_scheme("mxfp4"),
+                               axis=1, shape=(n, self.shape[-1]))
+
     def values(self) -> np.ndarray:
         """float32 (experts, rows, K): E2M1 x 2^(e - 127), E8M0 255 as NaN (OCP)."""
         from .formats import E2M1

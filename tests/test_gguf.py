@@ -353,3 +353,19 @@ def test_what_each_rule_costs_on_a_real_weight(tmp_path):
     rep = check_checkpoint(_write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4")}), ref_file)
     assert any(n.startswith("what each rule costs on the reference") and "clip their largest values" in n
                for n in rep.notes), rep.summary()
+
+
+def test_fp4_tensors_as_fp4sims_quantized_tensors(tmp_path):
+    """GGUF MXFP4 and NVFP4 tensors as QuantizedTensors: fs.dequantize gives ggml's values, up to the sign of
+    zero (code 8: -0 for fp4sim, +0 for ggml), and fs.gemm multiplies them."""
+    from fp4sim.gguf import ggml_nvfp4_quantize, to_gguf_blocks
+    w = _weights()["query"]
+    f = read_gguf(_write(tmp_path / "m.gguf", {GQ: (_gguf_bytes(w), "MXFP4"),
+                                               GF: (to_gguf_blocks(*ggml_nvfp4_quantize(w), "NVFP4"), "NVFP4")}))
+    for t in f.fp4.values():
+        q = t.quantized()
+        y, v = np.asarray(fs.dequantize(q)), t.values()
+        assert np.array_equal(y, v) and np.array_equal(np.where(y == 0, 0, y).view(np.uint32),
+                                                       np.where(v == 0, 0, v).view(np.uint32))
+    g = np.asarray(fs.gemm(f.tensors[GQ].quantized(), f.tensors[GQ].quantized(), accumulate="te_reference"))
+    assert g.shape == (384, 384) and np.isfinite(g).all()

@@ -187,3 +187,24 @@ def test_gpt_oss_checks_without_a_reference(folder, tmp_path):
     save_file({GU + "_blocks": b, GU + "_scales": s}, str(bad / "model.safetensors"))
     rep = check_checkpoint(bad)
     assert any("the config's dimensions give (2, 600, 384)" in f for f in rep.tensors[GU]["faults"]), rep.summary()
+
+
+def test_a_gpt_oss_weight_as_a_quantized_tensor(folder):
+    d, x = folder
+    w = read_gpt_oss(d).weights[GU]
+    q = w.quantized()
+    assert np.asarray(fs.dequantize(q)).tobytes() == w.values().reshape(-1, 384).tobytes()
+
+
+def test_analyze_reads_a_gpt_oss_folder(folder):
+    """python -m fp4sim.analyze DIR on a gpt-oss folder: each MXFP4 weight as its stored values (experts x rows,
+    K), named NAME.weight with the weight role; the router and biases read as usual (biases as vectors)."""
+    from fp4sim.analyze.inputs import discover, load
+    d, x = folder
+    srcs, problems, _ = discover([str(d)])
+    by = {s.name: s for s in srcs}
+    assert not problems and {GU + ".weight", DN + ".weight", "model.layers.0.mlp.router.weight"} <= set(by)
+    assert not any(n.endswith(("_blocks", "_scales")) for n in by)
+    w = read_gpt_oss(d).weights[GU]
+    assert by[GU + ".weight"].role == "weight"
+    assert load(by[GU + ".weight"]).tobytes() == w.values().reshape(-1, 384).tobytes()

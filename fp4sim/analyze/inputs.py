@@ -168,7 +168,8 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
     found = []  # (base name, file, root, key, roles, file's meta pairs)
     skip = set()  # (file, key) entries read through a checkpoint instead
     for p in map(Path, paths):
-        if p.is_dir() and _nvfp4_checkpoint(p, files, found, skip, problems):
+        if p.is_dir() and (_nvfp4_checkpoint(p, files, found, skip, problems)
+                           or _gpt_oss_checkpoint(p, files, found, skip, problems)):
             continue
         if p.is_dir():
             side = _sidecar(p)
@@ -258,6 +259,30 @@ def _nvfp4_checkpoint(d: Path, files: list, found: list, skip: set, problems: li
     return True
 
 
+GPT_OSS = "gpt-oss-mxfp4:"           # the key of a gpt-oss MXFP4 weight's stored values
+
+
+def _gpt_oss_checkpoint(d: Path, files: list, found: list, skip: set, problems: list) -> bool:
+    """A gpt-oss MXFP4 folder: each quantized weight becomes one tensor, ``NAME`` (its stored values, experts x
+    rows by K, key ``gpt-oss-mxfp4:NAME``); the other entries of its files are read as usual. False for any
+    other folder."""
+    from ..gpt_oss import is_gpt_oss, read_gpt_oss
+    if not is_gpt_oss(d):
+        return False
+    try:
+        ck = read_gpt_oss(d)
+    except ValueError as e:
+        problems.append((str(d), str(e)))
+        return True
+    side = _sidecar(d)
+    for name, w in ck.weights.items():
+        found.append((name + ".weight" if not name.endswith("weight") else name, d, None, f"{GPT_OSS}{name}", side,
+                      {}))
+        skip.update((path, key) for path, key in w.entries.values())
+    files += [(f, d, side) for f in sorted({f for f, _, _ in ck.other.values()})]
+    return True
+
+
 def _reason(e) -> str:
     if isinstance(e, TensorError):
         return str(e)
@@ -272,7 +297,12 @@ def load(src: Source) -> np.ndarray:
     path = Path(src.path)
     suf = path.suffix.lower()
     try:
-        if src.key and src.key.startswith(CKPT):
+        if src.key and src.key.startswith(GPT_OSS):
+            from ..gpt_oss import read_gpt_oss
+            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_gpt_oss(src.path))
+            w = ck.weights[src.key[len(GPT_OSS):]]
+            a = w.values().reshape(-1, w.shape[-1])
+        elif src.key and src.key.startswith(CKPT):
             from ..checkpoint import dequantize_weight, read_checkpoint
             ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_checkpoint(src.path))
             a = dequantize_weight(ck.weights[src.key[len(CKPT):]], ck.format)
