@@ -20,7 +20,9 @@ safetensors too), so the same 17 bytes of a GGUF MXFP4 block mean another tensor
 :attr:`GGUFTensor.codes` returns them reordered, :func:`to_ggml_order` goes back.
 
 ggml's MXFP4 quantizer (gguf-py's ``MXFP4.quantize_blocks``), as a rule: the shared exponent ``e = floor(log2
-amax) - 2 + 127`` (0 for an all-zero block) — the OCP rule whose values above 6 · 2^(e - 127) clip to 6 — and each
+amax) - 2 + 127`` (0 for an all-zero block), the log2 evaluated in float32 — so an amax within a few float32 ulps
+below a power of two from 8 on takes the exponent of that power (log2(7.9999995) rounds to 3.0) — the OCP rule
+whose values above 6 · 2^(e - 127) clip to 6 — and each
 element the E2M1 code whose value times the scale is nearest in float32 (``|2^(e-128) · 2k - x|``), the first in
 code order on a tie: ties go to the smaller magnitude (not to even), and a negative value that rounds to zero is
 +0 (code 0, not fp4sim's -0, code 8). fp4sim's ``mxfp4`` with ``scale_mode="floor"`` gives the same scale bytes

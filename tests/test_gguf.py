@@ -369,3 +369,20 @@ def test_fp4_tensors_as_fp4sims_quantized_tensors(tmp_path):
                                                        np.where(v == 0, 0, v).view(np.uint32))
     g = np.asarray(fs.gemm(f.tensors[GQ].quantized(), f.tensors[GQ].quantized(), accumulate="te_reference"))
     assert g.shape == (384, 384) and np.isfinite(g).all()
+
+
+def test_the_exponent_takes_log2_in_float32():
+    """An amax just below a power of two from 8 on: gguf-py's float32 log2 rounds up to the power's exponent, and
+    so does the rule (one above the exact floor(log2 amax)); below 8 the two agree."""
+    rows = []
+    for k in (2.0, 4.0, 8.0, 1024.0):
+        b = np.zeros(32, np.float32)
+        b[0] = np.nextafter(np.float32(k), np.float32(0))
+        b[1] = -b[0] / 3
+        rows.append(b)
+    x = np.stack(rows)
+    codes, scales = ggml_mxfp4_quantize(x)
+    theirs = _gguf_bytes(x).reshape(4, -1, 17)
+    assert np.array_equal(scales, theirs[:, :, 0])
+    exact = np.floor(np.log2(np.abs(x).max(1).astype(np.float64))) - 2 + 127
+    assert list(scales[:, 0] - exact) == [0, 0, 1, 1]
