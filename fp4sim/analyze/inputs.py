@@ -168,8 +168,7 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
     found = []  # (base name, file, root, key, roles, file's meta pairs)
     skip = set()  # (file, key) entries read through a checkpoint instead
     for p in map(Path, paths):
-        if p.is_dir() and (_nvfp4_checkpoint(p, files, found, skip, problems)
-                           or _gpt_oss_checkpoint(p, files, found, skip, problems)):
+        if p.is_dir() and _quantized_folder(p, files, found, skip, problems):
             continue
         if p.is_dir():
             side = _sidecar(p)
@@ -235,50 +234,33 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
     return sources, problems, meta
 
 
-CKPT = "nvfp4-checkpoint:"          # the key of a checkpoint's dequantized weight
+CKPT = "nvfp4-checkpoint:"          # the key of an NVFP4 checkpoint's dequantized weight
+GPT_OSS = "gpt-oss-mxfp4:"           # the key of a gpt-oss MXFP4 weight's stored values
 _CKPTS: dict = {}                   # checkpoints read in this process, by folder
 
 
-def _nvfp4_checkpoint(d: Path, files: list, found: list, skip: set, problems: list) -> bool:
-    """An NVFP4 export folder: each quantized linear becomes one tensor, ``MODULE.weight`` (its dequantized
-    values, key ``nvfp4-checkpoint:MODULE``); the other entries of its files are read as usual. False for any
+def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: list) -> bool:
+    """An NVFP4 export (ModelOpt, compressed-tensors) or a gpt-oss MXFP4 folder: each quantized weight becomes one
+    tensor, ``MODULE.weight`` (its dequantized values; key ``nvfp4-checkpoint:MODULE`` or ``gpt-oss-mxfp4:NAME``,
+    a gpt-oss weight as experts x rows by K); the other entries of its files are read as usual. False for any
     other folder."""
     from ..checkpoint import is_checkpoint, read_checkpoint
-    if not is_checkpoint(d):
+    from ..gpt_oss import is_gpt_oss, read_gpt_oss
+    if is_checkpoint(d):
+        read, prefix = read_checkpoint, CKPT
+    elif is_gpt_oss(d):
+        read, prefix = read_gpt_oss, GPT_OSS
+    else:
         return False
     try:
-        ck = read_checkpoint(d)
+        ck = read(d)
     except ValueError as e:
         problems.append((str(d), str(e)))
         return True
     side = _sidecar(d)
     for m, w in ck.weights.items():
-        found.append((f"{m}.weight", d, None, f"{CKPT}{m}", side, {}))
-        skip.update((path, key) for path, key, _ in w.entries.values())
-    files += [(f, d, side) for f in sorted({f for f, _, _ in ck.other.values()})]
-    return True
-
-
-GPT_OSS = "gpt-oss-mxfp4:"           # the key of a gpt-oss MXFP4 weight's stored values
-
-
-def _gpt_oss_checkpoint(d: Path, files: list, found: list, skip: set, problems: list) -> bool:
-    """A gpt-oss MXFP4 folder: each quantized weight becomes one tensor, ``NAME`` (its stored values, experts x
-    rows by K, key ``gpt-oss-mxfp4:NAME``); the other entries of its files are read as usual. False for any
-    other folder."""
-    from ..gpt_oss import is_gpt_oss, read_gpt_oss
-    if not is_gpt_oss(d):
-        return False
-    try:
-        ck = read_gpt_oss(d)
-    except ValueError as e:
-        problems.append((str(d), str(e)))
-        return True
-    side = _sidecar(d)
-    for name, w in ck.weights.items():
-        found.append((name + ".weight" if not name.endswith("weight") else name, d, None, f"{GPT_OSS}{name}", side,
-                      {}))
-        skip.update((path, key) for path, key in w.entries.values())
+        found.append((m if m.endswith("weight") else f"{m}.weight", d, None, f"{prefix}{m}", side, {}))
+        skip.update((e[0], e[1]) for e in w.entries.values())
     files += [(f, d, side) for f in sorted({f for f, _, _ in ck.other.values()})]
     return True
 
