@@ -190,6 +190,17 @@ def read_gguf(path) -> GGUFFile:
     return GGUFFile(p, tensors, fields)
 
 
+def _rule_input(x, multiple: int, kind: str) -> np.ndarray:
+    """``x`` as a float32 (rows, K) array, K a multiple of ``multiple``; ValueError naming ``x`` otherwise, or for
+    NaN / Inf (ggml's rules have no code for them)."""
+    a = np.asarray(x, np.float32)
+    if a.ndim != 2 or a.shape[1] % multiple:
+        raise ValueError(f"x: a 2-D array (rows, K) with K a multiple of {multiple} is needed, not shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"x holds NaN or Inf: ggml's {kind} rule has no code for them")
+    return a
+
+
 def ggml_mxfp4_quantize(x) -> tuple:
     """ggml's MXFP4 quantizer (the module docstring's rule, gguf-py's ``MXFP4.quantize_blocks`` byte for byte):
     ``(codes, scales)`` of a 2-D float32 ``x`` (rows, K), K a multiple of 32 — codes in fp4sim's packing
@@ -198,11 +209,7 @@ def ggml_mxfp4_quantize(x) -> tuple:
     exponent byte would leave E8M0's range)."""
     from .formats import E2M1
     from .layout import pack_fp4
-    a = np.asarray(x, np.float32)
-    if a.ndim != 2 or a.shape[1] % 32:
-        raise ValueError(f"x: a 2-D array (rows, K) with K a multiple of 32 is needed, not shape {a.shape}")
-    if not np.isfinite(a).all():
-        raise ValueError("x holds NaN or Inf: ggml's MXFP4 rule has no code for them")
+    a = _rule_input(x, 32, "MXFP4")
     R, K = a.shape
     blk = a.reshape(R, K // 32, 32)
     amax = np.abs(blk).max(-1)
@@ -256,11 +263,7 @@ def ggml_nvfp4_quantize(x) -> tuple:
     36-byte blocks ggml writes. ValueError for NaN or Inf."""
     from .formats import E4M3
     from .layout import pack_fp4
-    a = np.asarray(x, np.float32)
-    if a.ndim != 2 or a.shape[1] % 16:
-        raise ValueError(f"x: a 2-D array (rows, K) with K a multiple of 16 is needed, not shape {a.shape}")
-    if not np.isfinite(a).all():
-        raise ValueError("x holds NaN or Inf: ggml's NVFP4 rule has no code for them")
+    a = _rule_input(x, 16, "NVFP4")
     R, K = a.shape
     blk = a.reshape(R, K // 16, 16)
     sb = ggml_ue4m3((np.abs(blk).max(-1) / np.float32(6)).astype(np.float32))

@@ -76,10 +76,23 @@ def _rule_name(rule: str) -> str:
 
 
 class _Fixed:
-    """A weight with other codes and scales (the stored bytes with a fault undone)."""
+    """A weight or GGUF tensor with other codes and scales (the stored bytes with a fault undone)."""
 
     def __init__(self, w, codes, scales):
-        self.name, self.shape, self.codes, self.scales = w.name, w.shape, codes, scales
+        self.name, self.shape, self.type = w.name, w.shape, getattr(w, "type", None)
+        self.codes, self.scales = codes, scales
+
+
+def _record(t, rules, explain, none_msg):
+    """Fill the tensor entry ``t`` with the rules (names) that reproduce its bytes or, where none does, the fault
+    that ``explain()`` finds — (fault, rule names) or None — else ``none_msg``."""
+    t["compared"] = True
+    t["exact"] = bool(rules)
+    t["rules"] = rules
+    t["rule"] = rules[0] if rules else None
+    if not rules:
+        hit = explain()
+        t["faults"].append(f"{hit[0]}: with that undone, {', '.join(hit[1])} reproduces it" if hit else none_msg)
 
 
 def check_gpt_oss(path, reference=None):
@@ -114,16 +127,12 @@ def check_gpt_oss(path, reference=None):
                     t["faults"].append(str(e))
                     rules = None
                 if rules is not None:
-                    t["compared"] = True
                     _add_costs(t, np.asarray(x, np.float32), w.shape)
-                    t["exact"] = bool(rules)
-                    t["rules"] = [_rule_name(r) for r in rules]
-                    t["rule"] = t["rules"][0] if rules else None
-                    if not rules:
+
+                    def explain(w=w, x=x):
                         hit = _fault_rules(w, x)
-                        fixed = ", ".join(map(_rule_name, hit[1])) if hit else ""
-                        t["faults"].append(
-                            f"{hit[0]}: with that undone, {fixed} reproduces it" if hit else
+                        return hit and (hit[0], [_rule_name(r) for r in hit[1]])
+                    _record(t, [_rule_name(r) for r in rules], explain,
                             "no MXFP4 rule (fp4sim's scale modes rceil / floor / ceil / even with round-to-nearest-"
                             "even elements, ggml's quantizer) reproduces its bytes from the reference")
         t["ok"] = not t["faults"]
@@ -178,13 +187,6 @@ def _gguf_rules(t, x2) -> list:
     return out
 
 
-class _GGUFFixed:
-    """A GGUF FP4 tensor with other codes and scale bytes (a fault undone)."""
-
-    def __init__(self, t, codes, scales):
-        self.type, self.codes, self.scales = t.type, codes, scales
-
-
 def _gguf_fault(t, x2):
     """(fault, rules) for the known GGUF faults whose undoing makes a rule reproduce ``t``, else None."""
     from ..gguf import _SUB, to_ggml_order
@@ -203,7 +205,7 @@ def _gguf_fault(t, x2):
              ("the scale bytes are one binade low", codes,
               (scales.astype(np.int16) + step).clip(0, 255).astype(np.uint8))]
     for fault, c, s in cands:
-        rules = _gguf_rules(_GGUFFixed(t, c, s), x2)
+        rules = _gguf_rules(_Fixed(t, c, s), x2)
         if rules:
             return fault, rules
     return None
@@ -257,15 +259,9 @@ def check_gguf(path, reference=None):
                 e["notes"].append("the reference holds NaN or Inf: not compared")
             else:
                 x2 = np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
-                e["compared"] = True
                 _add_costs(e, x2, x2.shape)
-                e["rules"] = _gguf_rules(t, x2)
-                e["exact"] = bool(e["rules"])
-                e["rule"] = e["rules"][0] if e["rules"] else None
-                if not e["rules"]:
-                    hit = _gguf_fault(t, x2)
-                    e["faults"].append(f"{hit[0]}: with that undone, {', '.join(hit[1])} reproduces it" if hit else
-                                       f"no {t.type} rule fp4sim knows reproduces its bytes from the reference")
+                _record(e, _gguf_rules(t, x2), lambda t=t, x2=x2: _gguf_fault(t, x2),
+                        f"no {t.type} rule fp4sim knows reproduces its bytes from the reference")
         e["ok"] = not e["faults"]
         rep.tensors[name] = e
     if refs is not None:
