@@ -75,7 +75,7 @@ class MXFP4Weight:
 
     def quantized(self):
         """The weight as an fp4sim :class:`~fp4sim.QuantizedTensor` of scheme ``mxfp4``, (experts x rows, K) along
-        K (``fs.dequantize`` of it is :meth:`values`, reshaped)."""
+        K."""
         from .qtensor import QuantizedTensor
         from .schemes import get_scheme
         n = int(np.prod(self.shape[:-1], dtype=np.int64))
@@ -83,15 +83,10 @@ class MXFP4Weight:
                                axis=1, shape=(n, self.shape[-1]))
 
     def values(self) -> np.ndarray:
-        """float32 (experts, rows, K): E2M1 x 2^(e - 127), E8M0 255 as NaN (OCP)."""
-        from .formats import E2M1
-        from .layout import unpack_fp4
-        c = unpack_fp4(self.codes)
-        s = self.scales
-        f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), s.astype(np.int32) - 127))
-        n, K = c.shape
-        v = E2M1.values[c].astype(np.float32).reshape(n, K // 32, 32) * f.astype(np.float32)[:, :, None]
-        return v.reshape(self.shape).astype(np.float32)
+        """float32 (experts, rows, K): E2M1 x 2^(e - 127), E8M0 255 as NaN (OCP) — ``fs.dequantize`` of
+        :meth:`quantized`."""
+        from .quantize import dequantize
+        return np.asarray(dequantize(self.quantized()), np.float32).reshape(self.shape)
 
 
 @dataclass
