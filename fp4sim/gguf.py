@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
-           "rule_costs", "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
+           "rule_costs", "other_fp4_bytes", "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
 
 FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
 _BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block
@@ -81,11 +81,29 @@ class GGUFTensor:
     """One tensor of a GGUF file: ``name``, ggml ``type`` name ("MXFP4", "NVFP4", "F32", "Q4_1", ...), ``shape``
     in NumPy order (rows, ..., K: ggml lists its dimensions innermost first), and, for the two FP4 types,
     ``codes`` (uint8 (rows, K / 2), fp4sim's packing: element 2i low), ``scales`` (uint8 (rows, K / 32) E8M0
-    bytes for MXFP4; (rows, K / 16) UE4M3 bytes for NVFP4) and the dequantized ``values()`` (float32)."""
+    bytes for MXFP4; (rows, K / 16) UE4M3 bytes for NVFP4) and the dequantized ``values()`` (float32).
+
+    Where its bytes lie: ``offset`` (from the file's start), ``n_bytes`` (what its type and shape need),
+    ``region`` (the bytes from its offset to the next tensor's, or to the file's end for the last: ``n_bytes``
+    plus the alignment padding in a well-formed file) and ``missing`` (bytes the file ends before its data does:
+    a truncated file; reading the codes, scales or values of such a tensor is a ValueError)."""
     name: str
     type: str
     shape: tuple
     raw: np.ndarray = field(repr=False)
+    offset: int = 0
+    n_bytes: int = 0
+    region: int = 0
+    missing: int = 0
+    file: Path | None = None
+
+    def region_bytes(self) -> np.ndarray:
+        """The bytes of the tensor's region (:attr:`region` of them, fewer where the file ends first)."""
+        if self.file is None:
+            return np.ascontiguousarray(self.raw, np.uint8).reshape(-1)
+        with open(self.file, "rb") as f:
+            f.seek(self.offset)
+            return np.frombuffer(f.read(self.region), np.uint8)
 
     @property
     def fp4(self) -> bool:
@@ -94,6 +112,9 @@ class GGUFTensor:
     def _blocks(self):
         if not self.fp4:
             raise ValueError(f"{self.name}: a {self.type} tensor, not one of ggml's FP4 types (MXFP4, NVFP4)")
+        if self.missing:
+            raise ValueError(f"{self.name}: truncated: the file ends {self.missing} bytes before its data does "
+                             f"({self.n_bytes - self.missing} of its {self.n_bytes} bytes are there)")
         n, nbytes, ns = _BLOCK[self.type]
         K = self.shape[-1]
         rows = int(np.prod(self.shape[:-1], dtype=np.int64))
@@ -151,31 +172,75 @@ class GGUFTensor:
 @dataclass
 class GGUFFile:
     """A GGUF file's tensors by name (:class:`GGUFTensor`) and its key-value metadata (``fields``: name -> value
-    where gguf-py decodes it to a scalar or string)."""
+    where gguf-py decodes it to a scalar or string), and the ``alignment`` of its tensors' data (32 unless
+    ``general.alignment`` says otherwise)."""
     path: Path
     tensors: dict
     fields: dict
+    alignment: int = 32
 
     @property
     def fp4(self) -> dict:
         return {n: t for n, t in self.tensors.items() if t.fp4}
 
 
+def _reader_class():
+    """gguf-py's reader, recording the reads that the file ends before (a truncated file) instead of failing on
+    them: such a read comes back padded with zeros and is listed in ``short`` as (offset, bytes missing)."""
+    gguf = _gguf()
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            count = int(count)
+            item = np.dtype(dtype).itemsize
+            have = max(0, min(len(self.data) - int(offset), item * count))
+            if have < item * count:
+                self.__dict__.setdefault("short", []).append((int(offset), item * count - have))
+                buf = np.zeros(item * count, np.uint8)
+                buf[:have] = self.data[offset:offset + have]
+                arr = buf.view(dtype)
+                return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else
+                                                       override_order))
+            return super()._get(offset, dtype, count, override_order)
+    return Reader
+
+
+def other_fp4_bytes(kind: str, shape) -> tuple:
+    """(the other FP4 type's name, the bytes it needs for ``shape``) — "NVFP4" for "MXFP4" and the reverse;
+    (other, None) where the shape's last dimension is no multiple of its blocks."""
+    other = "NVFP4" if kind == "MXFP4" else "MXFP4"
+    n, nbytes, _ = _BLOCK[other]
+    K = int(shape[-1])
+    if K % n:
+        return other, None
+    return other, int(np.prod(shape[:-1], dtype=np.int64)) * (K // n) * nbytes
+
+
 def read_gguf(path) -> GGUFFile:
     """Read a GGUF file's tensor headers and metadata (gguf-py's reader, memory-mapped: the bytes are read when a
-    tensor's codes, scales or values are asked for). ValueError naming the file when it is no GGUF file."""
-    gguf = _gguf()
+    tensor's codes, scales or values are asked for). ValueError naming the file when it is no GGUF file or ends
+    inside its header; a tensor whose data the file ends before is kept with its ``missing`` bytes counted."""
+    _gguf()
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{p}: no such file")
     try:
-        r = gguf.GGUFReader(str(p))
+        r = _reader_class()(str(p))
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{p}: not a readable GGUF file ({' '.join(str(e).split())[:200]})") from None
+    short = dict(r.__dict__.get("short", []))
+    starts = sorted({int(t.data_offset) for t in r.tensors})
+    if short and (not starts or min(short) < starts[0]):
+        raise ValueError(f"{p}: the file ends inside its header (truncated): no tensor can be read")
+    size = len(r.data)
     tensors = {}
     for t in r.tensors:
         shape = tuple(int(v) for v in reversed([int(x) for x in t.shape]))
-        tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data)
+        off, need = int(t.data_offset), int(t.n_bytes)
+        later = [o for o in starts if o > off]
+        region = (later[0] if later else size) - off
+        tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data, offset=off, n_bytes=need,
+                                     region=max(0, region), missing=int(short.get(off, 0)), file=p)
         if t.tensor_type.name in _BLOCK and shape[-1] % _BLOCK[t.tensor_type.name][0]:
             raise ValueError(f"{p}: {t.name} is {t.tensor_type.name} with a last dimension of {shape[-1]}, not a "
                              f"multiple of its {_BLOCK[t.tensor_type.name][0]}-element blocks")
@@ -187,7 +252,7 @@ def read_gguf(path) -> GGUFFile:
             continue
         if isinstance(v, (str, int, float, bool)):
             fields[name] = v
-    return GGUFFile(p, tensors, fields)
+    return GGUFFile(p, tensors, fields, int(r.alignment))
 
 
 def _rule_input(x, multiple: int, kind: str) -> np.ndarray:

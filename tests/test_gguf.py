@@ -386,3 +386,81 @@ def test_the_exponent_takes_log2_in_float32():
     assert np.array_equal(scales, theirs[:, :, 0])
     exact = np.floor(np.log2(np.abs(x).max(1).astype(np.float64))) - 2 + 127
     assert list(scales[:, 0] - exact) == [0, 0, 1, 1]
+
+
+def _retype(path, name, kind):
+    """Rewrite the ggml type id of tensor ``name`` in the file's header (its bytes stay): a tensor labelled with
+    the other FP4 type."""
+    gg = import_or_missing("gguf")
+    r = gg.GGUFReader(str(path), "r+")
+    t = next(t for t in r.tensors if t.name == name)
+    t.field.parts[4][0] = int(gg.GGMLQuantizationType[kind])
+    r.data.flush()
+    del r
+    return path
+
+
+@pytest.mark.parametrize("true, label", [("NVFP4", "MXFP4"), ("MXFP4", "NVFP4")])
+def test_a_tensor_under_the_other_fp4_type_is_named(tmp_path, true, label):
+    """NVFP4 blocks labelled MXFP4 leave bytes over in the tensor's region; MXFP4 blocks labelled NVFP4 run into
+    the next tensor. Both are named without a reference (from the region's size); with one, the rule whose bytes
+    the region holds. The other tensor is still checked, and exact."""
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    name, other = (GF, GQ) if true == "NVFP4" else (GQ, GF)
+    order = {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4")}
+    f = _write(tmp_path / "m.gguf", {name: order[name], other: order[other]})        # the mislabelled one first
+    _retype(f, name, label)
+    assert read_gguf(f).tensors[name].type == label
+    for reference in (None, ref):
+        rep = check_checkpoint(f, reference)
+        t = rep.tensors[name]
+        assert not rep.ok and any(f"{true} blocks under an {label} type" in x for x in t["faults"]), rep.summary()
+        assert rep.tensors[other]["ok"], rep.summary()
+    rule = "ggml's NVFP4 quantizer" if true == "NVFP4" else "ggml's MXFP4 quantizer"
+    assert any(rule in x and "from the reference" in x for x in t["notes"]), rep.summary()
+    assert rep.tensors[other]["exact"]
+
+
+def test_a_truncated_file_names_the_tensor_and_checks_the_others(tmp_path):
+    import subprocess
+    import sys
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    f = _write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4")})
+    data = f.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-1000])
+    g = read_gguf(cut)
+    t = g.tensors[GF]
+    assert t.missing == 1000 and t.n_bytes == nv.size and g.tensors[GQ].missing == 0
+    with pytest.raises(ValueError, match="truncated: the file ends 1000 bytes"):
+        t.codes
+    rep = check_checkpoint(cut, ref)
+    e = rep.tensors[GF]
+    assert any("truncated: the file ends 1000 bytes" in x for x in e["faults"]), rep.summary()
+    assert any(f"the {nv.size - 1000} bytes the file holds are ggml's NVFP4 quantizer's" in x for x in e["notes"])
+    assert rep.tensors[GQ]["exact"] and rep.tensors[GQ]["ok"]
+    # a file cut inside its header is no GGUF file to read
+    head = tmp_path / "head.gguf"
+    head.write_bytes(data[:40])
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "checkpoint", str(head)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "head.gguf" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # analyze lists the truncated tensor with its reason and analyses the other
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(cut), "--quiet", "--schemes", "nvfp4",
+                        "--no-hadamard"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and "truncated" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kind", ["MXFP4", "NVFP4"])
+def test_transposed_gguf_blocks_are_named(tmp_path, kind):
+    from fp4sim.gguf import _BLOCK
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    rows, name = (mx, GQ) if kind == "MXFP4" else (nv, GF)
+    nbytes = _BLOCK[kind][1]
+    R = rows.shape[0]
+    t = rows.reshape(R, -1, nbytes).transpose(1, 0, 2).reshape(rows.shape)    # block (r, k) written at k * R + r
+    rep = check_checkpoint(_write(tmp_path / "t.gguf", {name: (np.ascontiguousarray(t), kind)}), ref)
+    assert any("blocks are transposed" in x for x in rep.tensors[name]["faults"]), rep.summary()

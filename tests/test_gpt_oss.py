@@ -218,3 +218,23 @@ def test_analyze_reads_a_gpt_oss_folder(folder):
     w = read_gpt_oss(d).weights[GU]
     assert by[GU + ".weight"].role == "weight"
     assert load(by[GU + ".weight"]).tobytes() == w.values().reshape(-1, 384).tobytes()
+
+
+def test_a_truncated_shard_names_its_weight_and_checks_the_others(folder, tmp_path):
+    """A shard cut short (an interrupted download): the weight whose bytes it ends before is a fault naming the
+    entry; the weight in the other shard is still checked, and exact."""
+    import shutil
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    cut = tmp_path / "cut"
+    shutil.copytree(d, cut)
+    wm = json.loads((cut / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = cut / wm[GU + "_blocks"]
+    other = DN if wm[DN + "_blocks"] != wm[GU + "_blocks"] else None
+    shard.write_bytes(shard.read_bytes()[:-5000])
+    rep = check_checkpoint(cut, _reference(tmp_path / "ref", x))
+    assert not rep.ok, rep.summary()
+    gu = rep.tensors[GU]
+    assert any("truncated" in f for f in gu["faults"]) and not gu["ok"], rep.summary()
+    if other:
+        assert rep.tensors[other]["ok"] and rep.tensors[other]["exact"], rep.summary()

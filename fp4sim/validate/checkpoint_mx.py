@@ -1,4 +1,5 @@
-"""``python -m fp4sim.validate checkpoint DIR`` on a gpt-oss MXFP4 folder (:mod:`fp4sim.gpt_oss`).
+"""``python -m fp4sim.validate checkpoint`` on a gpt-oss MXFP4 folder (:mod:`fp4sim.gpt_oss`) and on a GGUF file
+(:func:`check_gguf`, whose docstring says what it checks).
 
 Without a reference, per quantized weight: E8M0 byte 255 (NaN: the whole block decodes to NaN), the blocks'
 shape against the config's dimensions (``num_local_experts``, ``hidden_size``, ``intermediate_size``: gate_up
@@ -115,7 +116,13 @@ def check_gpt_oss(path, reference=None):
     for name, w in ck.weights.items():
         t = {"ok": True, "faults": [], "notes": [], "shape": list(w.shape), "global_amax": None,
              "shared_scale": [], "exact": None, "rule": None, "rules": [], "compared": False}
-        _check(w, expected, t)
+        try:
+            _check(w, expected, t)
+        except ValueError as e:                     # a shard cut short, offsets that do not fit its file
+            t["faults"].append(f"its bytes cannot be read: {e}")
+            t["ok"] = False
+            rep.tensors[name] = t
+            continue
         if refs is not None:
             x, why = reference_weight(w, refs)
             if x is None:
@@ -189,7 +196,7 @@ def _gguf_rules(t, x2) -> list:
 
 def _gguf_fault(t, x2):
     """(fault, rules) for the known GGUF faults whose undoing makes a rule reproduce ``t``, else None."""
-    from ..gguf import _SUB, to_ggml_order
+    from ..gguf import _BLOCK, _SUB, GGUFTensor, to_ggml_order
     from ..layout import unpack_fp4
     codes, scales = t.codes, t.scales
     sub = _SUB[t.type]
@@ -204,11 +211,64 @@ def _gguf_fault(t, x2):
               codes, (scales.astype(np.int16) - step).clip(0, 255).astype(np.uint8)),
              ("the scale bytes are one binade low", codes,
               (scales.astype(np.int16) + step).clip(0, 255).astype(np.uint8))]
+    # blocks written column by column: the file's block i is block (i % rows, i // rows) of the (rows, K / n) grid
+    n, nbytes, _ = _BLOCK[t.type]
+    rows, nb = x2.shape[0], x2.shape[1] // n
+    raw = np.ascontiguousarray(t.raw, np.uint8).reshape(nb, rows, nbytes).transpose(1, 0, 2)
+    tt = GGUFTensor(t.name, t.type, t.shape, np.ascontiguousarray(raw))
+    cands.append((f"the blocks are transposed (written by K / {n} first, then rows)", tt.codes, tt.scales))
     for fault, c, s in cands:
         rules = _gguf_rules(_Fixed(t, c, s), x2)
         if rules:
             return fault, rules
     return None
+
+
+def _region_faults(t, align: int) -> list:
+    """What the tensor's data region (the bytes to the next tensor or the file's end) says against its type and
+    shape: a truncated file, the other FP4 type's bytes under this type (NVFP4 blocks labelled MXFP4: the region
+    holds more than MXFP4 needs; the reverse: less), a region that runs into the next tensor."""
+    from ..gguf import other_fp4_bytes
+    other, ob = other_fp4_bytes(t.type, t.shape)
+    fits_other = ob is not None and ob <= t.region < ob + align
+    sizes = f"{t.type} blocks of shape {tuple(t.shape)} need {t.n_bytes} bytes" + (
+        f", {other} ones {ob}" if ob is not None else "")
+    if fits_other and t.region < t.n_bytes or fits_other and t.region >= t.n_bytes + align:
+        return [f"its data region holds {t.region} bytes: {sizes} — {other} blocks under an {t.type} type "
+                f"(a GGUF {other} tensor read as {t.type}?)"]
+    if t.missing:
+        return [f"truncated: the file ends {t.missing} bytes before its data does ({t.n_bytes - t.missing} of "
+                f"its {t.n_bytes} bytes are there)"]
+    if t.region < t.n_bytes:
+        return [f"its data region holds {t.region} bytes before the next tensor's begins; {sizes}: the two "
+                "overlap"]
+    return []
+
+
+def _prefix_rules(t, x2, kind: str, n: int) -> list:
+    """The ``kind`` rules (ggml's NVFP4 quantizer; the MXFP4 rules) whose GGUF bytes of ``x2`` agree with the
+    first ``n`` bytes of the tensor's region (those the file holds)."""
+    from ..gguf import ggml_nvfp4_quantize, to_gguf_blocks
+    from ..gpt_oss import MX_RULES, _rule_bytes
+    got = t.region_bytes()[:n]
+    rules = ([("ggml's NVFP4 quantizer", ggml_nvfp4_quantize(x2))] if kind == "NVFP4" else
+             [(_rule_name(r), _rule_bytes(x2, r)) for r in MX_RULES])
+    return [name for name, (c, s) in rules
+            if got.size == n and np.array_equal(to_gguf_blocks(c, s, kind).reshape(-1)[:n], got)]
+
+
+def _region_with_reference(t, x2) -> str | None:
+    """With the reference: the rules whose bytes the region holds — the other FP4 type's, or, in a truncated
+    tensor, its own type's up to where the file ends."""
+    from ..gguf import other_fp4_bytes
+    other, ob = other_fp4_bytes(t.type, t.shape)
+    hit = _prefix_rules(t, x2, other, ob) if ob is not None else []
+    if hit:
+        return f"its bytes are {', '.join(hit)}'s from the reference: {other} blocks under an {t.type} type"
+    n = t.n_bytes - t.missing
+    hit = _prefix_rules(t, x2, t.type, n) if t.missing and n > 0 else []
+    return f"the {n} bytes the file holds are {', '.join(hit)}'s from the reference: only the end is " \
+           "missing" if hit else None
 
 
 def check_gguf(path, reference=None):
@@ -218,7 +278,9 @@ def check_gguf(path, reference=None):
     note). With ``reference`` (the high-precision tensors under the GGUF names, any format analyze reads, an
     F32 / F16 / BF16 .gguf included): the rules that reproduce each tensor's bytes — ggml's MXFP4 quantizer and
     fp4sim's MXFP4 scale modes, ggml's NVFP4 quantizer — or the fault that explains them: gpt-oss's pair order
-    written where ggml's halves belong, the scale bytes one binade off (E8M0's bias 128; NVFP4's 0.5 factor)."""
+    written where ggml's halves belong, the scale bytes one binade off (E8M0's bias 128; NVFP4's 0.5 factor), the
+    blocks transposed. Each tensor's data region against its type and shape, with or without a reference: the
+    other FP4 type's blocks under this type, a truncated file (the other tensors are still checked)."""
     from ..gguf import read_gguf
     from .checkpoint_ref import CheckpointReport, _count_compared, _reference_sources, reference_weight
     f = read_gguf(path)
@@ -231,6 +293,20 @@ def check_gguf(path, reference=None):
     for name, t in f.fp4.items():
         e = {"ok": True, "faults": [], "notes": [], "shape": list(t.shape), "global_amax": None,
              "shared_scale": [], "exact": None, "rule": None, "rules": [], "compared": False, "type": t.type}
+        region = _region_faults(t, f.alignment)
+        e["faults"] += region
+        if region:
+            if refs is not None:
+                x, why = reference_weight(t, refs)
+                if x is not None and tuple(x.shape) == tuple(t.shape) and np.isfinite(x).all():
+                    x2 = np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
+                    e["compared"], e["exact"] = True, False
+                    said = _region_with_reference(t, x2)
+                    if said:
+                        e["notes"].append(said)
+            e["ok"] = False
+            rep.tensors[name] = e
+            continue
         s = t.scales
         if t.type == "MXFP4":
             n = int((s == 255).sum())
