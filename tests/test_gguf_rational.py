@@ -120,26 +120,24 @@ def ref_nvfp4_sub(xs, rne=False, no_half=False):
     return [first_nearest(x, cands) for x in xs], b
 
 
-def _mx_ref(x, **kw):
+def _by_blocks(x, n, rule, **kw):
+    """(codes (rows, K), scale bytes (rows, K / n)) of x under a per-block reference ``rule``."""
     R, K = x.shape
     codes = np.zeros((R, K), np.uint8)
-    sc = np.zeros((R, K // 32), np.uint8)
+    sc = np.zeros((R, K // n), np.uint8)
     for r in range(R):
-        for j in range(K // 32):
-            c, e = ref_mxfp4_block([Q(float(v)) for v in x[r, 32 * j:32 * j + 32]], **kw)
-            codes[r, 32 * j:32 * j + 32], sc[r, j] = c, e
+        for j in range(K // n):
+            c, b = rule([Q(float(v)) for v in x[r, n * j:n * j + n]], **kw)
+            codes[r, n * j:n * j + n], sc[r, j] = c, b
     return codes, sc
+
+
+def _mx_ref(x, **kw):
+    return _by_blocks(x, 32, ref_mxfp4_block, **kw)
 
 
 def _nv_ref(x, **kw):
-    R, K = x.shape
-    codes = np.zeros((R, K), np.uint8)
-    sc = np.zeros((R, K // 16), np.uint8)
-    for r in range(R):
-        for j in range(K // 16):
-            c, b = ref_nvfp4_sub([Q(float(v)) for v in x[r, 16 * j:16 * j + 16]], **kw)
-            codes[r, 16 * j:16 * j + 16], sc[r, j] = c, b
-    return codes, sc
+    return _by_blocks(x, 16, ref_nvfp4_sub, **kw)
 
 
 def _real():
