@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
-           "rule_costs", "other_fp4_bytes", "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
+           "rule_costs", "te_nvfp4_blocks", "other_fp4_bytes", "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
 
 FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
 _BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block
@@ -354,9 +354,34 @@ def to_gguf_blocks(codes, scales, kind: str) -> np.ndarray:
     return np.concatenate([s, q], axis=-1).reshape(R, -1)
 
 
-COST_RULES = ("ggml MXFP4", "MXFP4 floor", "MXFP4 rceil", "ggml NVFP4", "NVFP4 (TE, tensor scale)")
-BITS_PER_VALUE = {"ggml MXFP4": 4.25, "MXFP4 floor": 4.25, "MXFP4 rceil": 4.25, "ggml NVFP4": 4.5,
-                  "NVFP4 (TE, tensor scale)": 4.5}
+COST_RULES = ("ggml MXFP4", "MXFP4 floor", "MXFP4 rceil", "NVFP4/32 (TE)", "ggml NVFP4", "NVFP4 (TE, tensor scale)")
+BITS_PER_VALUE = {"ggml MXFP4": 4.25, "MXFP4 floor": 4.25, "MXFP4 rceil": 4.25, "NVFP4/32 (TE)": 4.25,
+                  "ggml NVFP4": 4.5, "NVFP4 (TE, tensor scale)": 4.5}
+
+
+def te_nvfp4_blocks(x, n: int = 16) -> tuple:
+    """TransformerEngine's NVFP4 rule with one E4M3 scale per ``n`` elements of a row: ``(codes, scales)``, codes
+    unpacked (uint8 (rows, K), one per element), scales the E4M3 bytes (rows, K / n). The FP32 tensor scale
+    ``S_enc = 2688 / amax`` (1 for an all-zero tensor), each block's byte ``E4M3(amax_b · fl(S_enc / 6))``, the
+    elements ``E2M1(x · fl(1 / fl(E4M3(s) · fl(1 / S_enc))))``, round-to-nearest-even throughout. ``n = 16`` is
+    fp4sim's ``nvfp4`` (the codes and bytes of ``fs.quantize(x, "nvfp4")``); ``n = 32`` spends MXFP4's 4.25 bits
+    per value on NVFP4's scale format. A value decodes as ``E2M1 · E4M3(s) · fl(1 / S_enc)``."""
+    from .elements import encode
+    from .formats import E4M3
+    f32 = np.float32
+    a = np.asarray(x, f32)
+    if a.ndim != 2 or a.shape[1] % n or not np.isfinite(a).all():
+        raise ValueError(f"x: a finite 2-D array (rows, K) with K a multiple of {n} is needed")
+    R, K = a.shape
+    amax = f32(np.abs(a).max()) if a.size else f32(0)
+    s_enc = f32(1) if amax == 0 else f32(min(f32(2688.0) / amax, np.finfo(f32).max))
+    s_dec = f32(f32(1) / s_enc)
+    blk = a.reshape(R, K // n, n)
+    sb = encode((np.abs(blk).max(-1) * f32(s_enc * (f32(1) / f32(6)))).astype(f32), "E4M3")
+    with np.errstate(divide="ignore"):
+        enc = np.minimum(f32(1) / (E4M3.values[sb].astype(f32) * s_dec).astype(f32), np.finfo(f32).max)
+    codes = encode((blk * enc.astype(f32)[..., None]).astype(f32), "E2M1")
+    return codes.reshape(R, K), sb, s_dec
 
 
 def rule_costs(x) -> dict:
@@ -364,8 +389,9 @@ def rule_costs(x) -> dict:
     {rule: sum (y - x)^2 / sum x^2}, "clipped_blocks": share of 32-element blocks whose largest value exceeds
     6 x the scale ggml's MXFP4 rule chooses (those values clip to 6), "bits_per_value": {rule: bits}}`` for
     :data:`COST_RULES`: ggml's MXFP4 (floor exponent, ties to the smaller magnitude), fp4sim's MXFP4 with the
-    floor and the round-up (rceil, TE's and cuBLAS's) scale modes, ggml's NVFP4 (no tensor scale), and NVFP4 as
-    TransformerEngine quantizes it (E4M3 block scales under an FP32 tensor scale)."""
+    floor and the round-up (rceil, TE's and cuBLAS's) scale modes, NVFP4's scales at MXFP4's 4.25 bits per value
+    (TE's rule with one E4M3 scale per 32 elements, :func:`te_nvfp4_blocks`), ggml's NVFP4 (no tensor scale),
+    and NVFP4 as TransformerEngine quantizes it (E4M3 scales per 16 under an FP32 tensor scale)."""
     from .formats import E2M1
     from .layout import unpack_fp4
     from .quantize import fake_quantize
@@ -385,6 +411,9 @@ def rule_costs(x) -> dict:
     c, s = ggml_nvfp4_quantize(a)
     ys["ggml NVFP4"] = E2M1.values[unpack_fp4(c)].astype(np.float64) * np.repeat(E4M3.values[s], 16, axis=1)
     ys["NVFP4 (TE, tensor scale)"] = fake_quantize(a, "nvfp4")
+    c, s, s_dec = te_nvfp4_blocks(a, 32)
+    ys["NVFP4/32 (TE)"] = (E2M1.values[c].astype(np.float64) * np.repeat(E4M3.values[s], 32, axis=1)
+                           * np.float64(s_dec))
     rel = {k: float(((np.asarray(v, np.float64) - a64) ** 2).sum() / ref) if ref else 0.0 for k, v in ys.items()}
     blk = np.abs(a).reshape(R, K // 32, 32).max(-1).astype(np.float64)
     _, s = ggml_mxfp4_quantize(a)

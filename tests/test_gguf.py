@@ -464,3 +464,57 @@ def test_transposed_gguf_blocks_are_named(tmp_path, kind):
     t = rows.reshape(R, -1, nbytes).transpose(1, 0, 2).reshape(rows.shape)    # block (r, k) written at k * R + r
     rep = check_checkpoint(_write(tmp_path / "t.gguf", {name: (np.ascontiguousarray(t), kind)}), ref)
     assert any("blocks are transposed" in x for x in rep.tensors[name]["faults"]), rep.summary()
+
+
+def test_analyze_requantize_reports_what_each_rule_cost(tmp_path):
+    """``analyze FILE.gguf --requantize REF``: per FP4 tensor the rule that wrote it, its stored values' relative
+    error (against gguf-py's own dequantization of the file's bytes), each rule's error on the same weights (the
+    rule that wrote the file costs what the file costs), and the clipped blocks (from the file's scale bytes)."""
+    import json
+    import subprocess
+    import sys
+    gg = import_or_missing("gguf")
+    gq = import_or_missing("gguf.quants")
+    mx, nv, ref, w = _clean(tmp_path)
+    f = _write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4")})
+    js = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(f), "--requantize", str(ref), "--json", str(js),
+                        "--quiet", "--schemes", "nvfp4", "--no-hadamard"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "What each FP4 rule costs on the reference weights" in r.stdout and "median ratio" in r.stdout, r.stdout
+    st = json.loads(js.read_text())["requantize"]
+    rows = {t["tensor"]: t for t in st["tensors"]}
+    assert set(rows) == {GQ, GF} and not st["not_compared"]
+    for name, raw, kind, x in ((GQ, mx, "MXFP4", w["query"]), (GF, nv, "NVFP4", w["ffn"])):
+        t = rows[name]
+        theirs = gq.dequantize(raw, gg.GGMLQuantizationType[kind]).astype(np.float64)
+        a = x.astype(np.float64)
+        assert t["stored"] == pytest.approx(((theirs - a) ** 2).sum() / (a * a).sum(), rel=1e-12)
+        rule = "ggml MXFP4" if kind == "MXFP4" else "ggml NVFP4"
+        assert t["file_rule"] == (["ggml's MXFP4 quantizer"] if kind == "MXFP4" else ["ggml's NVFP4 quantizer"])
+        assert t["rel_mse"][rule] == pytest.approx(t["stored"], rel=1e-12)
+    # the clipped share under the file's scales, from the file's bytes: amax > 6 x 2^(e - 127)
+    e = mx.reshape(w["query"].shape[0], -1, 17)[:, :, 0].astype(np.int64)
+    amax = np.abs(w["query"]).reshape(e.shape[0], -1, 32).max(-1)
+    assert rows[GQ]["clipped_stored"] == pytest.approx(float((amax > 6 * np.ldexp(1.0, e - 127)).mean()))
+    assert rows[GQ]["clipped_stored"] == rows[GQ]["clipped_ggml_mxfp4"] > 0.3
+    # bad input: no FP4 tensor among the paths, a reference that is not there
+    for args, phrase in (([str(ref), "--requantize", str(ref)], "none of the paths holds an FP4 tensor"),
+                         ([str(f), "--requantize", str(tmp_path / "nope")], "no such file")):
+        r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", *args, "--quiet"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 2 and phrase in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_nvfp4_scales_per_32_follow_te_s_rule():
+    """rule_costs' NVFP4 at 4.25 bits is TE's rule with one E4M3 scale per 32 elements: with 16 it is fp4sim's
+    nvfp4, codes and scale bytes (the TE-checked quantizer)."""
+    from fp4sim.gguf import te_nvfp4_blocks
+    for x in (_weights()["ffn"], _weights()["query"], _ties()):
+        c, s, s_dec = te_nvfp4_blocks(x, 16)
+        q = fs.quantize(x, "nvfp4")
+        assert np.array_equal(c, unpack_fp4(np.asarray(q.codes).reshape(x.shape[0], -1)))
+        assert np.array_equal(s, np.asarray(q.scales).reshape(s.shape))
+    c32, s32, _ = te_nvfp4_blocks(_weights()["ffn"], 32)
+    assert s32.shape == (1536, 12)

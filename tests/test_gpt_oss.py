@@ -238,3 +238,31 @@ def test_a_truncated_shard_names_its_weight_and_checks_the_others(folder, tmp_pa
     assert any("truncated" in f for f in gu["faults"]) and not gu["ok"], rep.summary()
     if other:
         assert rep.tensors[other]["ok"] and rep.tensors[other]["exact"], rep.summary()
+
+
+def test_analyze_requantize_on_a_gpt_oss_folder(folder, tmp_path):
+    """The study on a gpt-oss folder with transformers-layout references: each weight's writing rule is named
+    (floor and rceil), and that rule's re-quantization costs exactly what the stored values cost, which is
+    computed here from transformers' own dequantizer."""
+    import subprocess
+    import sys
+    tr = import_or_missing("transformers.integrations.mxfp4")
+    torch = torch_or_skip()
+    d, x = folder
+    ref = _reference(tmp_path / "ref", x)
+    js = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(d), "--requantize", str(ref), "--json", str(js),
+                        "--quiet", "--schemes", "mxfp4_rceil", "--no-hadamard"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {t["tensor"]: t for t in json.loads(js.read_text())["requantize"]["tensors"]}
+    for name, mode in ((GU, "floor"), (DN, "rceil")):
+        t = rows[name]
+        assert t["file_rule"] == [f"MXFP4, scale mode {mode}"], t["file_rule"]
+        b, s = _pack(x[name], mode)
+        theirs = tr.convert_moe_packed_tensors(torch.from_numpy(b), torch.from_numpy(s)).float().numpy()
+        a = np.swapaxes(x[name], -1, -2).astype(np.float64)            # transformers' [experts, K, rows]
+        want = ((theirs.astype(np.float64) - a) ** 2).sum() / (a * a).sum()
+        # transformers' values are bfloat16: exact for these E2M1 x 2^k values, so the error is the stored one
+        assert t["stored"] == pytest.approx(want, rel=1e-12)
+        assert t["rel_mse"][f"MXFP4 {mode}"] == pytest.approx(t["stored"], rel=1e-12)

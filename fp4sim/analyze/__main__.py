@@ -49,6 +49,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="Numba threads (default: the idle cores, from the load average)")
     ap.add_argument("--dask", action="store_true", help="analyse tensors in parallel on a local Dask cluster")
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler (implies --dask)")
+    ap.add_argument("--requantize", metavar="REF",
+                    help="for the FP4 tensors of GGUF files and gpt-oss MXFP4 folders among PATHS: what their rule "
+                         "cost against fp4sim's other FP4 rules on the high-precision weights REF (any format "
+                         "analyze reads, under the same names): each rule's relative error beside the stored "
+                         "values', and the share of blocks that clip (in the report and the --json summary)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
     try:
@@ -90,6 +95,17 @@ def _run(a) -> int:
             check_writable(a.figures, "--figures", directory=True)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if a.requantize:
+        from ..requantize import fp4_tensors
+        try:
+            if not Path(a.requantize).exists():
+                raise ValueError(f"--requantize {a.requantize}: no such file or folder (give the high-precision "
+                                 "weights)")
+            if not fp4_tensors(paths):
+                raise ValueError("--requantize: none of the paths holds an FP4 tensor of a GGUF file (MXFP4, "
+                                 "NVFP4) or a gpt-oss MXFP4 folder")
+        except (ValueError, ImportError) as e:
+            raise BadInput(str(e)) from None
     client = None
     if a.scheduler:
         client = _connect(a.scheduler)
@@ -113,6 +129,15 @@ def _run(a) -> int:
             print(f"fp4sim.analyze: nothing analysed: no tensors found under {where} (looked for "
                   f"{', '.join(SUFFIXES)} files)", file=sys.stderr)
         return 2
+    study = None
+    if a.requantize:
+        from ..requantize import requantize_study, requantize_table
+        _say(a, f"re-quantizing the reference weights {a.requantize}")
+        try:
+            study = requantize_study(paths, a.requantize)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        ds.attrs["requantize"] = json.dumps(study)
     # the outputs first, then the table: a reader that closes the pipe early (| head) loses no result
     done = [f"wrote {a.blocks}"] if a.blocks else []
     try:
@@ -123,7 +148,10 @@ def _run(a) -> int:
             import shutil
             shutil.rmtree(_parts(a), ignore_errors=True)        # the run is complete: its kept parts are done
         if a.json:
-            Path(a.json).write_text(json.dumps(summary(ds), indent=1))
+            js = summary(ds)
+            if study is not None:
+                js["requantize"] = study
+            Path(a.json).write_text(json.dumps(js, indent=1))
             done.append(f"wrote {a.json}")
         if a.figures:
             _say(a, f"drawing the figures into {a.figures}")
@@ -131,7 +159,8 @@ def _run(a) -> int:
             done.append(f"wrote {len(files)} figures into {a.figures}: " + ", ".join(Path(f).name for f in files))
     except OSError as e:
         raise BadInput(f"writing the results: {e}") from None
-    say(table(ds) + ("\n\n" + "\n".join(done) if done else ""))
+    more = "\n\n" + requantize_table(study) if study is not None else ""
+    say(table(ds) + more + ("\n\n" + "\n".join(done) if done else ""))
     return 1 if any(not sk.get("ignored") for sk in skipped) else 0
 
 

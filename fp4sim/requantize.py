@@ -1,0 +1,148 @@
+"""What an FP4 file's rule cost: each FP4 tensor of a GGUF file (MXFP4, NVFP4) or a gpt-oss MXFP4 folder against
+its high-precision weights, beside what fp4sim's other FP4 rules would have cost on the same weights
+(``python -m fp4sim.analyze FILE.gguf | DIR --requantize REF``).
+
+Per tensor: the rule that reproduces its bytes (ggml's quantizers, fp4sim's MXFP4 scale modes; "none" where none
+does), the relative error of its stored values, ``sum (stored - x)^2 / sum x^2``, and the same for every rule of
+:data:`fp4sim.gguf.COST_RULES` re-quantizing ``x`` — among them the round-up (rceil) scale mode against ggml's
+floor, and NVFP4's E4M3 scales at MXFP4's 4.25 bits per value (one per 32 elements) — and the share of blocks
+whose largest values clip: under the file's own scales (the reference's block amax above 6 x the stored scale)
+and under ggml's MXFP4 rule.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["fp4_tensors", "requantize_study", "requantize_table"]
+
+
+def fp4_tensors(paths) -> list:
+    """(file, tensor) for every FP4 tensor under ``paths``: GGUF files (given, or inside a folder) and gpt-oss
+    MXFP4 folders; ValueError naming a file that cannot be read."""
+    from .gguf import read_gguf
+    from .gpt_oss import is_gpt_oss, read_gpt_oss
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir() and is_gpt_oss(p):
+            out += [(p, w) for w in read_gpt_oss(p).weights.values()]
+            continue
+        files = sorted(p.rglob("*.gguf")) if p.is_dir() else [p] if p.suffix.lower() == ".gguf" else []
+        for f in files:
+            out += [(f, t) for t in read_gguf(f).fp4.values()]
+    return out
+
+
+def _oriented(t, x) -> np.ndarray:
+    """The reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order (a gpt-oss weight's reference
+    may be in transformers' [experts, K, rows] layout); ValueError saying why it cannot be compared."""
+    x = np.asarray(x, np.float32)
+    shape = tuple(t.shape)
+    alt = shape[:-2] + (shape[-1], shape[-2])
+    if x.shape != shape and len(shape) == 3 and x.shape == alt:
+        x = np.swapaxes(x, -1, -2)
+    if x.shape != shape:
+        raise ValueError(f"the reference has shape {x.shape}; the file's tensor holds {shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("the reference holds NaN or Inf")
+    if shape[-1] % 64:
+        raise ValueError(f"K = {shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
+    return np.ascontiguousarray(x.reshape(-1, shape[-1]))
+
+
+def _file_rules(t, x2) -> list:
+    """The rules that reproduce the tensor's bytes from x2."""
+    from .validate.checkpoint_mx import _gguf_rules, _rule_name
+    if getattr(t, "type", None) in ("MXFP4", "NVFP4"):
+        return _gguf_rules(t, x2)
+    from .gpt_oss import reproducing_rules
+    return [_rule_name(r) for r in reproducing_rules(t, x2.reshape(t.shape))]
+
+
+def _stored_clipped(t, x2) -> float:
+    """Share of the file's blocks whose reference amax exceeds 6 x the stored scale."""
+    from .formats import E4M3
+    s = t.scales
+    n = x2.shape[1] // s.shape[1]
+    amax = np.abs(x2).reshape(s.shape[0], s.shape[1], n).max(-1).astype(np.float64)
+    if getattr(t, "type", "MXFP4") == "NVFP4":
+        scale = np.where((s & 0x7F) == 0x7F, 0.0, E4M3.values[s & 0x7F]).astype(np.float64)
+    else:
+        scale = np.ldexp(1.0, s.astype(np.int64) - 127)
+    return float((amax > 6 * scale).mean())
+
+
+def requantize_study(paths, reference) -> dict:
+    """``{"reference": REF, "tensors": [per-tensor rows], "median_ratio": {rule: median over the tensors of the
+    rule's relative error over the stored values'},
+    "not_compared": [[name, why]]}``; a row: ``tensor``, ``file``, ``type``, ``shape``, ``file_rule`` (the rules
+    that reproduce its bytes, [] for none), ``stored`` (its stored values' relative error), ``rel_mse``
+    ({rule: relative error}), ``clipped_stored`` and ``clipped_ggml_mxfp4`` (shares of blocks), and
+    ``bits_per_value``. ValueError when ``paths`` hold no FP4 tensor or the reference no tensor."""
+    from .gguf import rule_costs
+    from .validate.checkpoint_ref import _reference_sources, reference_weight
+    found = fp4_tensors(paths)
+    if not found:
+        raise ValueError("--requantize: none of the paths holds an FP4 tensor of a GGUF file (MXFP4, NVFP4) or a "
+                         "gpt-oss MXFP4 folder")
+    refs = _reference_sources(reference)
+    rows, skipped = [], []
+    for f, t in found:
+        x, why = reference_weight(t, refs)
+        try:
+            if x is None:
+                raise ValueError(why)
+            x2 = _oriented(t, x)
+            stored = np.asarray(t.values(), np.float64).reshape(x2.shape)
+        except ValueError as e:
+            skipped.append([t.name, str(e)])
+            continue
+        a = x2.astype(np.float64)
+        ref = float((a * a).sum())
+        c = rule_costs(x2)
+        rows.append({"tensor": t.name, "file": str(f), "type": getattr(t, "type", None) or "MXFP4",
+                     "shape": list(t.shape), "file_rule": _file_rules(t, x2),
+                     "stored": float(((stored - a) ** 2).sum() / ref) if ref else 0.0, "rel_mse": c["rel_mse"],
+                     "clipped_stored": _stored_clipped(t, x2), "clipped_ggml_mxfp4": c["clipped_blocks"],
+                     "bits_per_value": c["bits_per_value"]})
+    ratio = {}
+    if rows:
+        ratio = {k: float(np.median([r["rel_mse"][k] / r["stored"] if r["stored"] else np.nan for r in rows]))
+                 for k in rows[0]["rel_mse"]}
+    return {"reference": str(reference), "tensors": rows, "median_ratio": ratio, "not_compared": skipped}
+
+
+SHORT = {"ggml MXFP4": "ggml MX", "MXFP4 floor": "MX floor", "MXFP4 rceil": "MX rceil",
+         "NVFP4/32 (TE)": "NV/32 TE", "ggml NVFP4": "ggml NV", "NVFP4 (TE, tensor scale)": "NV TE"}
+
+
+def requantize_table(study: dict) -> str:
+    """The study as text: one line per tensor (the file's rule, its stored error, each rule's error as a ratio to
+    the stored one, the clipped shares), the median ratios, and the tensors not compared with the reason."""
+    from .gguf import BITS_PER_VALUE, COST_RULES
+    rows = study["tensors"]
+    out = [f"What each FP4 rule costs on the reference weights ({study['reference']}): the relative error "
+           "sum (y - x)^2 / sum x^2 of the stored values, and each rule's re-quantizing x as a ratio to it (below 1: "
+           "that rule would have done better); " + ", ".join(f"{SHORT[k]} = {k}" for k in COST_RULES)
+           + "; clipped: blocks whose largest reference values exceed 6 x the scale, under the file's scales and "
+           "under ggml's MXFP4 rule"]
+    if rows:
+        w = min(max(max(len(r["tensor"]) for r in rows), 6), 48)
+        cols = "".join(f"{SHORT[k]:>10}" for k in COST_RULES)
+        bits = "".join(f"{f'{BITS_PER_VALUE[k]:g} bits':>10}" for k in COST_RULES)
+        out.append(f"  {'tensor':<{w}}  {'type':<5}  {'file rule':<22}  {'stored':>9}{cols}  clipped file / ggml")
+        out.append(f"  {'':<{w}}  {'':<5}  {'':<22}  {'':>9}{bits}")
+        for r in rows:
+            rule = ", ".join(r["file_rule"]) or "none"
+            rule = rule if len(rule) <= 22 else rule[:21] + "…"
+            cells = "".join(f"{r['rel_mse'][k] / r['stored'] if r['stored'] else float('nan'):>10.3f}"
+                            for k in COST_RULES)
+            out.append(f"  {r['tensor'][-w:]:<{w}}  {r['type']:<5}  {rule:<22}  {r['stored']:>9.4g}{cells}  "
+                       f"{100 * r['clipped_stored']:.1f}% / {100 * r['clipped_ggml_mxfp4']:.1f}%")
+        if len(rows) > 1:
+            cells = "".join(f"{study['median_ratio'][k]:>10.3f}" for k in COST_RULES)
+            out.append(f"  {'median ratio over the tensors':<{w + 43}}{cells}")
+    for name, why in study["not_compared"]:
+        out.append(f"  not compared {name}: {why}")
+    return "\n".join(out)
