@@ -2,8 +2,10 @@
 
 Each operand is quantized from the high-precision tensor along its GEMM's dot-product axis (after the
 GEMM's RHT, if any, with the tensor amax taken after the transform), and the GEMM is :func:`fp4sim.gemm`.
-Stochastic rounding draws Philox bits keyed by ``layer_seed(recipe.seed, layer)`` with the stream
-``8 * call + operand``: the same seed and the same sequence of calls give the same bits on any backend.
+Stochastic rounding draws Philox bits keyed by ``sr_key(recipe.seed, layer, rank)`` with the stream
+``8 * call + operand``: the same seed and the same sequence of calls give the same bits on any backend. ``rank``
+is the data-parallel rank set by :func:`data_parallel_rank` (0 outside it, where the key is ``layer_seed(seed,
+layer)``), so ranks fed the same data draw different bits; the RHT signs do not depend on it.
 
 With ``recipe.accumulate == "fast"``, NumPy operands and no stats, the three functions take the fast path of
 :mod:`fp4sim.fastpath`: the same bits, without codes and scale bytes. There :func:`fprop` returns the operands'
@@ -15,6 +17,8 @@ for :func:`wgrad` in the same way.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +31,8 @@ from .quantize import dequantize, fake_quantize, quantize, rht
 from .schemes import NVFP4UE5M3, BF16Cast, FP8Tensor, get_scheme
 from .training import OPERANDS, Operand, Recipe
 
-__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "per_layer_signs", "held_amax", "quantize_operand", "Values",
-           "serves"]
+__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "sr_key", "data_parallel_rank", "per_layer_signs", "held_amax",
+           "quantize_operand", "Values", "serves"]
 
 _OP_INDEX = {op: i for i, op in enumerate(OPERANDS)}
 _GOLD = 0x9E3779B97F4A7C15
@@ -37,6 +41,29 @@ _GOLD = 0x9E3779B97F4A7C15
 def layer_seed(seed: int, layer: int) -> int:
     """The Philox key of one layer: the recipe seed mixed with the layer's index (64 bits)."""
     return (int(seed) + (int(layer) + 1) * _GOLD) % (1 << 64)
+
+
+_RANK_MIX = 0xD1B54A32D192ED03
+_RANK = contextvars.ContextVar("fp4sim_data_parallel_rank", default=0)
+
+
+def sr_key(seed: int, layer: int, rank: int = 0) -> int:
+    """The Philox key of stochastic rounding in one layer on one data-parallel rank: ``(layer_seed(seed, layer) +
+    rank · 0xD1B54A32D192ED03) mod 2^64`` — :func:`layer_seed` itself on rank 0 (and in a single process)."""
+    return (layer_seed(seed, layer) + int(rank) * _RANK_MIX) % (1 << 64)
+
+
+@contextlib.contextmanager
+def data_parallel_rank(rank: int):
+    """Within the block, stochastic rounding draws the bits of data-parallel rank ``rank`` (:func:`sr_key`); the
+    RHT signs, the amaxes and everything else stay as they are."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0:
+        raise ValueError(f"rank={rank!r}: a data-parallel rank is an integer >= 0")
+    tok = _RANK.set(int(rank))
+    try:
+        yield
+    finally:
+        _RANK.reset(tok)
 
 
 def per_layer_signs(seed: int, layer: int, d: int) -> np.ndarray:
@@ -123,7 +150,7 @@ def _quant_kwargs(op: Operand, recipe: Recipe, layer: int, call: int, name: str)
     if op.scheme == "nvfp4_ue5m3":
         kw.update(scale_target=op.scale_target, per_tensor_scale=op.per_tensor_scale)
     if op.rounding == "sr":
-        kw.update(rounding="sr", seed=layer_seed(recipe.seed, layer), stream=_stream(call, name),
+        kw.update(rounding="sr", seed=sr_key(recipe.seed, layer, _RANK.get()), stream=_stream(call, name),
                   rbits_mapping=op.rbits_mapping)
     return kw
 
@@ -166,7 +193,7 @@ def _operand_values(a, op: Operand, axis: int, recipe: Recipe, layer: int, call:
             v = fastpath.fp8_blockwise_values(A, plan)
         else:
             kernel = fastpath.nvfp4_values if plan.kind == "nvfp4" else fastpath.mx_values
-            v = kernel(A, plan, layer_seed(recipe.seed, layer), _stream(call, name))
+            v = kernel(A, plan, sr_key(recipe.seed, layer, _RANK.get()), _stream(call, name))
         if v is not None:
             return v
         v = dequantize(quantize(a, op.scheme, axis=axis, **_quant_kwargs(op, recipe, layer, call, name)))

@@ -185,7 +185,11 @@ def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
     branch point (the weights all of fig12's branches start from), one forward and backward pass on the first
     validation windows under each variant's recipe, each NVFP4 layer's relative Wgrad error against the float64
     product of the same operands (fp4sim.torch.suggest_high_precision). Rows: seed, variant, layer, rel_error."""
+    import warnings
+
     import torch
+
+    from fp4sim.torch import RecipeMismatchWarning
 
     from . import data
     from .model import build
@@ -206,7 +210,9 @@ def wgrad_error_at_branch(runs, run_dirs, fig="fig12") -> list[dict]:
         for v in variants:
             cfg = next(c for lab, _, c in runs if lab == v.label and c.seed == seed)
             model = build(cfg.model, cfg.recipe(), seed)
-            model.load_state_dict(st["model"])
+            with warnings.catch_warnings():         # the variant starts from the base run's snapshot, on purpose
+                warnings.simplefilter("ignore", RecipeMismatchWarning)
+                model.load_state_dict(st["model"])
             if cfg.phases:
                 apply_phase(model, cfg, cfg.phases[-1])
             q = _quant_layers(model)

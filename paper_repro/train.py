@@ -348,8 +348,12 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     does not train; stop_after: return after this many steps of this call
     without finishing (an interruption, for tests) — the last checkpoint is where a later call resumes.
     """
+    import warnings
+
     import torch
     import torch.nn.functional as F
+
+    from fp4sim.torch import RecipeMismatchWarning
 
     run_dir = Path(run_dir)
     if is_done(run_dir, cfg):
@@ -378,7 +382,11 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         st = torch.load(path, weights_only=False)
         if st["config"] != want_config:
             raise ValueError(f"{path} belongs to another configuration; remove {path.parent} to start afresh")
-        model.load_state_dict(st["model"])
+        with warnings.catch_warnings():
+            # the run's configuration is checked above; the recipe a state was saved under is the parent's (a
+            # branch's snapshot) or a later phase's (a resumed branch, whose phases are applied after loading)
+            warnings.simplefilter("ignore", RecipeMismatchWarning)
+            model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, rows, acc, hist = st["step"], st["rows"], st["acc"], st.get("hist", [])
         for n, c in st["calls"].items():

@@ -214,7 +214,8 @@ def test_save_load_step_gives_the_bits_of_an_uninterrupted_run(tmp_path):
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
     want = _train_steps(model, opt, 1, start=2)[0]
     st = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert st["model"]["layers.0.up._extra_state"] == {"calls": 2}
+    extra = st["model"]["layers.0.up._extra_state"]
+    assert extra["calls"] == 2 and extra["recipe_names"] == ["nvfp4_paper", "nvfp4_paper"]
     model2, opt2 = _fresh(rec)
     model2.load_state_dict(st["model"])
     opt2.load_state_dict(st["opt"])
@@ -248,7 +249,7 @@ def test_plain_and_converted_state_dicts_load_into_each_other():
     buf = io.BytesIO()
     torch.save(conv.state_dict(), buf)
     buf.seek(0)
-    assert torch.load(buf, weights_only=True)["layers.0.up._extra_state"] == {"calls": 5}
+    assert torch.load(buf, weights_only=True)["layers.0.up._extra_state"]["calls"] == 5
 
 
 # ------------------------------------------------------------------------------------------------ the head

@@ -19,8 +19,8 @@ from fp4sim.training import OPERANDS, Recipe
 from peers import load_te_reference, torch_or_skip
 
 torch = torch_or_skip()
-from fp4sim.torch import (QuantLinear, collect_stats, convert, drop_extra_state, set_recipe,  # noqa: E402
-                          suggest_high_precision)
+from fp4sim.torch import (QuantLinear, collect_stats, convert, drop_extra_state,  # noqa: E402
+                          set_data_parallel_rank, set_recipe, suggest_high_precision)
 
 
 @pytest.fixture(scope="module")
@@ -475,6 +475,7 @@ def test_ddp_gradients_are_the_mean_of_each_process_alone(tmp_path, monkeypatch)
     for rank in range(2):
         torch.manual_seed(0)
         model = convert(TinyGPT(), Recipe.preset("nvfp4_paper", seed=3))
+        set_data_parallel_rank(model, rank)            # each rank draws its own stochastic-rounding bits
         data = _data(4, 32)[rank * 2:(rank + 1) * 2]
         torch.nn.functional.cross_entropy(model(data[:, :-1]).reshape(-1, 32), data[:, 1:].reshape(-1)).backward()
         alone.append({n: p.grad for n, p in model.named_parameters()})

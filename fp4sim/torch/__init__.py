@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
-           "suggest_high_precision", "drop_extra_state", "gradient_fidelity", "wgrad_errors", "rank_high_precision"]
+           "suggest_high_precision", "drop_extra_state", "gradient_fidelity", "wgrad_errors", "rank_high_precision",
+           "set_data_parallel_rank", "RecipeMismatchWarning"]
 _LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
-           "gradient_fidelity", "wgrad_errors", "rank_high_precision"}
+           "gradient_fidelity", "wgrad_errors", "rank_high_precision", "set_data_parallel_rank",
+           "RecipeMismatchWarning"}
 
 
 def __getattr__(name):

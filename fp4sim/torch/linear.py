@@ -18,13 +18,17 @@ from ..planning import NAN_E2M1
 from ..training import OPERANDS, Recipe
 
 __all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
-           "gradient_fidelity", "wgrad_errors", "rank_high_precision"]
+           "gradient_fidelity", "wgrad_errors", "rank_high_precision", "set_data_parallel_rank",
+           "RecipeMismatchWarning"]
 
 HEAD_NAMES = ("lm_head", "output", "head")      # a model's output head, by the last component of its name
 _FP4 = ("nvfp4", "mxfp4")                       # element E2M1: NaN encodes as +6 and does not propagate
 
 
 def _to_array(t: torch.Tensor):
+    """A float32 NumPy (CPU) or CuPy (CUDA) view of ``t`` (a copy where it is not float32 and contiguous). On the
+    CPU the view goes through DLPack, not ``Tensor.numpy()``, which would mark the storage as not resizable: FSDP2
+    frees a gathered weight after the forward by resizing its storage to zero."""
     t = t.detach()
     if t.dtype != torch.float32:
         t = t.float()
@@ -32,7 +36,7 @@ def _to_array(t: torch.Tensor):
     if t.is_cuda:
         import cupy
         return cupy.from_dlpack(t)
-    return t.numpy()
+    return np.from_dlpack(t)
 
 
 def _to_tensor(a, like: torch.Tensor, dtype):
@@ -106,15 +110,54 @@ def _torch_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return torch.matmul(t(a), t(b)).numpy()
 
 
+def _dp_rank(layer) -> int:
+    """The data-parallel rank whose stochastic-rounding bits the layer draws (:func:`fp4sim.emulate.sr_key`): the
+    one :func:`set_data_parallel_rank` gave it, else the process's rank in torch.distributed's default group
+    (0 where none is initialised)."""
+    r = layer.__dict__.get("_sr_rank")
+    if r is not None:
+        return r
+    d = torch.distributed
+    return d.get_rank() if d.is_available() and d.is_initialized() else 0
+
+
+def _recipe_id(rec: Recipe) -> str:
+    """A short fingerprint of a recipe (every field), the same in every process."""
+    import hashlib
+    return hashlib.sha1(repr(rec).encode()).hexdigest()[:12]
+
+
+def _check_ranks_agree(layer):
+    """On a layer's first call in a torch.distributed run of several processes: every rank runs it with the same
+    forward and backward recipes and layer index (one all_gather of a fingerprint); RuntimeError naming the ranks
+    that differ. Once per layer and process."""
+    layer._ranks_checked = True
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized()) or d.get_world_size() < 2:
+        return
+    mine = (_recipe_id(layer.recipe), _recipe_id(layer.recipe_backward), int(layer.layer_index))
+    got = [None] * d.get_world_size()
+    d.all_gather_object(got, mine)
+    if any(g != got[0] for g in got):
+        name = getattr(layer, "_fp4sim_name", f"#{layer.layer_index}")
+        differ = [i for i, g in enumerate(got) if g != got[0]]
+        raise RuntimeError(f"layer {name!r}: ranks {differ} run it with another recipe or layer index than rank 0 "
+                           f"({layer.recipe.name!r} here on rank {d.get_rank()}): convert the model with the same "
+                           "recipe, seed and layer order on every rank")
+
+
 class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
-        with _kernel_threads():
+        if not layer._ranks_checked:
+            _check_ranks_agree(layer)
+        ctx.rank = _dp_rank(layer)
+        with _kernel_threads(), emulate.data_parallel_rank(ctx.rank):
             return _Fn._forward(ctx, x, weight, bias, layer)
 
     @staticmethod
     def backward(ctx, dy):
-        with _kernel_threads():
+        with _kernel_threads(), emulate.data_parallel_rank(ctx.rank):
             return _Fn._backward(ctx, dy)
 
     @staticmethod
@@ -140,10 +183,10 @@ class _Fn(torch.autograd.Function):
         deq = rb.backward_override == "dequantized"         # the backward runs on fprop's operands, dequantized
         ctx.qw = qw if deq or rec.dgrad_w_reuse_fprop or emulate.serves(qw, rb.dgrad_w) else None
         ctx.qx = qx if deq or rec.wgrad_x_reuse_fprop or emulate.serves(qx, rb.wgrad_x) else None
-        out = _to_tensor(y, x, torch.float32)
+        out = _to_tensor(y.reshape(*lead, y.shape[-1]), x, torch.float32)      # not a view (FSDP2 warns of one)
         if bias is not None:
             out = out + bias.to(torch.float32)
-        return out.to(x.dtype).reshape(*lead, -1)
+        return out.to(x.dtype)
 
     @staticmethod
     def _backward(ctx, dy):
@@ -171,6 +214,10 @@ class _Fn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2t.to(torch.float32).sum(0).to(weight.dtype)
         return dx, dw, db, None
+
+
+class RecipeMismatchWarning(UserWarning):
+    """A QuantLinear loaded a state saved under another recipe (a branch, or a mistake)."""
 
 
 class QuantLinear(torch.nn.Linear):
@@ -201,6 +248,8 @@ class QuantLinear(torch.nn.Linear):
         self._amax_state = {}                  # operands with a delayed tensor amax: emulate.held_amax
         self._osc = (None, None)               # collect_stats: the quantized weight of the last two Fprop calls
         self._nonfinite_warned = set()
+        self._sr_rank = None                   # set_data_parallel_rank; None: torch.distributed's rank
+        self._ranks_checked = False
 
     @property
     def recipe(self) -> Recipe:
@@ -243,7 +292,8 @@ class QuantLinear(torch.nn.Linear):
         return out
 
     def get_extra_state(self):
-        st = {"calls": int(self._calls)}
+        st = {"calls": int(self._calls), "recipe": [_recipe_id(self.recipe), _recipe_id(self.recipe_backward)],
+              "recipe_names": [self.recipe.name, self.recipe_backward.name]}
         if self._amax_state:
             st["amax"] = {k: {f: (list(v) if isinstance(v, list) else v) for f, v in d.items()}
                           for k, d in self._amax_state.items()}
@@ -263,6 +313,18 @@ class QuantLinear(torch.nn.Linear):
                                  f"checkpoint's per-layer {d}-point RHT signs differ from this layer's (recipe seed "
                                  f"{self.recipe.seed}, layer index {self.layer_index}); build the model with the seed "
                                  "and layer order it was saved with")
+        saved = state.get("recipe")
+        mine = [_recipe_id(self.recipe), _recipe_id(self.recipe_backward)]
+        if saved is not None and list(saved) != mine:
+            names = state.get("recipe_names") or ["?", "?"]
+            warnings.warn(RecipeMismatchWarning(
+                f"QuantLinear {getattr(self, '_fp4sim_name', '#' + str(self.layer_index))}: the checkpoint was saved "
+                f"under recipe {names[0]!r} / backward {names[1]!r}, which differs from this layer's "
+                f"({self.recipe.name!r} / {self.recipe_backward.name!r}; seeds and switches count); the "
+                "parameters and call count load, and the layer goes on under its own recipe. Convert the model "
+                "with the recipe it was saved with (or call set_recipe before loading) to resume that run; "
+                "filter fp4sim.torch.RecipeMismatchWarning where a branch to another recipe is meant"),
+                stacklevel=3)
         self._calls = state["calls"]
         self._amax_state = {k: {f: (list(v) if isinstance(v, list) else float(v)) for f, v in d.items()}
                             for k, d in (state.get("amax") or {}).items()}
@@ -370,6 +432,31 @@ def _unmatched(globs, names, what):
                              "or glob (fnmatch) of the model's own layer names")
 
 
+def _refuse_sharded(model):
+    """ValueError where FSDP2 (fully_shard) or FSDP1 already wraps the model: convert comes first."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:                                                 # a torch without distributed
+        return
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor) or type(p).__name__ == "FlatParameter":
+            raise ValueError(f"convert: parameter {n!r} is already sharded ({type(p).__name__}): call "
+                             "fp4sim.torch.convert(model, recipe) before fully_shard / FSDP / DDP, as you would "
+                             "any module swap (docs/training.md, 'Training at scale')")
+
+
+def set_data_parallel_rank(model: torch.nn.Module, rank):
+    """Make every QuantLinear of ``model`` draw the stochastic-rounding bits of data-parallel rank ``rank``
+    (:func:`fp4sim.emulate.sr_key`): a single process reproduces any rank's draws this way. ``rank=None``
+    restores the default, the process's rank in torch.distributed's default group (0 where none is
+    initialised). Returns the model."""
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank={rank!r}: an integer >= 0, or None (torch.distributed's rank)")
+    for _, m in _quant_layers(model):
+        m._sr_rank = rank
+    return model
+
+
 def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=(), quantize_head: bool = False
             ) -> torch.nn.Module:
     """Swap every ``nn.Linear`` of ``model`` (in place) for a :class:`QuantLinear` sharing its parameters.
@@ -391,6 +478,7 @@ def convert(model: torch.nn.Module, recipe="nvfp4_paper", keep_high_precision=()
     lins = _linears(model)
     if not lins:
         raise ValueError("the model has no torch.nn.Linear layers to convert")
+    _refuse_sharded(model)
     names = [n for n, _ in lins]
     _unmatched(keep_high_precision, names, "keep_high_precision")
     _unmatched(recipe.keep, names, f"recipe {recipe.name!r}: keep glob")
