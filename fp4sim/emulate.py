@@ -31,7 +31,8 @@ from .quantize import dequantize, fake_quantize, quantize, rht
 from .schemes import NVFP4UE5M3, BF16Cast, FP8Tensor, get_scheme
 from .training import OPERANDS, Operand, Recipe
 
-__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "sr_key", "data_parallel_rank", "per_layer_signs", "held_amax",
+__all__ = ["fprop", "dgrad", "wgrad", "layer_seed", "sr_key", "data_parallel_rank", "amax_reduction",
+           "per_layer_signs", "held_amax",
            "quantize_operand", "Values", "serves"]
 
 _OP_INDEX = {op: i for i, op in enumerate(OPERANDS)}
@@ -64,6 +65,22 @@ def data_parallel_rank(rank: int):
         yield
     finally:
         _RANK.reset(tok)
+
+
+_AMAX_REDUCE = contextvars.ContextVar("fp4sim_amax_reduce", default=None)
+
+
+@contextlib.contextmanager
+def amax_reduction(reduce):
+    """Within the block, the tensor amax that an operand with ``amax="delayed"`` / ``"history"`` records is
+    ``reduce(local amax)``: the torch bridge passes the maximum over the data-parallel ranks (one all_reduce per
+    such operand and call, as TransformerEngine's delayed scaling reduces its amaxes), so every rank holds the
+    same history and quantizes with the same scale."""
+    tok = _AMAX_REDUCE.set(reduce)
+    try:
+        yield
+    finally:
+        _AMAX_REDUCE.reset(tok)
 
 
 def per_layer_signs(seed: int, layer: int, d: int) -> np.ndarray:
@@ -108,6 +125,9 @@ def held_amax(a, op: Operand, call: int, name: str, amax_state):
         raise ValueError(f"{name}: Operand amax={op.amax!r} keeps state between calls; pass amax_state (a dict the "
                          "caller keeps, as QuantLinear does)")
     cur = float(absmax(a)) if a.size else 0.0       # NaN ignored, as quantize's own amax does
+    reduce = _AMAX_REDUCE.get()
+    if reduce is not None:                          # data-parallel ranks hold one amax (TE's reduce_amax)
+        cur = float(reduce(cur))
     if op.amax == "delayed":
         st = amax_state.get(name)
         if st is None or call % op.amax_every == 0:

@@ -59,3 +59,29 @@ def test_quant_linear_saves_its_vector_and_refuses_another():
     e = QuantLinear(32, 16, recipe="nvfp4_paper", layer_index=4)          # TE's fixed vector: nothing to check
     e.load_state_dict(a.state_dict())
     assert "rht_signs" not in e.state_dict()["_extra_state"]
+
+
+@pytest.mark.parametrize("signs", ["te", "fixed", "per_layer", "per_transform"])
+def test_the_signs_are_the_same_on_every_data_parallel_rank(signs):
+    """Data-parallel ranks draw their own stochastic rounding (emulate.sr_key) but rotate with the same RHT
+    signs: with round-to-nearest the Wgrad of rank 0 and rank 3 are the same bits (the signs, hand-checked above
+    for per_layer, do not depend on the rank), with stochastic rounding they differ, and rank 0 is the process
+    outside any rank."""
+    rng = np.random.default_rng(1)
+    dy = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((64, 48)).astype(np.float32)
+    for sr in (False, True):
+        rec = Recipe.preset("nvfp4_paper", rht_signs=signs, disable_stochastic_rounding=not sr, seed=11)
+        got = {}
+        for rank in (0, 3):
+            with emulate.data_parallel_rank(rank):
+                got[rank] = emulate.wgrad(dy, x, rec, 2, 4).tobytes()
+        assert (got[0] == got[3]) is (not sr)
+        assert emulate.wgrad(dy, x, rec, 2, 4).tobytes() == got[0]
+    if signs == "per_layer":
+        rec = Recipe.preset("nvfp4_paper", rht_signs=signs, disable_stochastic_rounding=True, seed=11)
+        with emulate.data_parallel_rank(3):
+            assert emulate.wgrad(dy, x, rec, 2, 4).tobytes() == _wgrad_by_hand(dy, x, per_layer_signs(11, 2, 16)).tobytes()
+    with pytest.raises(ValueError, match="rank=-1"):
+        with emulate.data_parallel_rank(-1):
+            pass

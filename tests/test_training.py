@@ -528,6 +528,13 @@ def test_sr_streams_of_the_six_operands_of_a_call_are_independent_and_reproducib
     for i, u in enumerate(OPERANDS):
         for v in OPERANDS[i + 1:]:
             assert not np.array_equal(got[u], got[v]), (u, v)
+    # a data-parallel rank r keys its draws (layer_seed + r x 0xD1B54A32D192ED03) mod 2^64 (docs/training.md)
+    for r in (1, 5):
+        with emulate.data_parallel_rank(r):
+            q = emulate.quantize_operand(a, sr, 1, rec, 2, 3, "wgrad_dy")
+        key = (emulate.layer_seed(11, 2) + r * 0xD1B54A32D192ED03) % 2 ** 64
+        want = fs.quantize(a, "nvfp4", rounding="sr", seed=key, stream=8 * 3 + OPERANDS.index("wgrad_dy"))
+        assert np.array_equal(q.codes, want.codes) and not np.array_equal(q.codes, got["wgrad_dy"])
 
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import re
 import warnings
 
@@ -146,18 +147,43 @@ def _check_ranks_agree(layer):
                            "recipe, seed and layer order on every rank")
 
 
+def _amax_reducer(layer, device):
+    """The maximum over torch.distributed's ranks, for the delayed amaxes of :func:`fp4sim.emulate.held_amax`
+    (None in a single process or where the layer has no such operand)."""
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized()) or d.get_world_size() < 2:
+        return None
+    if all(getattr(r, op).amax == "current" for r in (layer.recipe, layer.recipe_backward) for op in OPERANDS):
+        return None
+
+    def reduce(v):
+        t = torch.tensor([v], dtype=torch.float32, device=device)
+        d.all_reduce(t, op=d.ReduceOp.MAX)
+        return float(t.item())
+    return reduce
+
+
+@contextlib.contextmanager
+def _pass(layer, rank, device):
+    """One forward or backward pass of a layer: kernel threads, the data-parallel rank's SR bits, the ranks'
+    common delayed amax."""
+    with _kernel_threads(), emulate.data_parallel_rank(rank), \
+            emulate.amax_reduction(_amax_reducer(layer, device)):
+        yield
+
+
 class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         if not layer._ranks_checked:
             _check_ranks_agree(layer)
         ctx.rank = _dp_rank(layer)
-        with _kernel_threads(), emulate.data_parallel_rank(ctx.rank):
+        with _pass(layer, ctx.rank, x.device):
             return _Fn._forward(ctx, x, weight, bias, layer)
 
     @staticmethod
     def backward(ctx, dy):
-        with _kernel_threads(), emulate.data_parallel_rank(ctx.rank):
+        with _pass(ctx.layer, ctx.rank, dy.device):
             return _Fn._backward(ctx, dy)
 
     @staticmethod
@@ -229,11 +255,14 @@ class QuantLinear(torch.nn.Linear):
     an empty input (no rows, or no
     features) gives an empty output and zero gradients. The layer counts its forward calls; the count keys the
     Philox bits of stochastic rounding and travels in the state_dict (``_extra_state``: ``{"calls": n}``, with
-    ``"amax"``: the held tensor amaxes of operands with ``amax="delayed"`` / ``"history"``, and ``"rht_signs"``:
-    the vectors of ``rht_signs="per_layer"``), so a model saved and loaded again draws the bits an uninterrupted
-    run would. A state_dict without it (a plain
-    ``nn.Linear`` model's) loads strictly and leaves the count as it is; :func:`drop_extra_state` makes one
-    that a plain model loads strictly."""
+    ``"amax"``: the held tensor amaxes of operands with ``amax="delayed"`` / ``"history"`` as one JSON string,
+    ``"rht_signs"``: the vectors of ``rht_signs="per_layer"``, and ``"recipe"`` / ``"recipe_names"``: the
+    forward and backward recipes' fingerprints and names), so a model saved and loaded again — by torch.save or
+    torch.distributed.checkpoint — draws the bits an uninterrupted run would. Loading a state saved under another
+    recipe warns (:class:`RecipeMismatchWarning`). A state_dict without it (a plain ``nn.Linear`` model's) loads
+    strictly and leaves the count as it is; :func:`drop_extra_state` makes one that a plain model loads
+    strictly. Under torch.distributed, stochastic rounding draws the bits of the process's rank
+    (:func:`set_data_parallel_rank`) and delayed amaxes are the maximum over the ranks."""
 
     def __init__(self, in_features, out_features, bias=True, recipe="nvfp4_paper", device=None, dtype=None,
                  layer_index: int = 0):
@@ -294,9 +323,10 @@ class QuantLinear(torch.nn.Linear):
     def get_extra_state(self):
         st = {"calls": int(self._calls), "recipe": [_recipe_id(self.recipe), _recipe_id(self.recipe_backward)],
               "recipe_names": [self.recipe.name, self.recipe_backward.name]}
-        if self._amax_state:
-            st["amax"] = {k: {f: (list(v) if isinstance(v, list) else v) for f, v in d.items()}
-                          for k, d in self._amax_state.items()}
+        # one string, always present: torch.distributed.checkpoint loads the keys a fresh model's state holds,
+        # and a fresh model holds no amax yet (a nested dict of its own would be dropped on loading)
+        st["amax"] = json.dumps({k: {f: (list(v) if isinstance(v, list) else v) for f, v in d.items()}
+                                 for k, d in self._amax_state.items()}, sort_keys=True)
         signs = self._per_layer_signs()
         if signs:
             st["rht_signs"] = signs            # what replicas and a resumed run must agree on
@@ -326,8 +356,11 @@ class QuantLinear(torch.nn.Linear):
                 "filter fp4sim.torch.RecipeMismatchWarning where a branch to another recipe is meant"),
                 stacklevel=3)
         self._calls = state["calls"]
+        amax = state.get("amax") or {}
+        if isinstance(amax, str):
+            amax = json.loads(amax)
         self._amax_state = {k: {f: (list(v) if isinstance(v, list) else float(v)) for f, v in d.items()}
-                            for k, d in (state.get("amax") or {}).items()}
+                            for k, d in amax.items()}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
