@@ -13,8 +13,6 @@ down). Each property is checked against one process running the unsharded model:
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from fp4sim.torch import QuantLinear, convert, set_data_parallel_rank  # noqa: E402
 from fp4sim.training import Recipe  # noqa: E402
+from gloo import spawn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, CTX = 96, 32
@@ -110,11 +109,9 @@ def _train(m, opt, rank, start, stop, losses):
         losses.append(float(t) / dist.get_world_size())
 
 
-def _worker(rank, world, port, path, mode, kind, probe):
+def _worker(rank, world, path, mode, kind, probe):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     out = {}
     m = _model(kind)
@@ -151,16 +148,10 @@ def _worker(rank, world, port, path, mode, kind, probe):
     out["resumed"] = _params(m2)
     torch.save(out, f"{path}/out{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def _spawn(tmp_path, monkeypatch, mode, kind, probe):
-    import torch.multiprocessing as mp
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")     # see test_training's DDP test
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(tmp_path), mode, kind, probe), nprocs=2, join=True)
+    spawn(_worker, (str(tmp_path), mode, kind, probe), monkeypatch)
     return [torch.load(tmp_path / f"out{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -218,9 +209,7 @@ def test_a_converted_model_trains_sharded_as_it_trains_alone(tmp_path, monkeypat
             assert torch.equal(o["final"][n], o["resumed"][n]), n
 
 
-def _bad_worker(rank, world, port, path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _bad_worker(rank, world, path):
     from torch.distributed.fsdp import fully_shard
     out = {}
     m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
@@ -238,16 +227,10 @@ def _bad_worker(rank, world, port, path):
     except RuntimeError as e:
         out["mixed"] = str(e)
     torch.save(out, f"{path}/bad{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_bad_distributed_input_is_named(tmp_path, monkeypatch):
-    import torch.multiprocessing as mp
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_bad_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn(_bad_worker, (str(tmp_path),), monkeypatch)
     for r in range(2):
         out = torch.load(tmp_path / f"bad{r}.pt")
         assert "already sharded" in out.get("convert_after_shard", "") and "before fully_shard" in \

@@ -444,10 +444,7 @@ def test_convert_a_transformers_llama_and_gpt2():
     assert sum(isinstance(m, QuantLinear) for m in g2.modules()) == 1
 
 
-def _ddp_worker(rank, world, port, path):
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _ddp_worker(rank, world, path):
     torch.manual_seed(0)
     model = convert(TinyGPT(), Recipe.preset("nvfp4_paper", seed=3))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -455,21 +452,11 @@ def _ddp_worker(rank, world, port, path):
     loss = torch.nn.functional.cross_entropy(ddp(data[:, :-1]).reshape(-1, 32), data[:, 1:].reshape(-1))
     loss.backward()
     torch.save({n: p.grad for n, p in model.named_parameters()}, f"{path}/ddp{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_ddp_gradients_are_the_mean_of_each_process_alone(tmp_path, monkeypatch):
-    import socket
-
-    import torch.multiprocessing as mp
-    # torch's gloo DDP processes abort now and then at exit ("terminate called without an active exception")
-    # while their OpenMP workers spin (OpenMP's default), with or without fp4sim's kernels; sleeping workers in
-    # the spawned processes, as fp4sim's import used to impose on every process, keep the check about gradients
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    from gloo import spawn
+    spawn(_ddp_worker, (str(tmp_path),), monkeypatch)
     synced = torch.load(tmp_path / "ddp0.pt")
     alone = []
     for rank in range(2):
