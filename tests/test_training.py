@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import replace
-import os
 import types
 
 import ml_dtypes
