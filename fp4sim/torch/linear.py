@@ -8,6 +8,7 @@ import fnmatch
 import json
 import re
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -175,6 +176,14 @@ def _pass(layer, rank, device):
 class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
+        return _Fn.run_forward(ctx, x, weight, bias, layer)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _Fn.run_backward(ctx, dy)
+
+    @staticmethod
+    def run_forward(ctx, x, weight, bias, layer):
         if not layer._ranks_checked:
             _check_ranks_agree(layer)
         ctx.rank = _dp_rank(layer)
@@ -182,7 +191,7 @@ class _Fn(torch.autograd.Function):
             return _Fn._forward(ctx, x, weight, bias, layer)
 
     @staticmethod
-    def backward(ctx, dy):
+    def run_backward(ctx, dy):
         with _pass(ctx.layer, ctx.rank, dy.device):
             return _Fn._backward(ctx, dy)
 
@@ -242,6 +251,88 @@ class _Fn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+# ------------------------------------------------------------------------------- torch.compile: custom ops
+# Under torch.compile a QuantLinear runs as two opaque operators, fp4sim::qlinear and fp4sim::qlinear_backward,
+# which call the same forward and backward as the eager autograd.Function (the same bits). What the forward keeps
+# for the backward besides x and the weight (the quantized operands that the recipe reuses, the call index, the
+# rank) waits in the layer's ``_pending`` under the call index, which the forward returns as a tensor: the count
+# that keys stochastic rounding never becomes a guard, so a compiled step does not recompile from call to call.
+_LAYERS = weakref.WeakValueDictionary()     # id(layer) -> the QuantLinear (the operators take an int)
+_PENDING_MAX = 16                    # forwards kept for a backward per layer (more: the oldest are dropped)
+
+
+class _Ctx:
+    """What autograd's ctx gives _Fn._forward / _backward, for the custom-op path."""
+
+    def __init__(self, needs):
+        self.needs_input_grad = needs
+
+    def save_for_backward(self, *t):
+        self.saved_tensors = t
+
+
+def _layer_of(key: int):
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise RuntimeError(f"fp4sim::qlinear: no QuantLinear with key {key} (the module was deleted)")
+    return layer
+
+
+@torch.library.custom_op("fp4sim::qlinear", mutates_args=())
+def _qlinear_op(x: torch.Tensor, weight: torch.Tensor, key: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = _layer_of(key)
+    ctx = _Ctx((True, True, False, False))
+    out = _Fn.run_forward(ctx, x, weight, None, layer)
+    if grad:
+        ctx.saved_tensors = ()                 # the backward operator receives x and the weight itself
+        layer._pending[ctx.call] = ctx
+        while len(layer._pending) > _PENDING_MAX:
+            layer._pending.pop(next(iter(layer._pending)))
+    return out.to(torch.float32), torch.tensor(ctx.call, dtype=torch.int64)
+
+
+@_qlinear_op.register_fake
+def _(x, weight, key, grad):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("fp4sim::qlinear_backward", mutates_args=())
+def _qlinear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, call: torch.Tensor, key: int,
+                         need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = _layer_of(key)
+    ctx = layer._pending.pop(int(call), None)
+    if ctx is None:
+        raise RuntimeError(f"fp4sim::qlinear_backward: layer {getattr(layer, '_fp4sim_name', key)!r} holds no "
+                           f"forward call {int(call)} (a second backward through one graph is not supported, "
+                           "or more than {_PENDING_MAX} forwards waited for theirs)")
+    ctx.saved_tensors = (x, weight)
+    ctx.needs_input_grad = (need_dx, need_dw, False, False)
+    dx, dw, _, _ = _Fn.run_backward(ctx, dy)
+    return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_qlinear_backward_op.register_fake
+def _(dy, x, weight, call, key, need_dx, need_dw):
+    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
+
+
+def _qlinear_setup(ctx, inputs, output):
+    x, weight, key, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.key = key
+
+
+def _qlinear_grad(ctx, dy, _dcall):
+    x, weight, call = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fp4sim.qlinear_backward(dy.contiguous(), x, weight, call, ctx.key, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
+
+
+_qlinear_op.register_autograd(_qlinear_grad, setup_context=_qlinear_setup)
+
+
 class RecipeMismatchWarning(UserWarning):
     """A QuantLinear loaded a state saved under another recipe (a branch, or a mistake)."""
 
@@ -279,6 +370,13 @@ class QuantLinear(torch.nn.Linear):
         self._nonfinite_warned = set()
         self._sr_rank = None                   # set_data_parallel_rank; None: torch.distributed's rank
         self._ranks_checked = False
+        self._pending = {}                     # torch.compile: forward calls waiting for their backward
+        _LAYERS[id(self)] = self
+
+    def __setstate__(self, state):             # a copy (copy.deepcopy, pickle) is a layer of its own
+        super().__setstate__(state)
+        self._pending = {}
+        _LAYERS[id(self)] = self
 
     @property
     def recipe(self) -> Recipe:
@@ -416,7 +514,19 @@ class QuantLinear(torch.nn.Linear):
         if x.numel() == 0 or self.weight.numel() == 0:
             self._calls += 1                   # no rows (an MoE expert without tokens) or no features
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(x)
         return _Fn.apply(x, self.weight, self.bias, self)
+
+    def _compiled_forward(self, x):
+        """The forward as torch.compile sees it: fp4sim::qlinear (an opaque operator, the same bits as the eager
+        path), then the bias in float32 and the input's dtype, as _Fn does."""
+        key = id(self)                          # a constant of the graph; _setup / __setstate__ registered it
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        y, _ = torch.ops.fp4sim.qlinear(x, self.weight, key, grad)
+        if self.bias is not None:
+            y = y + self.bias.to(torch.float32)
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         r = self.recipe.name + ("" if self.recipe_backward is self.recipe else f" / backward {self.recipe_backward.name}")
