@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import ablations, figures
@@ -22,7 +23,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 
 
 def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None,
-         scheduler: str | None = None, short: bool = False) -> dict:
+         scheduler: str | None = None, short: bool = False, nproc: int = 1) -> dict:
     from .runner import run_all, set_threads
     out.mkdir(parents=True, exist_ok=True)
     given = seeds
@@ -31,6 +32,8 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
     if FIGURES[fig].generic:
         set_threads(threads)
         runs = figures.runs_for(fig, quick, seeds, short)
+        if nproc > 1:               # data-parallel runs: other runs (their own keys), trained by torchrun
+            runs = [(lab, x, replace(c, nproc=nproc)) for lab, x, c in runs]
         logs = run_all([c for _, _, c in runs], out, quiet=quiet)
         if fig in ablations.ABLATIONS:
             summary = ablations.make(fig, runs, logs, out, {c.key(): out / "runs" / c.key() for _, _, c in runs})
@@ -59,7 +62,7 @@ def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = Fals
     else:
         summary = getattr(figures, fig.lower())(out, quick)
     if quick:
-        figures.check_outputs(fig, out, quick, seeds)
+        figures.check_outputs(fig, out, quick, seeds, nproc)
         from .plotting import mark_quick
         mark_quick(out / f"{fig}.png", out / f"{fig}.json")
     if not quiet:
@@ -84,6 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--short", action="store_true",
                     help="fig2, fig6a, fig6b: the earlier 0.75M-parameter runs at D/N 0.5 (358,400 tokens) instead "
                          "of the scaling sweep's largest budget (D/N 50); figures/dn0.5/ holds what they gave")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="training figures: train each run as N data-parallel processes (DDP under torchrun, gloo "
+                         "on the CPU; each process takes every N-th sequence of the batch and draws its own "
+                         "stochastic rounding). Another run than the single-process one: it has its own key under "
+                         "--out/runs (docs/scale.md)")
     ap.add_argument("what", nargs="*", help="with replot: the training figures to redraw from their CSV "
                                             "(default: every one whose CSV is in --out)")
     a = ap.parse_args(argv)
@@ -132,6 +140,14 @@ def main(argv=None) -> int:
     if a.short and (a.quick or not set(names) & set(figures.SCALED)):
         print(f"paper_repro: --short applies to {', '.join(figures.SCALED)} in full mode only", file=sys.stderr)
         return 2
+    if a.nproc < 1:
+        print(f"paper_repro: --nproc {a.nproc}: give at least 1", file=sys.stderr)
+        return 2
+    if a.nproc > 1 and not all(FIGURES[n].generic for n in names):
+        trained = ", ".join(f for f, v in FIGURES.items() if v.generic)
+        other = ", ".join(n for n in names if not FIGURES[n].generic)
+        print(f"paper_repro: --nproc applies to the training figures ({trained}), not {other}", file=sys.stderr)
+        return 2
     if a.scheduler and names != ["scaling"]:
         print("paper_repro: --scheduler applies to scaling only", file=sys.stderr)
         return 2
@@ -143,9 +159,9 @@ def main(argv=None) -> int:
         return 2
     for n in names:
         try:
-            make(n, a.quick, a.out, a.seeds, a.quiet, a.threads, a.scheduler, a.short)
+            make(n, a.quick, a.out, a.seeds, a.quiet, a.threads, a.scheduler, a.short, a.nproc)
         except ValueError as e:
-            if not a.scheduler:
+            if not a.scheduler and a.nproc == 1:
                 raise
             print(f"paper_repro: {e}", file=sys.stderr)
             return 2

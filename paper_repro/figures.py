@@ -395,7 +395,7 @@ TEACHER = ("teacher_formats", "teacher_recipe", "teacher_depth", "teacher_varian
 PART1 = ("fig1", "appB4", "fig2", "fig6a", "fig6b")
 
 
-def check_outputs(fig: str, out: Path, quick: bool, seeds: int):
+def check_outputs(fig: str, out: Path, quick: bool, seeds: int, nproc: int = 1):
     """Raise if a figure's files are missing or inconsistent (the --quick self-check)."""
     out = Path(out)
     for ext in ("png", "csv", "json"):
@@ -408,7 +408,7 @@ def check_outputs(fig: str, out: Path, quick: bool, seeds: int):
         raise RuntimeError(f"{fig}: {fig}.csv has no rows")
     if FIGURES[fig].generic:
         from .train import diverged
-        runs = runs_for(fig, quick, seeds)
+        runs = [(lab, x, replace(c, nproc=nproc)) for lab, x, c in runs_for(fig, quick, seeds)]
         want = sum(len(c.eval_steps()) for _, _, c in runs if not diverged(out / "runs" / c.key()))
         if sum(1 for r in rows if r["val_loss"] != "nan") != want:
             raise RuntimeError(f"{fig}: {len(rows)} rows in {fig}.csv, expected {want}")

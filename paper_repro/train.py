@@ -39,7 +39,9 @@ class RunConfig:
     ``val_windows`` fixed windows of the validation text. log_wgrad_error / log_fidelity: at each evaluation,
     log every quantized layer's relative Wgrad GEMM error / every QuantLinear's weight-gradient SNR and cosine
     against float32 (:func:`fidelity`) on the first validation batch, into ``wgrad_error.csv`` /
-    ``fidelity.csv``; neither changes the run's training.
+    ``fidelity.csv``; neither changes the run's training. nproc: data-parallel processes (DDP under torchrun,
+    each taking every nproc-th sequence of the batch and drawing its own stochastic rounding): another run than
+    the single-process one, with its own key.
     """
     preset: str = "nvfp4_paper"
     switches: tuple = ()
@@ -60,6 +62,7 @@ class RunConfig:
     log_wgrad_error: bool = False
     eval_tokens: tuple = ()
     log_fidelity: bool = False
+    nproc: int = 1
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -80,6 +83,9 @@ class RunConfig:
         if self.steps < 2:
             raise ValueError(f"tokens={self.tokens} gives {self.steps} steps of {self.batch}x{self.model.ctx} tokens; "
                              "give at least two steps' worth")
+        if not isinstance(self.nproc, int) or self.nproc < 1 or self.batch % self.nproc:
+            raise ValueError(f"nproc={self.nproc}: a number of data-parallel processes that divides the batch "
+                             f"({self.batch})")
         if not 0 <= self.decay_frac < 1:
             raise ValueError(f"decay_frac={self.decay_frac}: a fraction in [0, 1)")
         if self.eval_points < 1 or self.eval_points > self.steps:
@@ -149,7 +155,7 @@ class RunConfig:
 
 
 OPTIONAL = {"phases": [], "keep_first": 0, "operands": [], "log_wgrad_error": False, "eval_tokens": [],
-            "log_fidelity": False}
+            "log_fidelity": False, "nproc": 1}
 
 
 def make_recipe(preset, switches, keep_last, seed, accumulate, keep_first=0, operands=()):
@@ -315,7 +321,15 @@ def is_done(run_dir: Path, cfg: RunConfig) -> bool:
     return p.is_file() and json.loads(p.read_text()).get("config") == json.loads(cfg.to_json())
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _atomic_write(path: Path, payload: bytes):
+    """Write ``path`` whole or not at all (rank 0 alone in a data-parallel run)."""
+    if _rank():
+        return
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(payload)
     os.replace(tmp, path)
@@ -331,6 +345,41 @@ def _latest_snapshot(prefix_dir: Path, upto: int) -> Path | None:
         if s.isdigit() and 0 < int(s) <= upto:
             got.append((int(s), p))
     return max(got)[1] if got else None
+
+
+PROGRESS = "paper_repro-progress"
+
+
+def _launch(cfg: RunConfig, run_dir: Path, progress, **kw) -> list[dict]:
+    """Train a run of ``cfg.nproc`` data-parallel processes: torchrun starts them (``python -m paper_repro.train``),
+    rank 0 reports its progress on stdout, and the log rows are read back from the run's folder."""
+    import subprocess
+    import sys
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.nproc))}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # gloo processes may abort at exit while OpenMP workers spin
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}",
+           "-m", "paper_repro.train", cfg.to_json(), str(run_dir),
+           json.dumps({k: (list(v) if isinstance(v, (set, tuple)) else v) for k, v in kw.items()})]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:
+        if line.startswith(PROGRESS) and progress is not None:
+            _, tok, loss = line.split()
+            progress(int(tok), None if loss == "None" else float(loss))
+    err = p.stderr.read()
+    if p.wait():
+        tail = "\n".join(line for line in err.splitlines() if "Traceback" in line or "Error" in line)[-2000:]
+        raise RuntimeError(f"the {cfg.nproc}-process run {cfg.key()} failed (exit {p.returncode}): "
+                           f"{tail or err[-2000:]}")
+    return read_log(run_dir) if is_done(run_dir, cfg) else _partial_rows(run_dir)
+
+
+def _partial_rows(run_dir: Path) -> list[dict]:
+    """The rows of a run interrupted on purpose (stop_after): those its checkpoint holds."""
+    import torch
+    ck = Path(run_dir) / "ckpt.pt"
+    return torch.load(ck, weights_only=False)["rows"] if ck.is_file() else []
 
 
 def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_every: int | None = None,
@@ -355,13 +404,23 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
 
     from fp4sim.torch import RecipeMismatchWarning
 
+    import torch.distributed as dist
+
     run_dir = Path(run_dir)
     if is_done(run_dir, cfg):
         return read_log(run_dir)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if cfg.nproc > 1 and world == 1:
+        return _launch(cfg, run_dir, progress, ckpt_seconds=ckpt_seconds, ckpt_every=ckpt_every,
+                       stop_after=stop_after, snapshot_steps=snapshot_steps)
+    if world != cfg.nproc:
+        raise ValueError(f"{cfg.key()}: a run of nproc={cfg.nproc} in a process group of {world}")
+    rank = _rank()
     run_dir.mkdir(parents=True, exist_ok=True)
     train_ids, val_ids = data.splits()
     val = torch.from_numpy(data.val_windows(val_ids, cfg.val_windows, cfg.model.ctx))
     model = build(cfg.model, cfg.recipe(), cfg.seed)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model     # what a step runs
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
@@ -406,11 +465,14 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         load(trunk_snap, prefix)    # or an earlier one (a longer trunk extending a sweep)
     if progress is not None and step:
         progress(step * cfg.batch * cfg.model.ctx, None)
+    if world > 1 and rank == 0 and step:
+        print(PROGRESS, step * cfg.batch * cfg.model.ctx, None, flush=True)
     for ph, at in zip(cfg.phases, phase_at):            # phases already passed (a resumed run; the one at this
         if at < step:                                   # very step is applied by the loop below)
             apply_phase(model, cfg, ph)
     qlayers = _quant_layers(model)
-    (run_dir / "config.json").write_text(cfg.to_json() + "\n")
+    if rank == 0:
+        (run_dir / "config.json").write_text(cfg.to_json() + "\n")
 
     def save():
         _atomic_write(ckpt, state(cfg.to_json()))
@@ -446,14 +508,20 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         for g in opt.param_groups:
             g["lr"] = lr
         b = torch.from_numpy(data.train_batch(train_ids, cfg.seed, step, cfg.batch, cfg.model.ctx))
-        logits = model(b[:, :-1])
+        if world > 1:
+            b = b[rank::world]                       # this rank's sequences of the global batch
+        logits = net(b[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, cfg.model.vocab), b[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        lv = float(loss.detach())
+        lv = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(lv)                      # the global batch's loss: the mean of the ranks' equal shares
+            lv /= world
+        lv = float(lv)
         acc.append(lv)
         hist.append(lv)
         diverged = divergence(hist)
@@ -472,6 +540,8 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
         done_here += 1
         if progress is not None:
             progress(tokens_per_step, lv)
+        if world > 1 and rank == 0:
+            print(PROGRESS, tokens_per_step, lv, flush=True)
         now = time.monotonic()
         if step == cfg.steps or (ckpt_every and step % ckpt_every == 0) or \
                 (not ckpt_every and now - last_ckpt >= ckpt_seconds):
@@ -490,5 +560,23 @@ def train(cfg: RunConfig, run_dir: Path, *, ckpt_seconds: float = 120.0, ckpt_ev
     _atomic_write(run_dir / "log.csv", rows_to_csv(rows).encode())
     _atomic_write(run_dir / "done.json", json.dumps({"config": json.loads(cfg.to_json()),
                                                      "diverged": diverged}).encode())
-    ckpt.unlink(missing_ok=True)
+    if rank == 0:
+        ckpt.unlink(missing_ok=True)
     return rows
+
+
+def _rank_main(argv):
+    """One process of a data-parallel run (:func:`_launch`): ``CONFIG_JSON RUN_DIR OPTIONS_JSON``. The runs
+    train on the CPU, so the processes join a gloo group."""
+    import torch.distributed as dist
+    cfg, run_dir, kw = RunConfig.from_json(argv[0]), Path(argv[1]), json.loads(argv[2])
+    dist.init_process_group("gloo")
+    try:
+        train(cfg, run_dir, **kw)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+    _rank_main(sys.argv[1:])

@@ -816,3 +816,26 @@ def test_a_run_that_stopped_early_does_not_enter_the_scaling_gap():
             np.mean([loss[("nvfp4_paper", s, c.tokens)] for s in keep]), abs=1e-12)
     first = cfgs[("nvfp4_paper", 0)][0].tokens
     assert pts[first]["n"] == seeds
+
+
+def test_a_data_parallel_run_trains_resumes_and_keeps_its_own_key(tmp_path):
+    """--nproc 2: the run trains as two DDP processes under torchrun (each half of the batch, its own SR bits):
+    its key differs from the single-process run's (whose key is what it was), its losses follow that run's
+    closely, the progress reaches the caller, and interrupted and resumed it gives the same rows, bit for bit."""
+    two = replace(TINY, nproc=2)
+    assert two.key() != TINY.key() and "nproc" not in TINY.to_json()
+    ticks = []
+    rows = train(two, tmp_path / "two", progress=lambda tok, loss: ticks.append(tok))
+    assert sum(ticks) == two.steps * two.batch * two.model.ctx
+    one = train(TINY, tmp_path / "one")
+    assert [r["step"] for r in rows] == [r["step"] for r in one] and rows != one
+    assert all(abs(a["train_loss"] - b["train_loss"]) < 0.02 for a, b in zip(rows, one)), (rows, one)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    train(two, tmp_path / "cut", ckpt_every=1, stop_after=3)
+    assert train(two, tmp_path / "cut") == rows
+    with pytest.raises(ValueError, match="nproc=3"):
+        replace(TINY, nproc=3)
+    r = _run(["fig2", "--quick", "--nproc", "0", "--out", str(tmp_path / "o")])
+    assert r.returncode == 2 and "--nproc 0" in r.stderr
+    r = _run(["gpt_snr", "--quick", "--nproc", "2", "--out", str(tmp_path / "o")])
+    assert r.returncode == 2 and "--nproc applies to the training figures" in r.stderr
