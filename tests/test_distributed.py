@@ -8,7 +8,8 @@ down). Each property is checked against one process running the unsharded model:
   process computes with each rank's bits (``set_data_parallel_rank``), and not rank 0's alone;
 - the loss falls over six AdamW steps as the unsharded model's does on the two batches together;
 - a torch.distributed.checkpoint saved at step 3 and loaded into a fresh model gives, at step 6, the parameters
-  of the run that did not stop, bit for bit (call counts and the ranks' common delayed amax included).
+  of the run that did not stop, bit for bit (call counts and the ranks' common delayed amax included), and one
+  process loads the two ranks' checkpoint as saved (another world size).
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ def _worker(rank, world, path, mode, kind, probe):
     _train(w, opt, rank, 0, SAVE_AT, losses)
     msd, osd = get_state_dict(w, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/ckpt")
+    out["at_save"] = _params(w)
     _train(w, opt, rank, SAVE_AT, STEPS, losses)
     out["losses"], out["final"] = losses, _params(w)
     # a fresh model resumed from the checkpoint
@@ -207,6 +209,21 @@ def test_a_converted_model_trains_sharded_as_it_trains_alone(tmp_path, monkeypat
         assert o["final"].keys() == o["resumed"].keys()
         for n in o["final"]:
             assert torch.equal(o["final"][n], o["resumed"][n]), n
+    # 5. another world size: one process loads the two ranks' checkpoint (DCP reshards), parameters, optimizer
+    # state and each layer's call count and delayed amax as saved
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    m = _model(kind)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(m, opt)
+    st = {"model": msd, "optim": osd}
+    dcp.load(st, checkpoint_id=str(tmp_path / "ckpt"))
+    set_state_dict(m, opt, model_state_dict=st["model"], optim_state_dict=st["optim"])
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), outs[0]["at_save"][n]), n
+    q = [x for x in m.modules() if isinstance(x, QuantLinear)]
+    assert all(x._calls == SAVE_AT for x in q)            # one call per training step before the save
+    assert any(x._amax_state for x in q)
 
 
 def _bad_worker(rank, world, path):
