@@ -5,6 +5,7 @@ Instruct on the State of the Union text under four recipes, 3 seeds each, paired
     python analyses/finetune_smollm2.py measure          # time a few steps of each recipe (the compute plan)
     python analyses/finetune_smollm2.py run [--steps N]  # every run, resumable: interrupted runs continue
     python analyses/finetune_smollm2.py report           # analyses/finetune/summary.json, finetune.png
+    python analyses/finetune_smollm2.py run --nproc 2    # each run as 2 data-parallel processes (torchrun, DDP)
 
 Recipes (the model converted as fp4sim inspect converts it, the head in BF16): ``bf16`` (every linear in BF16),
 ``nvfp4`` (nvfp4_paper on every other linear), ``paper_rule`` (nvfp4_paper with the last 5 of 30 blocks in BF16:
@@ -15,7 +16,10 @@ its last 200,000 characters; AdamW (lr 2e-5, betas 0.9 / 0.95, no weight decay),
 warmup steps; a run's seed sets its batch order and its stochastic-rounding key (paired across recipes); the held-
 out loss is measured every ``--eval-every`` steps on the same 8 windows. Each run keeps its log in
 analyses/finetune/runs/RUN/log.csv and a checkpoint (model, optimizer, RNG, step) beside it, removed when the run
-ends; a rerun resumes from it and gives the same numbers as an uninterrupted run.
+ends; a rerun resumes from it and gives the same numbers as an uninterrupted run. With ``--nproc N`` each run
+trains as N DDP processes under torchrun (gloo on the CPU), each taking every N-th sequence of the batch and
+drawing its own stochastic rounding (docs/scale.md); rank 0 writes. Those are other runs, kept in
+``runs/RUN_dpN``; the report reads the single-process ones.
 """
 from __future__ import annotations
 
@@ -102,16 +106,40 @@ def _write_log(path: Path, rows):
         w.writerows(rows)
 
 
+def _world():
+    """(rank, world size) of the torch.distributed group this process is in ((0, 1) without one)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _launch(argv, nproc: int) -> int:
+    """This script's ``run`` as ``nproc`` processes under torchrun (each joins a gloo group in :func:`main`)."""
+    import subprocess
+    env = {**os.environ, "FP4SIM_FINETUNE_DP": str(nproc),
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # gloo processes may abort at exit while OpenMP workers spin
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={nproc}", str(Path(__file__).resolve()), *argv], env=env)
+
+
 def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_every: int, quiet=False):
-    """Train one run to ``steps`` (resuming from its checkpoint); its log rows."""
+    """Train one run to ``steps`` (resuming from its checkpoint); its log rows. In a torch.distributed group of
+    N processes: DDP, each process every N-th sequence of the batch, rank 0 writing, the run kept as
+    ``RUN_dpN``."""
     import torch
-    d = OUT / "runs" / f"{recipe}_s{seed}"
+    rank, world = _world()
+    if batch % world:
+        raise ValueError(f"--batch {batch}: {world} processes need a batch that they divide")
+    d = OUT / "runs" / (f"{recipe}_s{seed}" + (f"_dp{world}" if world > 1 else ""))
     d.mkdir(parents=True, exist_ok=True)
     done = d / "done.json"
     finished = done.is_file() and json.loads(done.read_text())["steps"] >= steps
     if finished and _has_step0(d / "log.csv"):
         return
     model, tok, opt, keep = _setup(recipe, seed)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model     # what a step runs
     train, val = _data(tok, seq_len)
     vt = torch.from_numpy(val)
 
@@ -122,7 +150,9 @@ def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_e
 
     if finished:                 # a run logged before the step-0 row existed: the untrained model's loss added
         rows = list(csv.DictReader(open(d / "log.csv")))
-        _write_log(d / "log.csv", [{"step": 0, "train_loss": None, "val_loss": evaluate()}] + rows)
+        v = evaluate()
+        if rank == 0:
+            _write_log(d / "log.csv", [{"step": 0, "train_loss": None, "val_loss": v}] + rows)
         return
     ck = d / "ckpt.pt"
     step, rows = 0, []
@@ -140,29 +170,36 @@ def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_e
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = 2e-5 * min(1.0, (step + 1) / 10)
-        ids = torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts[step]]))
+        ids = torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts[step][rank::world]]))
         model.train()
         opt.zero_grad(set_to_none=True)
-        loss = _loss(model, ids)
+        loss = _loss(net, ids)
         loss.backward()
         opt.step()
         step += 1
-        row = {"step": step, "train_loss": float(loss.detach()), "val_loss": None}
+        lv = loss.detach().clone()
+        if world > 1:
+            import torch.distributed as dist
+            dist.all_reduce(lv)                      # the batch's loss: the mean of the ranks' equal shares
+            lv /= world
+        row = {"step": step, "train_loss": float(lv), "val_loss": None}
         if step % eval_every == 0 or step == steps:
             row["val_loss"] = evaluate()
         rows.append(row)
-        if not quiet:
+        if not quiet and rank == 0:
             print(f"{recipe} s{seed} step {step}/{steps} loss {row['train_loss']:.4f}"
                   + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None else "")
                   + f" ({(time.time() - t0) / (step - step_at_start):.1f} s/step)", file=sys.stderr, flush=True)
-        if step % eval_every == 0 and step < steps:
+        if step % eval_every == 0 and step < steps and rank == 0:
             tmp = d / "ckpt.pt.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
                         "step": step, "rows": rows}, tmp)
             os.replace(tmp, ck)
+    if rank:
+        return
     _write_log(d / "log.csv", rows)
     done.write_text(json.dumps({"steps": steps, "recipe": recipe, "seed": seed, "kept_bf16": list(keep),
-                                "batch": batch, "seq_len": seq_len}))
+                                "batch": batch, "seq_len": seq_len, "nproc": world}))
     if ck.is_file():
         ck.unlink()
 
@@ -240,8 +277,26 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--nproc", type=int, default=1, help="run: train each run as N data-parallel processes "
+                                                           "(torchrun, DDP), kept as runs/RUN_dpN")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if a.nproc < 1 or a.batch % a.nproc:
+        ap.error(f"--nproc {a.nproc}: a number of processes that divides --batch {a.batch}")
+    if a.nproc > 1 and a.what != "run":
+        ap.error("--nproc applies to run")
+    if a.nproc > 1 and "FP4SIM_FINETUNE_DP" not in os.environ:
+        return _launch(sys.argv[1:] if argv is None else list(argv), a.nproc)
+    if "FP4SIM_FINETUNE_DP" in os.environ:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        try:
+            for s in SEEDS:
+                for r in RECIPES:
+                    run_one(r, s, a.steps, a.batch, a.seq_len, a.eval_every)
+        finally:
+            dist.destroy_process_group()
+        return 0
     if a.what == "measure":
         measure(a.batch, a.seq_len)
     elif a.what == "run":

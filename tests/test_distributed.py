@@ -272,3 +272,51 @@ def test_a_state_saved_under_another_recipe_warns_and_loads():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecipeMismatchWarning)
         c.load_state_dict(st)                                           # the same recipe: no warning
+
+
+# ------------------------------------------------------------------------------------------ the fine-tune script
+def _finetune_module(out):
+    """analyses/finetune_smollm2.py with a small Llama and synthetic text in place of SmolLM2 and its corpus
+    (what the test checks is the script's data-parallel training, not the model)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("finetune_smollm2", ROOT / "analyses" / "finetune_smollm2.py")
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    fm.OUT = Path(out)
+
+    def setup(recipe, seed):
+        m = _model("llama", seed)
+        return m, None, torch.optim.AdamW(m.parameters(), lr=2e-5, betas=(0.9, 0.95), weight_decay=0.0), ()
+
+    def data(tok, seq_len):
+        text = (torch.arange(4000) * 7 % VOCAB).numpy()
+        return text, __import__("numpy").stack([text[i:i + seq_len + 1] for i in range(0, 8 * 50, 50)])
+    fm._setup, fm._data = setup, data
+    return fm
+
+
+def _finetune_worker(rank, world, out):
+    _finetune_module(out).run_one("nvfp4", 0, steps=4, batch=4, seq_len=16, eval_every=2, quiet=True)
+
+
+def test_the_finetune_script_trains_data_parallel(tmp_path, monkeypatch):
+    """run --nproc 2's training (inside the torchrun group the script starts): its own run folder, written by rank
+    0 alone, the batch's loss as the mean of the ranks' halves — within 0.02 nats of one process on the whole
+    batch (the ranks quantize their halves with their own amaxes), the held-out loss before the first step equal
+    to it bit for bit (the same weights, the same windows)."""
+    import csv
+    import json
+    spawn(_finetune_worker, (str(tmp_path),), monkeypatch)
+    d = tmp_path / "runs" / "nvfp4_s0_dp2"
+    assert json.loads((d / "done.json").read_text())["nproc"] == 2 and not (d / "ckpt.pt").exists()
+    dp = list(csv.DictReader(open(d / "log.csv")))
+    _finetune_module(tmp_path).run_one("nvfp4", 0, steps=4, batch=4, seq_len=16, eval_every=2, quiet=True)
+    one = list(csv.DictReader(open(tmp_path / "runs" / "nvfp4_s0" / "log.csv")))
+    assert [r["step"] for r in dp] == [r["step"] for r in one] == ["0", "1", "2", "3", "4"]
+    assert dp[0]["val_loss"] == one[0]["val_loss"]
+    for a, b in zip(dp[1:], one[1:]):
+        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 0.02, (dp, one)
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "analyses" / "finetune_smollm2.py"), "run", "--nproc", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--nproc 3: a number of processes that divides --batch 4" in r.stderr, r.stderr
