@@ -373,6 +373,11 @@ class QuantLinear(torch.nn.Linear):
         self._pending = {}                     # torch.compile: forward calls waiting for their backward
         _LAYERS[id(self)] = self
 
+    def __getstate__(self):                    # forwards waiting for a backward stay with this process's layer
+        state = self.__dict__.copy()
+        state["_pending"] = {}
+        return state
+
     def __setstate__(self, state):             # a copy (copy.deepcopy, pickle) is a layer of its own
         super().__setstate__(state)
         self._pending = {}
