@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
-           "rule_costs", "te_nvfp4_blocks", "other_fp4_bytes", "to_ggml_order", "from_ggml_order", "to_gguf_blocks", "FP4_TYPES"]
+           "rule_costs", "te_nvfp4_blocks", "other_fp4_bytes", "to_ggml_order", "from_ggml_order", "to_gguf_blocks",
+           "FP4_TYPES"]
 
 FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
 _BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block

@@ -278,59 +278,61 @@ def _layer_of(key: int):
     return layer
 
 
-@torch.library.custom_op("fp4sim::qlinear", mutates_args=())
-def _qlinear_op(x: torch.Tensor, weight: torch.Tensor, key: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    layer = _layer_of(key)
-    ctx = _Ctx((True, True, False, False))
-    out = _Fn.run_forward(ctx, x, weight, None, layer)
-    if grad:
-        ctx.saved_tensors = ()                 # the backward operator receives x and the weight itself
-        layer._pending[ctx.call] = ctx
-        while len(layer._pending) > _PENDING_MAX:
-            layer._pending.pop(next(iter(layer._pending)))
-    return out.to(torch.float32), torch.tensor(ctx.call, dtype=torch.int64)
+def _register_ops():
+    """Define fp4sim::qlinear and fp4sim::qlinear_backward (torch.library.custom_op, torch >= 2.4)."""
+    @torch.library.custom_op("fp4sim::qlinear", mutates_args=())
+    def _qlinear_op(x: torch.Tensor, weight: torch.Tensor, key: int, grad: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = _layer_of(key)
+        ctx = _Ctx((True, True, False, False))
+        out = _Fn.run_forward(ctx, x, weight, None, layer)
+        if grad:
+            ctx.saved_tensors = ()                 # the backward operator receives x and the weight itself
+            layer._pending[ctx.call] = ctx
+            while len(layer._pending) > _PENDING_MAX:
+                layer._pending.pop(next(iter(layer._pending)))
+        return out.to(torch.float32), torch.tensor(ctx.call, dtype=torch.int64)
+
+    @_qlinear_op.register_fake
+    def _(x, weight, key, grad):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
+
+    @torch.library.custom_op("fp4sim::qlinear_backward", mutates_args=())
+    def _qlinear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, call: torch.Tensor, key: int,
+                             need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = _layer_of(key)
+        ctx = layer._pending.pop(int(call), None)
+        if ctx is None:
+            raise RuntimeError(f"fp4sim::qlinear_backward: layer {getattr(layer, '_fp4sim_name', key)!r} holds no "
+                               f"forward call {int(call)} (a second backward through one graph is not supported, "
+                               "or more than {_PENDING_MAX} forwards waited for theirs)")
+        ctx.saved_tensors = (x, weight)
+        ctx.needs_input_grad = (need_dx, need_dw, False, False)
+        dx, dw, _, _ = _Fn.run_backward(ctx, dy)
+        return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+    @_qlinear_backward_op.register_fake
+    def _(dy, x, weight, call, key, need_dx, need_dw):
+        return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+                weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
+
+    def _qlinear_setup(ctx, inputs, output):
+        x, weight, key, _ = inputs
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.key = key
+
+    def _qlinear_grad(ctx, dy, _dcall):
+        x, weight, call = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = torch.ops.fp4sim.qlinear_backward(dy.contiguous(), x, weight, call, ctx.key, need_dx, need_dw)
+        return (dx if need_dx else None), (dw if need_dw else None), None, None
+
+    _qlinear_op.register_autograd(_qlinear_grad, setup_context=_qlinear_setup)
 
 
-@_qlinear_op.register_fake
-def _(x, weight, key, grad):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op("fp4sim::qlinear_backward", mutates_args=())
-def _qlinear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, call: torch.Tensor, key: int,
-                         need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    layer = _layer_of(key)
-    ctx = layer._pending.pop(int(call), None)
-    if ctx is None:
-        raise RuntimeError(f"fp4sim::qlinear_backward: layer {getattr(layer, '_fp4sim_name', key)!r} holds no "
-                           f"forward call {int(call)} (a second backward through one graph is not supported, "
-                           "or more than {_PENDING_MAX} forwards waited for theirs)")
-    ctx.saved_tensors = (x, weight)
-    ctx.needs_input_grad = (need_dx, need_dw, False, False)
-    dx, dw, _, _ = _Fn.run_backward(ctx, dy)
-    return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
-
-
-@_qlinear_backward_op.register_fake
-def _(dy, x, weight, call, key, need_dx, need_dw):
-    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
-            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
-
-
-def _qlinear_setup(ctx, inputs, output):
-    x, weight, key, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.key = key
-
-
-def _qlinear_grad(ctx, dy, _dcall):
-    x, weight, call = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fp4sim.qlinear_backward(dy.contiguous(), x, weight, call, ctx.key, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None
-
-
-_qlinear_op.register_autograd(_qlinear_grad, setup_context=_qlinear_setup)
+_HAVE_OPS = hasattr(torch.library, "custom_op")
+if _HAVE_OPS:
+    _register_ops()
 
 
 class RecipeMismatchWarning(UserWarning):
@@ -526,6 +528,9 @@ class QuantLinear(torch.nn.Linear):
     def _compiled_forward(self, x):
         """The forward as torch.compile sees it: fp4sim::qlinear (an opaque operator, the same bits as the eager
         path), then the bias in float32 and the input's dtype, as _Fn does."""
+        if not _HAVE_OPS:
+            raise RuntimeError(f"torch.compile of a QuantLinear needs torch.library.custom_op (torch >= 2.4; this is "
+                               f"torch {torch.__version__})")
         key = id(self)                          # a constant of the graph; _setup / __setstate__ registered it
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         y, _ = torch.ops.fp4sim.qlinear(x, self.weight, key, grad)
