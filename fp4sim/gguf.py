@@ -403,8 +403,8 @@ def rule_costs(x) -> dict:
     a64 = a.astype(np.float64)
     ref = float((a64 * a64).sum())
     ys = {}
-    c, s = ggml_mxfp4_quantize(a)
-    f = np.repeat(np.ldexp(np.float64(1), s.astype(np.int64) - 127), 32, axis=1)
+    c, e8 = ggml_mxfp4_quantize(a)
+    f = np.repeat(np.ldexp(np.float64(1), e8.astype(np.int64) - 127), 32, axis=1)
     ys["ggml MXFP4"] = E2M1.values[unpack_fp4(c)].astype(np.float64) * f
     ys["MXFP4 floor"] = fake_quantize(a, "mxfp4", scale_mode="floor")
     ys["MXFP4 rceil"] = fake_quantize(a, "mxfp4", scale_mode="rceil")
@@ -417,6 +417,5 @@ def rule_costs(x) -> dict:
                            * np.float64(s_dec))
     rel = {k: float(((np.asarray(v, np.float64) - a64) ** 2).sum() / ref) if ref else 0.0 for k, v in ys.items()}
     blk = np.abs(a).reshape(R, K // 32, 32).max(-1).astype(np.float64)
-    _, s = ggml_mxfp4_quantize(a)
-    clipped = float((blk > 6 * np.ldexp(1.0, s.astype(np.int64) - 127)).mean())
+    clipped = float((blk > 6 * np.ldexp(1.0, e8.astype(np.int64) - 127)).mean())
     return {"rel_mse": rel, "clipped_blocks": clipped, "bits_per_value": dict(BITS_PER_VALUE)}

@@ -151,21 +151,28 @@ def _rule_bytes(x2, rule):
     return np.asarray(q.codes).reshape(x2.shape[0], -1), np.asarray(q.scales).reshape(x2.shape[0], -1)
 
 
+def reference_rows(w, reference) -> np.ndarray:
+    """The reference of a weight or FP4 tensor ``w`` as float32 (rows, K) in the stored order: given in that order
+    or, for an [experts, rows, K] weight, in transformers' [experts, K, rows]. ValueError naming the shapes, or
+    for NaN / Inf."""
+    x = np.asarray(reference, np.float32)
+    shape = tuple(w.shape)
+    alt = shape[:-2] + (shape[-1], shape[-2])
+    if len(shape) == 3 and x.shape == alt and x.shape != shape:
+        x = np.swapaxes(x, -1, -2)
+    if x.shape != shape:
+        also = f" (or {alt} as transformers lays it out)" if len(shape) == 3 else ""
+        raise ValueError(f"reference: shape {x.shape}; {w.name} holds {shape}{also}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"reference: {w.name}'s reference holds NaN or Inf")
+    return np.ascontiguousarray(x.reshape(-1, shape[-1]))
+
+
 def reproducing_rules(w: MXFP4Weight, reference) -> list:
     """The MXFP4 rules (:data:`MX_RULES`: fp4sim's scale modes with round-to-nearest-even elements, and ggml's
     quantizer) that give ``w``'s stored codes and scale bytes, byte for byte, from ``reference``: the weight's
     high-precision values, in the stored order (experts, rows, K) or transformers' (experts, K, rows)."""
-    x = np.asarray(reference, np.float32)
-    E = w.shape[:-2]
-    R, K = w.shape[-2:]
-    if x.shape == tuple(E) + (K, R) and x.shape != tuple(w.shape):
-        x = np.swapaxes(x, -1, -2)
-    if x.shape != tuple(w.shape):
-        raise ValueError(f"reference: shape {x.shape}; {w.name} holds {tuple(w.shape)} (or {tuple(E) + (K, R)} as "
-                         "transformers lays it out)")
-    if not np.isfinite(x).all():
-        raise ValueError(f"reference: {w.name}'s reference holds NaN or Inf")
-    x2 = np.ascontiguousarray(x.reshape(-1, K))
+    x2 = reference_rows(w, reference)
     codes, scales = w.codes, w.scales
     out = []
     for rule in MX_RULES:

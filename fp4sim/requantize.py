@@ -35,20 +35,13 @@ def fp4_tensors(paths) -> list:
 
 
 def _oriented(t, x) -> np.ndarray:
-    """The reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order (a gpt-oss weight's reference
-    may be in transformers' [experts, K, rows] layout); ValueError saying why it cannot be compared."""
-    x = np.asarray(x, np.float32)
-    shape = tuple(t.shape)
-    alt = shape[:-2] + (shape[-1], shape[-2])
-    if x.shape != shape and len(shape) == 3 and x.shape == alt:
-        x = np.swapaxes(x, -1, -2)
-    if x.shape != shape:
-        raise ValueError(f"the reference has shape {x.shape}; the file's tensor holds {shape}")
-    if not np.isfinite(x).all():
-        raise ValueError("the reference holds NaN or Inf")
-    if shape[-1] % 64:
-        raise ValueError(f"K = {shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
-    return np.ascontiguousarray(x.reshape(-1, shape[-1]))
+    """The reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order
+    (:func:`fp4sim.gpt_oss.reference_rows`); ValueError saying why the rules cannot be compared on it."""
+    from .gpt_oss import reference_rows
+    x2 = reference_rows(t, x)
+    if t.shape[-1] % 64:
+        raise ValueError(f"K = {t.shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
+    return x2
 
 
 def _file_rules(t, x2) -> list:

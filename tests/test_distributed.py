@@ -17,6 +17,7 @@ import copy
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -290,7 +291,7 @@ def _finetune_module(out):
 
     def data(tok, seq_len):
         text = (torch.arange(4000) * 7 % VOCAB).numpy()
-        return text, __import__("numpy").stack([text[i:i + seq_len + 1] for i in range(0, 8 * 50, 50)])
+        return text, np.stack([text[i:i + seq_len + 1] for i in range(0, 8 * 50, 50)])
     fm._setup, fm._data = setup, data
     return fm
 

@@ -499,9 +499,16 @@ def test_analyze_requantize_reports_what_each_rule_cost(tmp_path):
     amax = np.abs(w["query"]).reshape(e.shape[0], -1, 32).max(-1)
     assert rows[GQ]["clipped_stored"] == pytest.approx(float((amax > 6 * np.ldexp(1.0, e - 127)).mean()))
     assert rows[GQ]["clipped_stored"] == rows[GQ]["clipped_ggml_mxfp4"] > 0.3
-    # bad input: no FP4 tensor among the paths, a reference that is not there
+    # a reference that holds only one of the tensors: the other is listed as not compared, and the status says so
+    part = _write(tmp_path / "part.gguf", {GQ: w["query"]})
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(f), "--requantize", str(part), "--quiet",
+                        "--schemes", "nvfp4", "--no-hadamard"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and f"not compared {GF}" in r.stdout, r.stdout + r.stderr
+    # bad input: no FP4 tensor among the paths, a reference that is not there, one that matches no tensor
+    other = _write(tmp_path / "other.gguf", {"x.weight": w["query"]})
     for args, phrase in (([str(ref), "--requantize", str(ref)], "none of the paths holds an FP4 tensor"),
-                         ([str(f), "--requantize", str(tmp_path / "nope")], "no such file")):
+                         ([str(f), "--requantize", str(tmp_path / "nope")], "no such file"),
+                         ([str(f), "--requantize", str(other)], "no FP4 tensor could be compared")):
         r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", *args, "--quiet"], capture_output=True,
                            text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 2 and phrase in r.stderr and "Traceback" not in r.stderr, r.stderr

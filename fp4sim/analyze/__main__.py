@@ -53,7 +53,8 @@ def main(argv=None) -> int:
                     help="for the FP4 tensors of GGUF files and gpt-oss MXFP4 folders among PATHS: what their rule "
                          "cost against fp4sim's other FP4 rules on the high-precision weights REF (any format "
                          "analyze reads, under the same names): each rule's relative error beside the stored "
-                         "values', and the share of blocks that clip (in the report and the --json summary)")
+                         "values', and the share of blocks that clip (in the report and the --json summary); exit "
+                         "1 when some FP4 tensor could not be compared (listed), 2 when none could")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
     try:
@@ -137,6 +138,9 @@ def _run(a) -> int:
             study = requantize_study(paths, a.requantize)
         except ValueError as e:
             raise BadInput(str(e)) from None
+        if not study["tensors"]:                  # a study that compares nothing is no result
+            why = "; ".join(f"{n}: {w}" for n, w in study["not_compared"][:3])
+            raise BadInput(f"--requantize {a.requantize}: no FP4 tensor could be compared with it ({why})")
         ds.attrs["requantize"] = json.dumps(study)
     # the outputs first, then the table: a reader that closes the pipe early (| head) loses no result
     done = [f"wrote {a.blocks}"] if a.blocks else []
@@ -161,7 +165,8 @@ def _run(a) -> int:
         raise BadInput(f"writing the results: {e}") from None
     more = "\n\n" + requantize_table(study) if study is not None else ""
     say(table(ds) + more + ("\n\n" + "\n".join(done) if done else ""))
-    return 1 if any(not sk.get("ignored") for sk in skipped) else 0
+    short = study is not None and bool(study["not_compared"])          # listed in the report, with the reason
+    return 1 if short or any(not sk.get("ignored") for sk in skipped) else 0
 
 
 def _parts(a):

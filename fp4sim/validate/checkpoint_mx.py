@@ -271,6 +271,22 @@ def _region_with_reference(t, x2) -> str | None:
            "missing" if hit else None
 
 
+def _gguf_reference(t, refs, e):
+    """The reference of GGUF tensor ``t`` as float32 (rows, K), or None with the reason in its entry ``e``: a
+    note where there is none or it holds NaN / Inf, a fault where its shape is another."""
+    from .checkpoint_ref import reference_weight
+    x, why = reference_weight(t, refs)
+    if x is None:
+        e["notes"].append(f"{why}: not compared")
+    elif tuple(x.shape) != tuple(t.shape):
+        e["faults"].append(f"the reference has shape {tuple(x.shape)}; the file's tensor {tuple(t.shape)}")
+    elif not np.isfinite(x).all():
+        e["notes"].append("the reference holds NaN or Inf: not compared")
+    else:
+        return np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
+    return None
+
+
 def check_gguf(path, reference=None):
     """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of a GGUF file's FP4 tensors (MXFP4, NVFP4).
     Without a reference: MXFP4 scale bytes 255 (NaN blocks), NVFP4 scale bytes with the sign bit set or 0x7F
@@ -282,7 +298,7 @@ def check_gguf(path, reference=None):
     blocks transposed. Each tensor's data region against its type and shape, with or without a reference: the
     other FP4 type's blocks under this type, a truncated file (the other tensors are still checked)."""
     from ..gguf import read_gguf
-    from .checkpoint_ref import CheckpointReport, _count_compared, _reference_sources, reference_weight
+    from .checkpoint_ref import CheckpointReport, _count_compared, _reference_sources
     f = read_gguf(path)
     rep = CheckpointReport(str(path), "gguf", str(reference) if reference else None)
     refs = _reference_sources(reference) if reference else None
@@ -296,14 +312,12 @@ def check_gguf(path, reference=None):
         region = _region_faults(t, f.alignment)
         e["faults"] += region
         if region:
-            if refs is not None:
-                x, why = reference_weight(t, refs)
-                if x is not None and tuple(x.shape) == tuple(t.shape) and np.isfinite(x).all():
-                    x2 = np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
-                    e["compared"], e["exact"] = True, False
-                    said = _region_with_reference(t, x2)
-                    if said:
-                        e["notes"].append(said)
+            x2 = _gguf_reference(t, refs, e) if refs is not None else None
+            if x2 is not None:
+                e["compared"], e["exact"] = True, False
+                said = _region_with_reference(t, x2)
+                if said:
+                    e["notes"].append(said)
             e["ok"] = False
             rep.tensors[name] = e
             continue
@@ -325,19 +339,11 @@ def check_gguf(path, reference=None):
         zero = ((c & 7) == 0).reshape(s.shape[0], s.shape[1], sub).all(-1) & (s > 0)
         if zero.any():
             e["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
-        if refs is not None:
-            x, why = reference_weight(t, refs)
-            if x is None:
-                e["notes"].append(f"{why}: not compared")
-            elif tuple(x.shape) != tuple(t.shape):
-                e["faults"].append(f"the reference has shape {tuple(x.shape)}; the file's tensor {tuple(t.shape)}")
-            elif not np.isfinite(x).all():
-                e["notes"].append("the reference holds NaN or Inf: not compared")
-            else:
-                x2 = np.ascontiguousarray(x.reshape(-1, t.shape[-1]), np.float32)
-                _add_costs(e, x2, x2.shape)
-                _record(e, _gguf_rules(t, x2), lambda t=t, x2=x2: _gguf_fault(t, x2),
-                        f"no {t.type} rule fp4sim knows reproduces its bytes from the reference")
+        x2 = _gguf_reference(t, refs, e) if refs is not None else None
+        if x2 is not None:
+            _add_costs(e, x2, x2.shape)
+            _record(e, _gguf_rules(t, x2), lambda t=t, x2=x2: _gguf_fault(t, x2),
+                    f"no {t.type} rule fp4sim knows reproduces its bytes from the reference")
         e["ok"] = not e["faults"]
         rep.tensors[name] = e
     if refs is not None:
