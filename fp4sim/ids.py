@@ -27,6 +27,9 @@ SR_NONE, SR_GIVEN, SR_PHILOX = 0, 1, 2
 # delta + (2r + 1) / 2^(n+1) >= 1; the kernels' sr_bits decode it
 SR_MIDPOINT = 16
 
+# input element types the GPU block kernels read directly (float32, bfloat16 bit patterns, float16)
+IN_F32, IN_BF16, IN_F16 = 0, 1, 2
+
 # accumulation modes of the NVFP4 GEMM model kernels (fp4sim.gemm's exact_sum, kG_rne, kG_rtz)
 ACC_EXACT, ACC_RNE, ACC_RTZ = 0, 1, 2
 
@@ -35,7 +38,7 @@ _EXPORT = {"MODE_RNE": RNE, "MODE_RZ": RZ, "MODE_RU": RU, "MODE_RD": RD, "MODE_S
            "SM_RCEIL": RCEIL, "SM_FLOOR": FLOOR, "SM_CEIL": CEIL, "SM_EVEN": EVEN,
            "DQ_NVFP4": DQ_NVFP4, "DQ_MX": DQ_MX, "DQ_FP8_BLOCKWISE": DQ_FP8_BLOCKWISE, "DQ_FP8_TENSOR": DQ_FP8_TENSOR,
            "ACC_EXACT": ACC_EXACT, "ACC_RNE": ACC_RNE, "ACC_RTZ": ACC_RTZ,
-           "SR_MIDPOINT": SR_MIDPOINT}
+           "SR_MIDPOINT": SR_MIDPOINT, "IN_F32": IN_F32, "IN_BF16": IN_BF16, "IN_F16": IN_F16}
 
 
 def cuda_defines() -> str:

@@ -369,7 +369,8 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
                  scale_layout="linear", fake=False, return_intermediates=False, row_scaled=None,
                  per_tensor_scale=None):
     """:func:`fp4sim.quantize` (or ``fake_quantize`` with ``fake=True``) on the backend ``kern``."""
-    xs = kern.as_float32(x, order="K")   # to2d copies once, with the block axis last
+    # to2d copies once, with the block axis last; the GPU's block kernels read 16-bit inputs as they are
+    xs = kern.as_block_input(x) if hasattr(kern, "as_block_input") else kern.as_float32(x, order="K")
     p = plan_quantize(xs.shape, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed,
                       stream, sr_bits, rbits_mapping, scale_layout, fake, row_scaled, per_tensor_scale)
     xp, sch = kern.xp, p.scheme
@@ -389,6 +390,10 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
         if fake:
             return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
+    if getattr(kern, "amax_on_device", False) and not (return_intermediates and isinstance(sch, NVFP4)):
+        q = _quantize_on_device(kern, p, x2, rb, use_rb)
+        if q is not None:
+            return q
     if isinstance(sch, MX):                 # no tensor amax needed: the backend may reduce it as it quantizes
         codes, scales, fv, amax = kern.mx(x2, rb, use_rb, p.mode, p.sr.kernel_nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
                                           sch.elem, fake)
@@ -445,12 +450,54 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     return finish(sch, codes, scales, gamax, p.lead, p.axis, p.shape, p.scale_layout, extras)
 
 
+def _quantize_on_device(kern, p: QuantPlan, x2, rb, use_rb):
+    """run_quantize on a backend that keeps the tensor amax on the device (the GPU): NVFP4 with one second-level
+    amax, MX and FP8 without a host round trip. The tensor amax, the constants made from it and the NaN / Inf flags
+    stay on the device; the warnings about the input are queued (``kern.defer_warnings``) and emitted once their
+    values have reached the host. None for what needs host values (4over6, row-scaled NVFP4)."""
+    sch, nsr, xp = p.scheme, p.sr.kernel_nsr, kern.xp
+    gamax = None
+    if isinstance(sch, MX):
+        codes, scales, fv, flags = kern.mx(x2, rb, use_rb, p.mode, nsr, ids.SCALE_MODE_IDS[sch.scale_mode],
+                                           sch.elem, p.fake)
+        kern.defer_warnings(sch, flags=flags)
+    elif isinstance(sch, NVFP4):
+        if sch.row_scaled or sch.four_over_six:
+            return None
+        acc = kern.absmax_device(x2)
+        fl = ids.FLAVOR_IDS[sch.flavor]
+        if sch.per_tensor_scale and p.global_amax is None:
+            kern.defer_warnings(sch, acc=acc)
+            cst = kern.nvfp4_tensor_constants(acc, sch.flavor)
+            codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], None, None, None, p.fake,
+                                           cst=cst)
+            gamax = kern.device_amax(acc)
+        else:                                 # the second-level amax is the host's: global_amax, or 1
+            g = p.global_amax if sch.per_tensor_scale else f32(1.0)
+            kern.defer_warnings(sch, acc=acc, amax_g=g)
+            c0, c1, dq = nvfp4_constants_rows(sch.flavor, g, sch.per_tensor_scale)
+            codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], c0, c1, dq, p.fake)
+            gamax = f32(g) if sch.per_tensor_scale else None
+    elif isinstance(sch, FP8Tensor):
+        if p.global_amax is None:
+            codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, nsr, sch.elem, 1, None, p.fake,
+                                         amax_dev=kern.absmax_device(x2))
+        else:
+            codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, nsr, sch.elem, 1,
+                                         fp8_tensor_scale(sch.elem, p.global_amax), p.fake)
+    else:
+        codes, scales, fv = kern.fp8(x2, rb, use_rb, p.mode, nsr, sch.elem, sch.block[0], None, p.fake)
+    if p.fake:
+        return p.back(xp, fv)
+    return finish(sch, codes, scales, gamax, p.lead, p.axis, p.shape, p.scale_layout)
+
+
 # ------------------------------------------------------------------------------------------------ dequantize
 @dataclass(frozen=True)
 class DequantPlan:
     """How a QuantizedTensor's codes become values: kind (ids.DQ_*), block length, the NVFP4 flavour id and its
-    dequantize constants (``dq``: (1, 2), or (R, 2) for a row-scaled tensor), the FP8 blockwise tile rows, rows R
-    and length K."""
+    dequantize constants (``dq``: (1, 2), or (R, 2) for a row-scaled tensor; None when the tensor amax is on the
+    device), the FP8 blockwise tile rows, rows R and length K."""
     kind: int
     R: int
     K: int
@@ -468,6 +515,10 @@ def plan_dequantize(q) -> DequantPlan:
     if isinstance(sch, BF16Cast):
         return DequantPlan(-1, R, q.K, q.K)
     if isinstance(sch, NVFP4):
+        if hasattr(q.global_amax, "get"):
+            # a tensor amax on the device (the GPU's quantize): the kernel makes the constants there (dq None);
+            # a too-large amax was already warned about by that quantize
+            return DequantPlan(ids.DQ_NVFP4, R, q.K, 16, ids.FLAVOR_IDS[sch.flavor], None)
         g = np.asarray(1.0 if q.global_amax is None else q.global_amax, np.float32).reshape(-1)
         big = g[np.isfinite(g)]
         if sch.flavor in ("te", "paper") and big.size and big.max() > NVFP4_DEQUANT_AMAX_LIMIT:

@@ -7,6 +7,7 @@ for CuPy arrays.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import warnings
@@ -19,6 +20,7 @@ import pytest
 import fp4sim as fs
 from blockcases import heavy
 from conftest import float32_sweep, oracle_missing
+from fp4sim import planning
 from fp4sim.gpu import ops
 from fp4sim.gpu.backend import NVRTC_OPTIONS, SOURCE, HostBackend, write_ids_header
 
@@ -396,3 +398,118 @@ def test_tensor_core_chains(dev):
     got = tc.tcgen05_fp8(xa, "e4m3", s, xb, "e4m3", s, backend=dev.be)
     same_bits(got, tc.tcgen05_fp8(xa, "e4m3", s, xb, "e4m3", s))
     assert ((np.abs(got) < 2.0 ** -126) & (got != 0)).mean() > 0.5
+
+
+def test_tensor_constants_on_the_device_equal_the_hosts(dev):
+    """nvfp4_tensor_constants (made on the device from a tensor amax left there) against the host's
+    planning.nvfp4_constants_rows, for every flavour, over amaxes of every binade, subnormals, 0, Inf, FLT_MAX
+    and the amaxes around 2688 / FLT_MAX where the encode scale saturates."""
+    from fp4sim.planning import nvfp4_constants_rows
+    k = ops.kernels(dev.be)
+    edge = np.array([0.0, np.inf, 3.4028235e38, 1e-45, 1e-40, 2688 / 3.4028235e38, 7.9e-36, 7.8e-36, 448.0, 6.0],
+                    np.float32)
+    amaxes = np.concatenate([edge, np.abs(SWEEP[np.isfinite(SWEEP)][::97])]).astype(np.float32)
+    for flavor in ("te", "paper", "torchao", "modelopt"):
+        c0, c1, dq = nvfp4_constants_rows(flavor, amaxes)
+        for i, a in enumerate(amaxes):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                if flavor in ("te", "paper"):   # the one-amax path the host takes for a single tensor
+                    c0, c1, dq = nvfp4_constants_rows(flavor, a)
+                    j = 0
+                else:
+                    j = i
+            got = dev.host(k.nvfp4_tensor_constants(dev.dev(np.array([a], np.float32).view(np.uint32)), flavor))
+            want = np.array([c0[j], c1[j], dq[j, 0], dq[j, 1]], np.float32)
+            assert np.array_equal(got.astype(np.float32).view(np.uint32), want.view(np.uint32)), (flavor, a, got, want)
+            assert np.array_equal(got, want.astype(np.float64), equal_nan=True)   # exact float32 values
+
+
+HALF = np.concatenate([heavy((16, 64), 9).ravel(), np.float32([6e-8, -6e-8, 3e-5, 65504, -0.0, np.nan, np.inf]),
+                       np.float32(2.0) ** -np.arange(14, 25, dtype=np.float32)]).astype(np.float32)
+HALF = np.resize(HALF, (24, 64))
+# rows of float16 subnormals only (k * 2^-24), so whole blocks have a subnormal amax
+HALF[20:] = (np.random.default_rng(3).integers(-1023, 1024, (4, 64)) * 2.0 ** -24).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "fp8_e4m3", "fp8_blockwise", "bf16"])
+def test_16_bit_inputs_are_read_directly(dev, dtype, scheme):
+    """float16 and bfloat16 inputs go to the block kernels as they are (no widening copy) and give the CPU
+    backend's bits: float16 subnormals, NaN and Inf included, along both axes, round-to-nearest and SR."""
+    dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    if dtype == "bfloat16" and isinstance(dev, _Cupy):
+        pytest.skip("CuPy has no bfloat16 arrays (the host build reads ml_dtypes' bfloat16)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        x = HALF.astype(dt)
+        for axis in (-1, 0):
+            for rnd in ({}, {"rounding": "sr", "seed": 5}):
+                want = fs.quantize(x, scheme, axis=axis, **rnd)
+                got = ops.quantize(dev.be, dev.dev(x), scheme, axis=axis, **rnd)
+                assert np.array_equal(dev.host(got.codes), want.codes), (dtype, scheme, axis, rnd)
+                if want.scales is not None:
+                    assert np.array_equal(dev.host(got.scales).view(np.uint8), np.asarray(want.scales).view(np.uint8))
+                same_bits(dev.host(ops.quantize(dev.be, dev.dev(x), scheme, axis=axis, fake=True, **rnd)),
+                          fs.fake_quantize(x, scheme, axis=axis, **rnd))
+        ops.flush_warnings()
+
+
+class _Counting:
+    """Counts GpuKernels.to_host, the backend's only device-to-host read."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = ops.GpuKernels.to_host
+
+        def counted(kself, a):
+            self.n += 1
+            return real(kself, a)
+        monkeypatch.setattr(ops.GpuKernels, "to_host", counted)
+
+
+@pytest.mark.parametrize("scheme,kw", [("nvfp4", {}), ("nvfp4", {"flavor": "torchao"}), ("nvfp4", {"flavor": "modelopt"}),
+                                       ("nvfp4", {"flavor": "paper"}), ("nvfp4_2d", {}), ("nvfp4", {"global_amax": 3.0}),
+                                       ("nvfp4", {"flavor": "torchao", "per_tensor_scale": False}), ("mxfp4", {}),
+                                       ("mxfp8_e4m3", {}), ("fp8_e4m3", {}), ("fp8_blockwise", {})])
+def test_quantize_reads_nothing_back_from_the_device(dev, monkeypatch, scheme, kw):
+    """Quantize, fake_quantize and dequantize of these schemes never read the device (the tensor amax, the
+    constants made from it and the NaN flags stay there), with round-to-nearest and SR; their warnings arrive
+    once they are flushed, not during the call. 4over6, which chooses on the host, is counted (the counter works)."""
+    x = SPECIALS
+    ops.flush_warnings()
+    count = _Counting(monkeypatch)
+    for rnd in ({}, {"rounding": "sr", "seed": 3}):
+        for fake in (False, True):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                q = ops.quantize(dev.be, dev.dev(x), scheme, fake=fake, **kw, **rnd)
+            assert not seen, "the warnings need the device's values: they wait for a later call or a flush"
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                ops.flush_warnings()
+            if scheme.startswith("fp8"):
+                assert not seen
+            else:   # SPECIALS holds a NaN (E2M1 has none) and an Inf (the MX block scale comes from it)
+                expect = "Inf inside an MX block" if scheme == "mxfp8_e4m3" else "NaN in the input"
+                assert any(expect in str(w.message) for w in seen), [str(w.message) for w in seen]
+        ops.dequantize(dev.be, q if not fake else ops.quantize(dev.be, dev.dev(x), scheme, **kw, **rnd))
+        assert count.n == 0, (scheme, kw, rnd)
+        ops.flush_warnings()
+    ops.quantize(dev.be, dev.dev(x), "nvfp4", four_over_six="mae")
+    assert count.n > 0
+
+
+def test_dequantize_reads_a_device_tensor_amax_on_the_device(dev):
+    """A QuantizedTensor whose global_amax is a device array (what the GPU's quantize returns) dequantizes with
+    the constants made on the device from it: the host's bits, for every flavour."""
+    class Dev(np.ndarray):           # a host array that looks like a device one to the planning layer
+        def get(self):
+            return np.asarray(self)
+    for flavor in ("te", "paper", "torchao", "modelopt"):
+        want = fs.quantize(CASES["heavy"], "nvfp4", flavor=flavor)
+        got = ops.quantize(dev.be, dev.dev(CASES["heavy"]), "nvfp4", flavor=flavor)
+        if not hasattr(got.global_amax, "get"):
+            got = dataclasses.replace(got, global_amax=np.asarray(got.global_amax, np.float32).view(Dev))
+        assert planning.plan_dequantize(got).dq is None
+        same_bits(dev.host(ops.dequantize(dev.be, got)), fs.dequantize(want))

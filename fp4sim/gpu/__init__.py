@@ -14,3 +14,12 @@ def available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - any failure means no usable GPU
         return False
+
+
+def flush_warnings() -> None:
+    """Emit the warnings about GPU inputs (NaN, Inf, a tensor amax beyond FLT_MAX/448) that are still queued.
+
+    A GPU quantize never waits for the device: it leaves the tensor amax and the NaN / Inf flags there, and their
+    warnings are emitted by a later call once the values have reached the host, by this function, or at exit."""
+    from .ops import flush_warnings as flush
+    flush()

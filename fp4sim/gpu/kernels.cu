@@ -179,6 +179,89 @@ extern "C" __global__ void philox_bytes(u64 start, i64 n, u32 k0, u32 k1, u32 st
     }
 }
 
+// Stochastic-rounding bytes of the block kernels: ph 0 from rb (one byte per element of the (R, K) rows, none when
+// use_rb is 0); ph 1 and 2 generated here from Philox (key k0/k1, stream, masked by mask), element (r, k) being
+// the original tensor's flat index r*K + k (ph 1) or, when the block axis had stride `stride` (a multiple of 16)
+// in C order, (r / stride)*K*stride + k*stride + r % stride (ph 2); consecutive elements share a Philox call.
+struct SrSource {
+    const u8* rb;
+    int use_rb, ph;
+    u32 k0, k1, stream, mask;
+    i64 stride;
+    u64 ctr;
+    u32 w[4];
+};
+
+__device__ __forceinline__ SrSource sr_source(const u8* rb, int use_rb, int ph, u32 k0, u32 k1, u32 stream, u32 mask,
+                                              i64 stride) {
+    SrSource s;
+    s.rb = rb; s.use_rb = use_rb; s.ph = ph; s.k0 = k0; s.k1 = k1; s.stream = stream; s.mask = mask;
+    s.stride = stride; s.ctr = ~0ull;
+    s.w[0] = s.w[1] = s.w[2] = s.w[3] = 0u;
+    return s;
+}
+
+__device__ __forceinline__ int sr_byte(SrSource& s, i64 r, i64 k, i64 K) {
+    if (s.ph == 0) return s.use_rb ? (int)s.rb[r * K + k] : 0;
+    u64 gi = s.ph == 1 ? (u64)(r * K + k) : (u64)((r / s.stride) * K * s.stride + k * s.stride + r % s.stride);
+    u64 c = gi >> 4;
+    if (c != s.ctr) {
+        philox((u32)c, (u32)(c >> 32), s.stream, 0u, s.k0, s.k1, s.w);
+        s.ctr = c;
+    }
+    return (int)((s.w[(gi >> 2) & 3] >> (8 * (gi & 3))) & s.mask);
+}
+
+// ------------------------------------------------------------------------------------------ inputs
+// The block kernels read float32, bfloat16 (16-bit patterns) and float16 inputs directly (in_kind IN_F32,
+// IN_BF16, IN_F16) as float32 bit patterns: a bfloat16 is the upper half of a float32, and a float16 widens
+// exactly by integer code (its subnormals are float32 normals), so no input copy and no FTZ question.
+__device__ __forceinline__ u32 f16_to_f32_bits(u32 h) {
+    u32 s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1Fu) return s | 0x7F800000u | (m << 13);
+    if (e != 0) return s | ((e + 112u) << 23) | (m << 13);
+    if (m == 0) return s;
+    int p = 9;
+    while (!((m >> p) & 1u)) --p;                    // m * 2^-24 = 2^(p - 24) * (m / 2^p)
+    return s | ((u32)(p + 103) << 23) | ((m << (23 - p)) & 0x7FFFFFu);
+}
+
+__device__ __forceinline__ u32 load1(const void* x, i64 i, int kind) {
+    if (kind == IN_F32) return ((const u32*)x)[i];
+    u32 h = ((const u16*)x)[i];
+    return kind == IN_BF16 ? h << 16 : f16_to_f32_bits(h);
+}
+
+// Elements i .. i+3 (i a multiple of 4 and vec_ok) with one 16-byte (float32) or 8-byte (16-bit) load.
+__device__ __forceinline__ void load4(const void* x, i64 i, int kind, u32 v[4]) {
+    if (kind == IN_F32) {
+        uint4 q = ((const uint4*)x)[i >> 2];
+        v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+        return;
+    }
+    uint2 q = ((const uint2*)x)[i >> 2];
+    u32 h[4] = {q.x & 0xFFFFu, q.x >> 16, q.y & 0xFFFFu, q.y >> 16};
+    for (int e = 0; e < 4; ++e) v[e] = kind == IN_BF16 ? h[e] << 16 : f16_to_f32_bits(h[e]);
+}
+
+// Whether rows of K elements from x can be read four at a time (K a multiple of 4, x aligned to the load).
+__device__ __forceinline__ bool vec_ok(const void* x, i64 K, int kind) {
+    return (K & 3) == 0 && (((u64)x) & (kind == IN_F32 ? 15u : 7u)) == 0;
+}
+
+// Four float32 bit patterns to dst (16-byte aligned) with one store.
+__device__ __forceinline__ void store4(u32* dst, const u32* v) {
+    uint4 o;
+    o.x = v[0]; o.y = v[1]; o.z = v[2]; o.w = v[3];
+    *(uint4*)dst = o;
+}
+
+// max |x| over bit patterns, NaN excluded (a NaN pattern is above Inf's)
+__device__ __forceinline__ u32 fold_amax(u32 m, u32 u) {
+    u32 a = u & 0x7FFFFFFFu;
+    return (a > 0x7F800000u || a <= m) ? m : a;
+}
+
 // ------------------------------------------------------------------------------------------ element kernels
 extern "C" __global__ void encode_elements(const float* x, u8* out, i64 n, int wide, int mode, const u8* rb,
                                            int use_rb, int nsr, int sat, int mbits, int emin, int bias, int maxmag,
@@ -194,17 +277,39 @@ extern "C" __global__ void encode_elements(const float* x, u8* out, i64 n, int w
     else out[i] = (u8)c;
 }
 
-// max |x| over the bit patterns (NaN excluded) and a NaN flag, grid-stride, one atomic per thread.
-extern "C" __global__ void absmax_bits(const float* x, i64 n, u32* amax, u32* has_nan) {
+// max |x| over the bit patterns (NaN excluded) and a NaN flag, grid-stride, four elements per load where the
+// input allows; on the device one atomic per warp (a shuffle reduction first), the result left on the device.
+extern "C" __global__ void absmax_bits(const void* x, int in_kind, i64 n, u32* amax, u32* has_nan) {
     u32 m = 0, nn = 0;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        u32 a = fbits(x[i]) & 0x7FFFFFFFu;
-        bool isnan_ = a > 0x7F800000u;
-        m = isnan_ ? m : (a > m ? a : m);
-        nn |= isnan_;
+    i64 t0 = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    i64 n4 = vec_ok(x, n, in_kind) ? n / 4 : 0;
+    for (i64 q = t0; q < n4; q += stride) {
+        u32 v[4];
+        load4(x, 4 * q, in_kind, v);
+        for (int e = 0; e < 4; ++e) {
+            m = fold_amax(m, v[e]);
+            nn |= (v[e] & 0x7FFFFFFFu) > 0x7F800000u;
+        }
     }
+    for (i64 i = 4 * n4 + t0; i < n; i += stride) {
+        u32 u = load1(x, i, in_kind);
+        m = fold_amax(m, u);
+        nn |= (u & 0x7FFFFFFFu) > 0x7F800000u;
+    }
+#ifdef FP4SIM_HOST_SHIM
     atomicMax(amax, m);
     if (nn) atomicMax(has_nan, 1u);
+#else
+    for (int o = 16; o > 0; o >>= 1) {               // every lane of the warp reaches this point
+        u32 mo = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+        m = mo > m ? mo : m;
+        nn |= __shfl_xor_sync(0xFFFFFFFFu, nn, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(amax, m);
+        if (nn) atomicMax(has_nan, 1u);
+    }
+#endif
 }
 
 // ------------------------------------------------------------------------------------------ NVFP4
@@ -241,11 +346,42 @@ __device__ int nvfp4_elem(double v, double fac, int flavor, int mode, int r, int
     return c;
 }
 
+// The per-tensor constants of an NVFP4 flavour from a tensor amax left on the device by absmax_bits (one thread):
+// out = (c0, c1, dq0, dq1) as planning.nvfp4_constants_rows computes them on the host, each an exact float32 value
+// in a double; r6 = fl(1/6) and inv2688 = fl(1/2688) come from the host. No host round trip.
+extern "C" __global__ void nvfp4_tensor_constants(const u32* amax_bits, int flavor, double r6, double inv2688,
+                                                  double* out) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const double FMAX = 3.4028234663852886e+38;
+    double a = f2d(amax_bits[0] & 0x7FFFFFFFu);      // never NaN (absmax_bits skips NaN patterns)
+    if (flavor <= FL_PAPER) {
+        double s = 1.0;                               // amax 0 or Inf: the encode scale is 1
+        if (a != 0.0 && a <= FMAX) {
+            double q = 2688.0 / a;                    // float32's quotient, rounded once below
+            s = q > FMAX ? FMAX : r32(q);
+        }
+        double s_dec = r32(1.0 / s);
+        out[0] = flavor == FL_TE ? r32(s * r6) : s;
+        out[1] = s_dec;
+        out[2] = a;
+        out[3] = inv2688;
+    } else {
+        double pts = r32(a / 2688.0);
+        out[0] = flavor == FL_TORCHAO ? pts : r32(6.0 * pts);
+        out[1] = flavor == FL_TORCHAO ? r32(1.0 / pts) : pts;
+        out[2] = pts;
+        out[3] = 0.0;
+    }
+}
+
 // One thread per (row group, 16-wide block). codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16);
 // fake: (R, K) float32 bit patterns when do_fake. c0v, c1v, dq0v, dq1v: the flavour's float32 constants (exact
-// in double), one set per row when per_row, else one; e4m3_vals: float64 table of the 256 E4M3 values.
-extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode,
-                                          int nsr, int flavor, int tile, const double* c0v, const double* c1v,
+// in double), one set per row when per_row, else one; e4m3_vals: float64 table of the 256 E4M3 values. A full
+// block whose rows can be read four elements at a time is read once: a 1x16 block into registers (amax, then its
+// codes from the same registers), a 16x16 tile row by row. SR bytes: see SrSource.
+extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph,
+                                          u32 pk0, u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr,
+                                          int flavor, int tile, const double* c0v, const double* c1v,
                                           const double* dq0v, const double* dq1v, int per_row,
                                           const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
     i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
@@ -256,47 +392,55 @@ extern "C" __global__ void nvfp4_quantize(const float* x, i64 R, i64 K, const u8
     double c0 = c0v[ci], c1 = c1v[ci], dq0 = dq0v[ci], dq1 = dq1v[ci];
     i64 r0 = g * tile, r1 = r0 + tile < R ? r0 + tile : R;
     i64 k0 = j * 16, k1 = k0 + 16 < K ? k0 + 16 : K;
+    SrSource sr = sr_source(rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride);
+    bool vec = k1 - k0 == 16 && vec_ok(x, K, in_kind);
+    u32 v[16];
     u32 m = 0;
-    for (i64 r = r0; r < r1; ++r)
-        for (i64 k = k0; k < k1; ++k) {
-            u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
-            m = (a > 0x7F800000u || a <= m) ? m : a;
+    for (i64 r = r0; r < r1; ++r) {
+        if (vec) {
+            for (int q = 0; q < 4; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+            for (int e = 0; e < 16; ++e) m = fold_amax(m, v[e]);
+        } else {
+            for (i64 k = k0; k < k1; ++k) m = fold_amax(m, load1(x, r * K + k, in_kind));
         }
+    }
     double fac;
     int byte = nvfp4_scale(f2d(m), flavor, c0, c1, e4m3_vals, &fac);
     scales[g * nbk + j] = (u8)byte;
     double sval = e4m3_vals[byte];
     double sdq = flavor <= FL_PAPER ? r32(r32(sval * dq0) * dq1) : r32(sval * dq0);
-    // Fast path: RNE, multiply flavours, factors in [2^-100, 2^100], a full aligned block (see e2m1_rne_f)
-    bool fast = mode == MODE_RNE && flavor <= FL_TORCHAO && fac >= 0x1p-100 && fac <= 0x1p100 && k1 - k0 == 16 && (K & 3) == 0 &&
-                (((u64)x) & 15) == 0;
+    // Fast path: RNE, multiply flavours, factors in [2^-100, 2^100] (see e2m1_rne_f)
+    bool fast = mode == MODE_RNE && flavor <= FL_TORCHAO && fac >= 0x1p-100 && fac <= 0x1p100;
     bool fast_dq = sdq >= 0x1p-100 && sdq <= 0x1p100;
+    float ff = (float)fac, fdq = (float)sdq;
     for (i64 r = r0; r < r1; ++r) {
-        if (fast) {
-            const float4* xv = (const float4*)(x + r * K + k0);
-            float ff = (float)fac;
+        if (vec) {
+            if (tile != 1)                            // a 1x16 block is still in v
+                for (int q = 0; q < 4; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
             u64 packed = 0;
-            float vals[16];
-            for (int q = 0; q < 4; ++q) {
-                float4 v4 = xv[q];
-                vals[4 * q] = v4.x; vals[4 * q + 1] = v4.y; vals[4 * q + 2] = v4.z; vals[4 * q + 3] = v4.w;
-            }
+            u32 fv[16];
             for (int e = 0; e < 16; ++e) {
-                int c = e2m1_rne_f(vals[e] * ff);
-                packed |= (u64)c << (4 * e);
-                if (do_fake) {
-                    i64 k = k0 + e;
-                    fake[r * K + k] = fast_dq ? fbits((float)E2M1_VALUES[c] * (float)sdq)
-                                              : d2f_bits(E2M1_VALUES[c] * sdq);
+                int c;
+                if (fast) {
+                    c = e2m1_rne_f(__uint_as_float(v[e]) * ff);
+                } else {
+                    int rr = mode == MODE_SR ? sr_byte(sr, r, k0 + e, K) : 0;
+                    c = nvfp4_elem(f2d(v[e]), fac, flavor, mode, rr, nsr);
                 }
+                packed |= (u64)c << (4 * e);
+                fv[e] = fast_dq ? fbits((float)E2M1_VALUES[c] * fdq) : d2f_bits(E2M1_VALUES[c] * sdq);
             }
             *(u64*)(codes + r * (nbk * 8) + j * 8) = packed;
+            if (do_fake)
+                for (int q = 0; q < 4; ++q) store4(fake + r * K + k0 + 4 * q, fv + 4 * q);
             continue;
         }
         for (i64 p = 0; p < 8; ++p) {
             i64 ka = k0 + 2 * p, kb = ka + 1;
-            double va = ka < K ? f2d(fbits(x[r * K + ka])) : 0.0, vb = kb < K ? f2d(fbits(x[r * K + kb])) : 0.0;
-            int ra = (use_rb && ka < K) ? rb[r * K + ka] : 0, rbb = (use_rb && kb < K) ? rb[r * K + kb] : 0;
+            double va = ka < K ? f2d(load1(x, r * K + ka, in_kind)) : 0.0;
+            double vb = kb < K ? f2d(load1(x, r * K + kb, in_kind)) : 0.0;
+            int ra = (mode == MODE_SR && ka < K) ? sr_byte(sr, r, ka, K) : 0;
+            int rbb = (mode == MODE_SR && kb < K) ? sr_byte(sr, r, kb, K) : 0;
             int ca = nvfp4_elem(va, fac, flavor, mode, ra, nsr), cb = nvfp4_elem(vb, fac, flavor, mode, rbb, nsr);
             codes[r * (nbk * 8) + j * 8 + p] = (u8)(ca | (cb << 4));
             if (do_fake) {
@@ -429,51 +573,81 @@ __device__ int mx_scale_byte(u32 amax_bits, int mode, int emax, int mbits, doubl
     return e + 127;
 }
 
-// One thread per (row, 32-wide block). FP4 codes packed (R, Kp/2), FP8 codes (R, Kp).
-extern "C" __global__ void mx_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
+// One thread per (row, 32-wide block). FP4 codes packed (R, Kp/2), FP8 codes (R, Kp). A full block whose row
+// can be read four elements at a time is read once, into registers. flags: bit 0 set when a NaN was seen, bit 1
+// an Inf (what the host's warnings need, read later without a synchronisation).
+extern "C" __global__ void mx_quantize(const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph,
+                                       u32 pk0, u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr,
                                        int scale_mode, int emax, int mbits_elem, double rcp,
                                        const double* pow2_enc, const double* pow2_dec, int mbits, int emin, int bias,
                                        int maxmag, int nosat, int nanc, int signbit, int is_fp4,
-                                       const double* elem_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
+                                       const double* elem_vals, u8* codes, u8* scales, u32* fake, int do_fake,
+                                       u32* flags) {
     i64 nbk = (K + 31) / 32;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= R * nbk) return;
     i64 r = t / nbk, j = t % nbk, k0 = j * 32;
-    u32 m = 0;
-    for (i64 k = k0; k < k0 + 32 && k < K; ++k) {
-        u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
-        m = (a > 0x7F800000u || a <= m) ? m : a;
+    SrSource sr = sr_source(rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride);
+    bool vec = k0 + 32 <= K && vec_ok(x, K, in_kind);
+    u32 v[32];
+    u32 m = 0, nn = 0;
+    if (vec) {
+        for (int q = 0; q < 8; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+        for (int e = 0; e < 32; ++e) {
+            m = fold_amax(m, v[e]);
+            nn |= (v[e] & 0x7FFFFFFFu) > 0x7F800000u;
+        }
+    } else {
+        for (i64 k = k0; k < k0 + 32 && k < K; ++k) {
+            u32 u = load1(x, r * K + k, in_kind);
+            m = fold_amax(m, u);
+            nn |= (u & 0x7FFFFFFFu) > 0x7F800000u;
+        }
     }
+    u32 fl = (nn ? 1u : 0u) | (m == 0x7F800000u ? 2u : 0u);
+    if (fl) atomicOr(flags, fl);
     int e = mx_scale_byte(m, scale_mode, emax, mbits_elem, rcp);
     scales[r * nbk + j] = (u8)e;
     double mul = pow2_enc[e], dmul = pow2_dec[e];
-    if (is_fp4 && mode == MODE_RNE && mul >= 0x1p-100 && mul <= 0x1p100 && k0 + 32 <= K && (K & 3) == 0 && (((u64)x) & 15) == 0) {
-        // fast path (see e2m1_rne_f): x * 2^(127-e) in float32 hardware, 32 codes as four u32 stores
-        const float4* xv = (const float4*)(x + r * K + k0);
+    bool fast_dq = dmul >= 0x1p-100 && dmul <= 0x1p100;
+    float fdq = (float)dmul;
+    if (vec) {
+        // fast path (see e2m1_rne_f): x * 2^(127-e) in float32 hardware
+        bool fast = is_fp4 && mode == MODE_RNE && mul >= 0x1p-100 && mul <= 0x1p100;
         float mf = (float)mul;
-        bool fast_dq = dmul >= 0x1p-100;
-        for (int q = 0; q < 8; ++q) {
-            float4 v4 = xv[q];
-            float v[4] = {v4.x, v4.y, v4.z, v4.w};
-            u32 packed = 0;
-            for (int e4 = 0; e4 < 4; ++e4) {
-                int c = e2m1_rne_f(v[e4] * mf);
-                packed |= (u32)c << (4 * e4);
-                if (do_fake) {
-                    i64 k = k0 + 4 * q + e4;
-                    fake[r * K + k] = fast_dq ? fbits((float)E2M1_VALUES[c] * (float)dmul)
-                                              : d2f_bits(E2M1_VALUES[c] * dmul);
-                }
+        u64 packed[4] = {0, 0, 0, 0};
+        u32 fv[32];
+        for (int q = 0; q < 32; ++q) {
+            int c;
+            if (fast) {
+                c = e2m1_rne_f(__uint_as_float(v[q]) * mf);
+            } else {
+                int rr = mode == MODE_SR ? sr_byte(sr, r, k0 + q, K) : 0;
+                double y = r32(f2d(v[q]) * mul);
+                c = is_fp4 ? e2m1_code(y, mode, rr, nsr)
+                           : encode_one(d2f_bits(y), mode, rr, nsr, mbits, emin, bias, maxmag, true, nosat, nanc,
+                                        signbit);
             }
-            *(u16*)(codes + r * (nbk * 16) + (k0 >> 1) + 2 * q) = (u16)packed;
+            if (is_fp4) packed[q >> 4] |= (u64)c << (4 * (q & 15));
+            else packed[q >> 3] |= (u64)c << (8 * (q & 7));
+            fv[q] = fast_dq ? fbits((float)elem_vals[c] * fdq) : d2f_bits(elem_vals[c] * dmul);
         }
+        if (is_fp4) {
+            u64* dst = (u64*)(codes + r * (nbk * 16) + (k0 >> 1));
+            dst[0] = packed[0]; dst[1] = packed[1];
+        } else {
+            u64* dst = (u64*)(codes + r * (nbk * 32) + k0);
+            for (int q = 0; q < 4; ++q) dst[q] = packed[q];
+        }
+        if (do_fake)
+            for (int q = 0; q < 8; ++q) store4(fake + r * K + k0 + 4 * q, fv + 4 * q);
         return;
     }
     int lowc = 0;
     for (i64 k = k0; k < k0 + 32; ++k) {
-        double v = k < K ? f2d(fbits(x[r * K + k])) : 0.0;
-        int rr = (use_rb && k < K) ? rb[r * K + k] : 0;
-        double y = r32(v * mul);
+        double xv = k < K ? f2d(load1(x, r * K + k, in_kind)) : 0.0;
+        int rr = (mode == MODE_SR && k < K) ? sr_byte(sr, r, k, K) : 0;
+        double y = r32(xv * mul);
         int c;
         if (is_fp4) {
             c = e2m1_code(y, mode, rr, nsr);
@@ -489,11 +663,15 @@ extern "C" __global__ void mx_quantize(const float* x, i64 R, i64 K, const u8* r
 
 // ------------------------------------------------------------------------------------------ FP8
 // Per-tensor (divide = 0: y = x * scale) or blockwise (divide = 1: scale = amax_b / max per tile x blk block).
-// One thread per (row group, block).
-extern "C" __global__ void fp8_quantize(const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
-                                        int tile, i64 blk, double per_tensor_scale, int divide, int mbits, int emin,
-                                        int bias, int maxmag, int nosat, int nanc, int signbit,
-                                        const double* elem_vals, u8* codes, u32* scales, u32* fake, int do_fake) {
+// One thread per (row group, block). Per-tensor with amax_dev (a tensor amax left on the device by absmax_bits):
+// the scale is fl(max / amax) (1 when amax is 0 or Inf, at most FLT_MAX) computed here, and thread 0 writes the
+// decode scale fl(1 / scale) to scales[0]: no host round trip; without it, per_tensor_scale is the host's scale.
+extern "C" __global__ void fp8_quantize(const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int mode,
+                                        int nsr, int tile, i64 blk, double per_tensor_scale, const u32* amax_dev,
+                                        int divide, int mbits, int emin, int bias, int maxmag, int nosat, int nanc,
+                                        int signbit, const double* elem_vals, u8* codes, u32* scales, u32* fake,
+                                        int do_fake) {
+    const double FMAX = 3.4028234663852886e+38;
     i64 nbk = (K + blk - 1) / blk, ngroups = (R + tile - 1) / tile;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ngroups * nbk) return;
@@ -502,25 +680,53 @@ extern "C" __global__ void fp8_quantize(const float* x, i64 R, i64 K, const u8* 
     i64 k0 = j * blk, k1 = k0 + blk < K ? k0 + blk : K;
     double fmax_ = elem_vals[maxmag];
     double s = per_tensor_scale;
+    bool vec = ((k1 - k0) & 3) == 0 && (k0 & 3) == 0 && vec_ok(x, K, in_kind);
+    if (!divide && amax_dev) {
+        double a = f2d(amax_dev[0] & 0x7FFFFFFFu);
+        s = (a > 0.0 && a <= FMAX) ? dmin_py(r32(fmax_ / a), FMAX) : 1.0;
+        if (t == 0) scales[0] = d2f_bits(r32(1.0 / s));
+    }
     if (divide) {
         u32 m = 0;
-        for (i64 r = r0; r < r1; ++r)
-            for (i64 k = k0; k < k1; ++k) {
-                u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
-                m = (a > 0x7F800000u || a <= m) ? m : a;
+        for (i64 r = r0; r < r1; ++r) {
+            if (vec) {
+                for (i64 k = k0; k < k1; k += 4) {
+                    u32 v[4];
+                    load4(x, r * K + k, in_kind, v);
+                    for (int e = 0; e < 4; ++e) m = fold_amax(m, v[e]);
+                }
+            } else {
+                for (i64 k = k0; k < k1; ++k) m = fold_amax(m, load1(x, r * K + k, in_kind));
             }
+        }
         s = r32(f2d(m) / fmax_);
         scales[g * nbk + j] = d2f_bits(s);
     }
     double inv = r32(1.0 / s);
     for (i64 r = r0; r < r1; ++r)
-        for (i64 k = k0; k < k1; ++k) {
-            double v = f2d(fbits(x[r * K + k]));
-            int rr = use_rb ? rb[r * K + k] : 0;
-            double y = r32(divide ? (s != 0.0 ? v / s : v * 0.0) : v * s);
-            int c = encode_one(d2f_bits(y), mode, rr, nsr, mbits, emin, bias, maxmag, true, nosat, nanc, signbit);
-            codes[r * K + k] = (u8)c;
-            if (do_fake) fake[r * K + k] = d2f_bits(divide ? elem_vals[c] * s : elem_vals[c] * inv);
+        for (i64 k = k0; k < k1; k += 4) {
+            u32 v[4];
+            int n = k + 4 <= k1 ? 4 : (int)(k1 - k);
+            if (vec) load4(x, r * K + k, in_kind, v);
+            else for (int e = 0; e < n; ++e) v[e] = load1(x, r * K + k + e, in_kind);
+            u32 packed = 0, fv[4];
+            for (int e = 0; e < n; ++e) {
+                double xv = f2d(v[e]);
+                int rr = use_rb ? rb[r * K + k + e] : 0;
+                double y = r32(divide ? (s != 0.0 ? xv / s : xv * 0.0) : xv * s);
+                int c = encode_one(d2f_bits(y), mode, rr, nsr, mbits, emin, bias, maxmag, true, nosat, nanc, signbit);
+                packed |= (u32)c << (8 * e);
+                fv[e] = d2f_bits(divide ? elem_vals[c] * s : elem_vals[c] * inv);
+            }
+            if (vec) {
+                *(u32*)(codes + r * K + k) = packed;
+                if (do_fake) store4(fake + r * K + k, fv);
+            } else {
+                for (int e = 0; e < n; ++e) {
+                    codes[r * K + k + e] = (u8)(packed >> (8 * e));
+                    if (do_fake) fake[r * K + k + e] = fv[e];
+                }
+            }
         }
 }
 
@@ -540,34 +746,47 @@ extern "C" __global__ void narrow_f64(const double* x, i64 n, u32* y) {
 }
 
 // ------------------------------------------------------------------------------------------ RHT
-// One thread per output element: y[r, c0 + j] = round(scale * sum_i x[r, c0 + i] * signs_h[i, j]).
+// One thread per d-long chunk of a row (K a multiple of d): y[r, c0 + j] = round(scale * sum_i x[r, c0 + i] *
+// signs_h[i, j]), the sum in float64 in the order of i, rounded once to bfloat16 or float32. The chunk is read
+// once (into registers for d <= 32).
 extern "C" __global__ void rht(const float* x, i64 R, i64 K, int d, const double* signs_h, double scale,
                                int to_bf16, u32* out) {
+    i64 nch = K / d;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= R * K) return;
-    i64 r = t / K, k = t % K, c0 = k - k % d;
-    int j = (int)(k % d);
-    double acc = 0.0;
-    for (int i = 0; i < d; ++i) acc += f2d(fbits(x[r * K + c0 + i])) * signs_h[i * d + j];
-    double v = acc * scale;  // rounded once, to bfloat16 or float32
-    out[t] = to_bf16 ? (round_f64(v, 7, -126, 127, 0x7F7Full, 0x7F80u, 0x7FFFu, 0x8000u) << 16) : d2f_bits(v);
+    if (t >= R * nch) return;
+    i64 r = t / nch, c0 = (t % nch) * d;
+    const float* xr = x + r * K + c0;
+    double xv[32];
+    bool reg = d <= 32;
+    if (reg)
+        for (int i = 0; i < d; ++i) xv[i] = f2d(fbits(xr[i]));
+    for (int j = 0; j < d; ++j) {
+        double acc = 0.0;
+        for (int i = 0; i < d; ++i) acc += (reg ? xv[i] : f2d(fbits(xr[i]))) * signs_h[i * d + j];
+        double v = acc * scale;  // rounded once, to bfloat16 or float32
+        out[r * K + c0 + j] = to_bf16 ? (round_f64(v, 7, -126, 127, 0x7F7Full, 0x7F80u, 0x7FFFu, 0x8000u) << 16)
+                                      : d2f_bits(v);
+    }
 }
 
 // ------------------------------------------------------------------------------------------ dequantize
-// One thread per output element: v = fl(value(code) * factor), the factor per (row, block):
+// One thread per 16 consecutive outputs of a row: v = fl(value(code) * factor), the factor per (row, block)
+// (bk is a multiple of 16, or K itself, so the 16 share it):
 // kind 0 NVFP4 (E4M3 byte; te/paper fl(fl(s * dq0) * dq1), else fl(s * dq0)), 1 MX (UE8M0 byte -> 2^(e-127)),
-// 2 FP8 blockwise (float32 scale per tile x block, tile rows), 3 FP8 per-tensor (dq0 = fl(1/scale)).
-// codes: packed two per byte when packed, row stride cstride bytes; out: float32 bit patterns (R, K).
+// 2 FP8 blockwise (float32 scale per tile x block, tile rows), 3 FP8 per-tensor (the decode scale fl(1/scale) in
+// sfloat[0], read here on the device; dq0 unused). codes: packed two per byte when packed, row stride
+// cstride bytes; out: float32 bit patterns (R, K). A factor in [2^-100, 2^100] multiplies in float32 hardware
+// (the product of an element value and it is then normal or zero, so FTZ cannot touch it); others in float64.
 extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cstride, const u8* sbytes,
                                              const u32* sfloat, i64 R, i64 K, i64 bk, int tile, int kind,
                                              int flavor, double dq0, double dq1, const double* dq0v,
                                              const double* dq1v, int per_row, const double* elem_vals,
                                              const double* e4m3_vals, const double* pow2_dec, u32* out) {
+    i64 nch = (K + 15) / 16;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= R * K) return;
-    i64 r = t / K, k = t % K, nbk = (K + bk - 1) / bk, j = k / bk;
-    int c = packed ? ((k & 1) ? (codes[r * cstride + (k >> 1)] >> 4) : (codes[r * cstride + (k >> 1)] & 15))
-                   : codes[r * cstride + k];
+    if (t >= R * nch) return;
+    i64 r = t / nch, k0 = (t % nch) * 16, nbk = (K + bk - 1) / bk, j = k0 / bk;
+    int n = k0 + 16 <= K ? 16 : (int)(K - k0);
     double fac;
     if (kind == DQ_NVFP4) {
         double s = e4m3_vals[sbytes[r * nbk + j]];
@@ -578,9 +797,22 @@ extern "C" __global__ void dequantize_blocks(const u8* codes, int packed, i64 cs
     } else if (kind == DQ_FP8_BLOCKWISE) {
         fac = f2d(sfloat[(r / tile) * nbk + j]);
     } else {
-        fac = dq0;
+        fac = f2d(sfloat[0]);
     }
-    out[t] = d2f_bits(elem_vals[c] * fac);
+    bool fast = fac >= 0x1p-100 && fac <= 0x1p100;
+    float ff = (float)fac;
+    u32 o[16];
+    for (int e = 0; e < n; ++e) {
+        i64 k = k0 + e;
+        int c = packed ? ((codes[r * cstride + (k >> 1)] >> (4 * (k & 1))) & 15) : codes[r * cstride + k];
+        o[e] = fast ? fbits((float)elem_vals[c] * ff) : d2f_bits(elem_vals[c] * fac);
+    }
+    u32* dst = out + r * K + k0;
+    if (n == 16 && (K & 3) == 0 && (((u64)out) & 15) == 0) {
+        for (int q = 0; q < 4; ++q) store4(dst + 4 * q, o + 4 * q);
+    } else {
+        for (int e = 0; e < n; ++e) dst[e] = o[e];
+    }
 }
 
 // ------------------------------------------------------------------------------------------ NVFP4 GEMM models

@@ -2,11 +2,18 @@
 points run on a given CUDA backend (``encode(be, x, ...)`` etc., as the tests call them).
 
 ``be.xp`` is CuPy on a GPU; the tests pass a host-compiled build of the same kernels with NumPy arrays.
-Results stay on the device; the only host transfer is the tensor amax scalar that NVFP4 and FP8 need for
-their per-tensor constants (and the FP8 per-tensor scale on dequantize).
+Results stay on the device. A quantize of NVFP4 (with its tensor amax), MX or FP8 reads nothing back: the tensor
+amax, the per-tensor constants made from it and the NaN / Inf flags stay on the device, and the warnings about
+the input are read later (:meth:`GpuKernels.defer_warnings`). Every device-to-host read goes through
+:meth:`GpuKernels.to_host` (4over6's choices, row-scaled NVFP4's row amaxes, an explicit host value).
 """
 from __future__ import annotations
 
+import atexit
+import warnings
+import weakref
+
+import ml_dtypes
 import numpy as np
 
 from .. import ids, planning
@@ -17,6 +24,11 @@ from ..rng import seed_key
 
 i64, i32, u32, u64, f32, f64 = np.int64, np.int32, np.uint32, np.uint64, np.float32, np.float64
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+# inputs the block kernels read as they are (bfloat16: NumPy arrays of ml_dtypes' type, on the host build)
+IN_KINDS = {np.dtype(np.float32): ids.IN_F32, np.dtype(np.float16): ids.IN_F16,
+            np.dtype(ml_dtypes.bfloat16): ids.IN_BF16}
+NULL = u64(0)                    # a null pointer argument
+R6_D, INV2688_D = float(planning.R6), float(planning.INV2688)
 
 
 def backend():
@@ -27,16 +39,79 @@ def backend():
 class GpuKernels:
     """The kernels of ``kernels.cu`` launched through a backend (CuPy, or the host build)."""
 
+    philox_in_kernel = True      # nvfp4 / mx generate seeded SR bits themselves (planning.PhiloxRows)
+    amax_on_device = True        # planning.run_quantize's no-round-trip path (absmax_device, defer_warnings)
+
     def __init__(self, be):
         self.be = be
         self.xp = be.xp
         self._tables = {}
+        self._pending = []       # deferred warnings: (scheme, amax override, device flags, host copy, event)
+        _LIVE.add(self)
 
     def as_float32(self, x, name="x", order="C"):
+        if x.dtype == np.dtype(ml_dtypes.bfloat16) and self.xp is np:
+            return np.ascontiguousarray(x, dtype=np.float32) if order == "C" else np.asarray(x, np.float32)
         if x.dtype not in _FLOATS:
             raise TypeError(f"{name} has dtype {x.dtype}; on the GPU fp4sim takes float16, float32 or float64 CuPy "
                             f"arrays (bfloat16 tensors: pass them through fp4sim.torch or .float() first)")
         return self.xp.ascontiguousarray(x, dtype=np.float32) if order == "C" else self.xp.asarray(x, np.float32)
+
+    def as_block_input(self, x, name="x"):
+        """``x`` as the block kernels read it (any layout): float32, float16 and bfloat16 as they are (no widening
+        copy), float64 rounded to float32."""
+        if x.dtype in IN_KINDS and (x.dtype != np.dtype(ml_dtypes.bfloat16) or self.xp is np):
+            return x
+        return self.as_float32(x, name, order="K")
+
+    def f32_rows(self, x2):
+        """float32 rows for the kernels that read float32 only (4over6, the element and BF16 kernels): a 16-bit
+        input widens exactly (its values are float32 normals, so CuPy's FTZ cast cannot change them)."""
+        return x2 if x2.dtype == np.float32 else self.xp.ascontiguousarray(x2, dtype=np.float32)
+
+    def to_host(self, a):
+        """A device array's values on the host (a NumPy array): the one place this backend reads the device, so a
+        test can count the synchronising reads."""
+        return np.asarray(a.get() if hasattr(a, "get") else a)
+
+    # -------------------------------------------------------------------------------- deferred warnings
+    def defer_warnings(self, sch, acc=None, flags=None, amax_g=None):
+        """Queue the warnings of :func:`fp4sim.planning.warn_specials` for one call, from device values it does not
+        wait for: ``acc`` (absmax_device's amax bits and NaN flag) or ``flags`` (mx's NaN / Inf bits); ``amax_g``
+        the host's second-level amax where it is not the tensor's. On a GPU the values are copied to pinned host
+        memory behind the call's kernels; earlier calls' warnings are emitted now when their copies have landed
+        (never waiting), the rest by :func:`flush_warnings` (or at exit)."""
+        self.poll_warnings()
+        src = acc if acc is not None else flags
+        if hasattr(src, "get"):
+            import cupy
+            import cupyx
+            host = cupyx.empty_pinned(src.shape, src.dtype)
+            src.get(out=host, blocking=False)
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            event.record()
+        else:
+            host, event = src.copy(), None
+        self._pending.append((sch, amax_g, acc is not None, host, event))
+
+    def poll_warnings(self, wait=False):
+        """Emit the queued warnings whose values have reached the host (all of them with ``wait``)."""
+        keep = []
+        for item in self._pending:
+            sch, amax_g, is_acc, host, event = item
+            if event is not None and not event.done:
+                if not wait:
+                    keep.append(item)
+                    continue
+                event.synchronize()
+            if is_acc:
+                amax_t, has_nan = np.uint32(host[0]).view(np.float32), bool(host[1])
+                has_inf = bool(np.isinf(amax_t))
+            else:
+                has_nan, has_inf = bool(host[0] & 1), bool(host[0] & 2)
+                amax_t = np.float32(np.inf if has_inf else 0.0)
+            planning.warn_specials(sch, amax_t if amax_g is None else amax_g, has_nan, has_inf, stacklevel=3)
+        self._pending = keep
 
     def axis_last(self, a, axis):
         """``a`` with ``axis`` moved last, C-contiguous."""
@@ -64,6 +139,7 @@ class GpuKernels:
 
     def encode(self, xs, fmt, mode, sat, nsr, sr):
         xp = self.xp
+        xs = self.f32_rows(xs)
         per = self.sr_bytes(sr, xs.shape) if sr.kind != ids.SR_NONE else None
         out = xp.empty(xs.shape, fmt.code_dtype)
         rb = per if per is not None else xp.zeros(1, np.uint8)
@@ -72,15 +148,34 @@ class GpuKernels:
                        i32(fmt.name == "ue8m0"), i32(fmt.name == "e2m1"))
         return out
 
-    def absmax(self, x2):
+    def absmax_device(self, x2):
+        """max |x| (NaN ignored) as float32 bits and a NaN flag: a (2,) uint32 array left on the device."""
         acc = self.xp.zeros(2, np.uint32)
         n = x2.size
-        self.be.launch("absmax_bits", min(-(-n // 8), 1 << 20), x2, i64(n), acc[0:1], acc[1:2])
-        host = np.asarray(acc.get() if hasattr(acc, "get") else acc)
+        self.be.launch("absmax_bits", min(-(-n // 32), 1 << 20), x2, i32(IN_KINDS[x2.dtype]), i64(n), acc[0:1],
+                       acc[1:2])
+        return acc
+
+    def absmax(self, x2):
+        host = self.to_host(self.absmax_device(x2))
         return host[:1].view(np.float32)[0], bool(host[1])
+
+    @staticmethod
+    def device_amax(acc):
+        """absmax_device's amax as a 0-d float32 array on the device (a QuantizedTensor's global_amax)."""
+        return acc[0:1].view(np.float32).reshape(())
+
+    def nvfp4_tensor_constants(self, amax_bits, flavor):
+        """(c0, c1, dq0, dq1) of an NVFP4 flavour from a float32 tensor amax on the device (its bits, a (1,) or
+        (2,) uint32 array), computed on the device: a (4,) float64 array there."""
+        out = self.xp.empty(4, np.float64)
+        self.be.launch("nvfp4_tensor_constants", 1, amax_bits, i32(ids.FLAVOR_IDS[flavor]), f64(R6_D),
+                       f64(INV2688_D), out)
+        return out
 
     def nvfp4_4over6(self, x2, tile, amax_g, e4m3_max, err_mode, fast_math, ties_map4=False):
         xp = self.xp
+        x2 = self.f32_rows(x2)
         R, K = x2.shape
         nbk = -(-K // 16)
         g = np.asarray(amax_g, np.float32).reshape(-1)            # one, or one per row (row-scaled, 1x16)
@@ -92,14 +187,12 @@ class GpuKernels:
         self.be.launch("nvfp4_4over6_quantize", scales.size, x2, i64(R), i64(K), i32(tile), sec, i32(g.size > 1),
                        f64(denom), i32(err_mode == "mse"), i32(bool(fast_math)), i32(bool(ties_map4)),
                        self.table(E4M3.values), codes, scales, pick)
-        p = pick.get() if hasattr(pick, "get") else pick
-        return codes, scales, np.asarray(p).astype(bool)
+        return codes, scales, self.to_host(pick).astype(bool)
 
     def row_absmax(self, x2):
         """max |x| of each row, NaN ignored, from the bits (CuPy's abs and max flush subnormals): host float32."""
         from .._xp import absmax
-        m = absmax(x2, axis=1)
-        return np.asarray(m.get() if hasattr(m, "get") else m, np.float32)
+        return self.to_host(absmax(self.f32_rows(x2), axis=1)).astype(np.float32)
 
     def _vec(self, v):
         return self.xp.asarray(np.asarray(v, np.float64).reshape(-1))
@@ -107,17 +200,31 @@ class GpuKernels:
     def _fake(self, R, K, fake):
         return self.xp.empty((R, K) if fake else (1,), np.uint32)  # float32 bit patterns written by the kernels
 
-    def nvfp4(self, x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake):
+    def _rb_args(self, rb, use_rb):
+        """The kernels' random-byte arguments (rb, use_rb, ph, k0, k1, stream, mask, stride): a byte array, or a
+        planning.PhiloxRows whose bits the kernel generates itself."""
+        if isinstance(rb, planning.PhiloxRows):
+            return (self.xp.zeros(1, np.uint8), i32(0), i32(rb.layout), u32(rb.k0), u32(rb.k1), u32(rb.stream),
+                    u32(rb.mask), i64(rb.stride))
+        return (rb, i32(use_rb), i32(0), u32(0), u32(0), u32(0), u32(0), i64(1))
+
+    def nvfp4(self, x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake, cst=None):
+        """NVFP4 codes, scale bytes and (``fake``) values; the constants as host vectors ``c0``, ``c1``, ``dq``, or
+        ``cst``: nvfp4_tensor_constants' (4,) array on the device."""
         xp = self.xp
         R, K = x2.shape
         nbk = -(-K // 16)
         codes = xp.empty((R, nbk * 8), np.uint8)
         scales = xp.empty((-(-R // tile), nbk), np.uint8)
         fv = self._fake(R, K, fake)
-        dq = np.asarray(dq, np.float32).reshape(-1, 2)
-        self.be.launch("nvfp4_quantize", scales.size, x2, i64(R), i64(K), rb, i32(use_rb), i32(mode), i32(nsr),
-                       i32(flavor), i32(tile), self._vec(c0), self._vec(c1), self._vec(dq[:, 0]), self._vec(dq[:, 1]),
-                       i32(dq.shape[0] > 1), self.table(E4M3.values), codes, scales, fv, i32(fake))
+        if cst is not None:
+            cs, per_row = (cst[0:1], cst[1:2], cst[2:3], cst[3:4]), 0
+        else:
+            dq = np.asarray(dq, np.float32).reshape(-1, 2)
+            cs, per_row = (self._vec(c0), self._vec(c1), self._vec(dq[:, 0]), self._vec(dq[:, 1])), int(dq.shape[0] > 1)
+        self.be.launch("nvfp4_quantize", scales.size, x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
+                       *self._rb_args(rb, use_rb), i32(mode), i32(nsr), i32(flavor), i32(tile), *cs, i32(per_row),
+                       self.table(E4M3.values), codes, scales, fv, i32(fake))
         return codes, scales, fv.view(np.float32)
 
     def mx(self, x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):
@@ -128,30 +235,36 @@ class GpuKernels:
         codes = xp.empty((R, nbk * (16 if is_fp4 else 32)), np.uint8)
         scales = xp.empty((R, nbk), np.uint8)
         fv = self._fake(R, K, fake)
-        self.be.launch("mx_quantize", scales.size, x2, i64(R), i64(K), rb, i32(use_rb), i32(mode), i32(nsr),
-                       i32(scale_mode), i32(fmt.emax), i32(fmt.mbits), f64(f32(1.0) / f32(fmt.max)),
-                       self.table(POW2_ENC), self.table(POW2_DEC), *[i32(v) for v in kernel_params(fmt)],
-                       i32(is_fp4), self.table(fmt.values), codes, scales, fv, i32(fake))
-        return codes, scales, fv.view(np.float32), None
+        flags = xp.zeros(1, np.uint32)
+        self.be.launch("mx_quantize", scales.size, x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
+                       *self._rb_args(rb, use_rb), i32(mode), i32(nsr), i32(scale_mode), i32(fmt.emax),
+                       i32(fmt.mbits), f64(f32(1.0) / f32(fmt.max)), self.table(POW2_ENC), self.table(POW2_DEC),
+                       *[i32(v) for v in kernel_params(fmt)], i32(is_fp4), self.table(fmt.values), codes, scales, fv,
+                       i32(fake), flags)
+        return codes, scales, fv.view(np.float32), flags   # flags: NaN (1) / Inf (2) seen, left on the device
 
-    def fp8(self, x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake):
+    def fp8(self, x2, rb, use_rb, mode, nsr, fmt, tile, scale, fake, amax_dev=None):
+        """FP8 codes, scales and (``fake``) values: blockwise (``scale`` None, no ``amax_dev``), per-tensor with the
+        host's ``scale``, or per-tensor from ``amax_dev`` (absmax_device's array: the scale made on the device)."""
         xp = self.xp
         R, K = x2.shape
         codes = xp.empty((R, K), np.uint8)
         fv = self._fake(R, K, fake)
-        common = (x2, i64(R), i64(K), rb, i32(use_rb), i32(mode), i32(nsr))
-        if scale is not None:
-            self.be.launch("fp8_quantize", R * -(-K // 128), *common, i32(1), i64(128), f64(scale), i32(0),
-                           *[i32(v) for v in kernel_params(fmt)], self.table(fmt.values), codes,
-                           xp.empty(1, np.uint32), fv, i32(fake))
-            scales = xp.asarray(np.array([f32(1.0) / scale], np.float32))
-        else:
-            scales = xp.empty((-(-R // tile), -(-K // 128)), np.uint32)
-            self.be.launch("fp8_quantize", scales.size, *common, i32(tile), i64(128), f64(1.0), i32(1),
+        common = (x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K), rb, i32(use_rb), i32(mode), i32(nsr))
+        if scale is not None or amax_dev is not None:
+            scales = xp.empty(1, np.uint32)
+            self.be.launch("fp8_quantize", R * -(-K // 128), *common, i32(1), i64(128),
+                           f64(1.0 if scale is None else scale), NULL if amax_dev is None else amax_dev, i32(0),
                            *[i32(v) for v in kernel_params(fmt)], self.table(fmt.values), codes, scales, fv,
                            i32(fake))
-            scales = scales.view(np.float32)
-        return codes, scales, fv.view(np.float32)
+            if amax_dev is None:
+                scales = xp.asarray(np.array([f32(1.0) / scale], np.float32))
+        else:
+            scales = xp.empty((-(-R // tile), -(-K // 128)), np.uint32)
+            self.be.launch("fp8_quantize", scales.size, *common, i32(tile), i64(128), f64(1.0), NULL, i32(1),
+                           *[i32(v) for v in kernel_params(fmt)], self.table(fmt.values), codes, scales, fv,
+                           i32(fake))
+        return codes, scales.view(np.float32), fv.view(np.float32)
 
     def dequantize(self, q, p):
         """One kernel; float32 products computed without FTZ."""
@@ -167,17 +280,21 @@ class GpuKernels:
         per_row = 0
         sbytes, sfloat = dummy8, dummy32
         if p.kind == ids.DQ_NVFP4:
-            dq0v, dq1v, per_row = self._vec(p.dq[:, 0]), self._vec(p.dq[:, 1]), int(p.dq.shape[0] > 1)
+            if p.dq is None:     # a tensor amax on the device: its constants made there
+                cst = self.nvfp4_tensor_constants(xp.ascontiguousarray(q.global_amax, np.float32).reshape(1)
+                                                  .view(np.uint32), q.scheme.flavor)
+                dq0v, dq1v, per_row = cst[2:3], cst[3:4], 0
+            else:
+                dq0v, dq1v, per_row = self._vec(p.dq[:, 0]), self._vec(p.dq[:, 1]), int(p.dq.shape[0] > 1)
             sbytes = xp.ascontiguousarray(q.scales_per_row())
         elif p.kind == ids.DQ_MX:
             sbytes = xp.ascontiguousarray(q.linear_scales())
         elif p.kind == ids.DQ_FP8_TENSOR:
-            s = q.scales.reshape(-1)[:1]
-            dq0 = float(s.get()[0] if hasattr(s, "get") else s[0])
+            sfloat = xp.ascontiguousarray(q.scales.reshape(-1)[:1], dtype=np.float32).view(np.uint32)
         else:
             sfloat = xp.ascontiguousarray(q.scales.reshape(-(-R // p.tile), -1)).view(np.uint32)
         out = xp.empty((R, K), np.uint32)
-        self.be.launch("dequantize_blocks", R * K, codes, i32(sch.elem is E2M1), i64(codes.shape[1]), sbytes, sfloat,
+        self.be.launch("dequantize_blocks", R * -(-K // 16), codes, i32(sch.elem is E2M1), i64(codes.shape[1]), sbytes, sfloat,
                        i64(R), i64(K), i64(p.bk), i32(p.tile), i32(p.kind), i32(p.flavor), f64(dq0), f64(dq1), dq0v,
                        dq1v, i32(per_row), self.table(sch.elem.values), self.table(E4M3.values),
                        self.table(POW2_DEC), out)
@@ -239,12 +356,24 @@ class GpuKernels:
 
     def rht(self, x2, d, sh, scale, to_bf16):
         y = self.xp.empty(x2.shape, np.uint32)
-        self.be.launch("rht", x2.size, x2, i64(x2.shape[0]), i64(x2.shape[1]), i32(d), self.xp.asarray(sh),
+        self.be.launch("rht", x2.size // d, x2, i64(x2.shape[0]), i64(x2.shape[1]), i32(d), self.xp.asarray(sh),
                        f64(scale), i32(to_bf16), y)
         return y.view(np.float32)
 
 
 _KERNELS: dict = {}
+_LIVE: "weakref.WeakSet[GpuKernels]" = weakref.WeakSet()
+
+
+def flush_warnings():
+    """Emit every warning about GPU inputs that is still queued (NaN or Inf in an input, a tensor amax beyond
+    FLT_MAX/448, ...), waiting for their values: the GPU quantize reads them from the device only after its
+    kernels have run, so that it never synchronises."""
+    for k in list(_LIVE):
+        k.poll_warnings(wait=True)
+
+
+atexit.register(flush_warnings)
 
 
 def kernels(be) -> GpuKernels:

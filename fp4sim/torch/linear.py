@@ -165,11 +165,25 @@ def _amax_reducer(layer, device):
 
 
 @contextlib.contextmanager
+def _device_stream(device):
+    """On a CUDA device: CuPy (fp4sim's GPU kernels and arrays) works on that device and on torch's current stream
+    there, so that the layer's kernels are ordered with torch's work around them, in a ``torch.cuda.stream(s)``
+    block too. Elsewhere nothing."""
+    if getattr(device, "type", None) != "cuda":
+        yield
+        return
+    import cupy
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(idx), cupy.cuda.ExternalStream(torch.cuda.current_stream(idx).cuda_stream, idx):
+        yield
+
+
+@contextlib.contextmanager
 def _pass(layer, rank, device):
     """One forward or backward pass of a layer: kernel threads, the data-parallel rank's SR bits, the ranks'
-    common delayed amax."""
+    common delayed amax, torch's current CUDA stream."""
     with _kernel_threads(), emulate.data_parallel_rank(rank), \
-            emulate.amax_reduction(_amax_reducer(layer, device)):
+            emulate.amax_reduction(_amax_reducer(layer, device)), _device_stream(device):
         yield
 
 

@@ -22,6 +22,8 @@ typedef long long i64;
 
 struct dim3_ { unsigned x, y, z; };
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 static dim3_ threadIdx, blockIdx, blockDim, gridDim;
 
 inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
@@ -30,6 +32,7 @@ inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &
 inline double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 8); return d; }
 inline u32 __umulhi(u32 a, u32 b) { return (u32)(((u64)a * (u64)b) >> 32); }
 inline u32 atomicMax(u32* p, u32 v) { u32 o = *p; if (v > o) *p = v; return o; }
+inline u32 atomicOr(u32* p, u32 v) { u32 o = *p; *p = o | v; return o; }
 using std::fabs; using std::isinf;
 inline float fabsf(float v) { return std::fabs(v); }
 inline float nextafterf(float a, float b) { return std::nextafter(a, b); }

@@ -14,15 +14,18 @@ HOST(encode_elements)(i64 th, const float* x, u8* out, i64 n, int wide, int mode
     host_launch(encode_elements, th, x, out, n, wide, mode, rb, use_rb, nsr, sat, mbits, emin, bias, maxmag, nosat,
                 nanc, signbit, ue8m0, e2m1);
 }
-HOST(absmax_bits)(i64 th, const float* x, i64 n, u32* amax, u32* has_nan) {
-    host_launch(absmax_bits, th, x, n, amax, has_nan);
+HOST(absmax_bits)(i64 th, const void* x, int in_kind, i64 n, u32* amax, u32* has_nan) {
+    host_launch(absmax_bits, th, x, in_kind, n, amax, has_nan);
 }
-HOST(nvfp4_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
-                     int flavor, int tile, const double* c0v, const double* c1v, const double* dq0v,
-                     const double* dq1v, int per_row, const double* e4m3_vals, u8* codes, u8* scales, u32* fake,
-                     int do_fake) {
-    host_launch(nvfp4_quantize, th, x, R, K, rb, use_rb, mode, nsr, flavor, tile, c0v, c1v, dq0v, dq1v, per_row,
-                e4m3_vals, codes, scales, fake, do_fake);
+HOST(nvfp4_tensor_constants)(i64 th, const u32* amax_bits, int flavor, double r6, double inv2688, double* out) {
+    host_launch(nvfp4_tensor_constants, th, amax_bits, flavor, r6, inv2688, out);
+}
+HOST(nvfp4_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph, u32 pk0,
+                     u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr, int flavor, int tile,
+                     const double* c0v, const double* c1v, const double* dq0v, const double* dq1v, int per_row,
+                     const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
+    host_launch(nvfp4_quantize, th, x, in_kind, R, K, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
+                flavor, tile, c0v, c1v, dq0v, dq1v, per_row, e4m3_vals, codes, scales, fake, do_fake);
 }
 HOST(nvfp4_4over6_quantize)(i64 th, const float* x, i64 R, i64 K, int tile, const double* sec, int per_row,
                             double denom, int err_mse, int fast_math, int ties_map4, const double* e4m3_vals,
@@ -30,20 +33,21 @@ HOST(nvfp4_4over6_quantize)(i64 th, const float* x, i64 R, i64 K, int tile, cons
     host_launch(nvfp4_4over6_quantize, th, x, R, K, tile, sec, per_row, denom, err_mse, fast_math, ties_map4,
                 e4m3_vals, codes, scales, pick);
 }
-HOST(mx_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
-                  int scale_mode, int emax, int mbits_elem, double rcp, const double* pow2_enc,
-                  const double* pow2_dec, int mbits, int emin, int bias, int maxmag, int nosat, int nanc, int signbit,
-                  int is_fp4, const double* elem_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
-    host_launch(mx_quantize, th, x, R, K, rb, use_rb, mode, nsr, scale_mode, emax, mbits_elem, rcp, pow2_enc,
-                pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit, is_fp4, elem_vals, codes, scales, fake,
-                do_fake);
+HOST(mx_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph, u32 pk0,
+                  u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr, int scale_mode, int emax,
+                  int mbits_elem, double rcp, const double* pow2_enc, const double* pow2_dec, int mbits, int emin,
+                  int bias, int maxmag, int nosat, int nanc, int signbit, int is_fp4, const double* elem_vals,
+                  u8* codes, u8* scales, u32* fake, int do_fake, u32* flags) {
+    host_launch(mx_quantize, th, x, in_kind, R, K, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
+                scale_mode, emax, mbits_elem, rcp, pow2_enc, pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit,
+                is_fp4, elem_vals, codes, scales, fake, do_fake, flags);
 }
-HOST(fp8_quantize)(i64 th, const float* x, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr, int tile,
-                   i64 blk, double per_tensor_scale, int divide, int mbits, int emin, int bias, int maxmag, int nosat,
-                   int nanc, int signbit, const double* elem_vals, u8* codes, u32* scales, u32* fake,
-                   int do_fake) {
-    host_launch(fp8_quantize, th, x, R, K, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, divide, mbits, emin,
-                bias, maxmag, nosat, nanc, signbit, elem_vals, codes, scales, fake, do_fake);
+HOST(fp8_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int mode, int nsr,
+                   int tile, i64 blk, double per_tensor_scale, const u32* amax_dev, int divide, int mbits, int emin,
+                   int bias, int maxmag, int nosat, int nanc, int signbit, const double* elem_vals, u8* codes,
+                   u32* scales, u32* fake, int do_fake) {
+    host_launch(fp8_quantize, th, x, in_kind, R, K, rb, use_rb, mode, nsr, tile, blk, per_tensor_scale, amax_dev,
+                divide, mbits, emin, bias, maxmag, nosat, nanc, signbit, elem_vals, codes, scales, fake, do_fake);
 }
 HOST(widen_f32)(i64 th, const u32* x, i64 n, double* y) { host_launch(widen_f32, th, x, n, y); }
 HOST(narrow_f64)(i64 th, const double* x, i64 n, u32* y) { host_launch(narrow_f64, th, x, n, y); }
