@@ -1,7 +1,8 @@
-"""GPU quantize / dequantize / fake-quantize throughput on >= 256 MiB tensors, as a fraction of the device's
-copy bandwidth measured in the same run (a device-to-device copy of the same tensor; bytes read + written).
+"""GPU quantize / dequantize / fake-quantize throughput at 8192^2 and at the training shapes of a GPT-2-small
+layer, as a fraction of the device's copy bandwidth measured in the same run (a device-to-device copy of the same
+tensor; bytes read + written). Each call is timed whole (CUDA events around it), host planning included.
 
-    python benchmarks/bench_gpu.py [--rows 8192] [--cols 8192] [--repeat 10] [--json out.json]
+    python benchmarks/bench_gpu.py [--shapes 8192x8192,2048x768,...] [--repeat 10] [--json out.json]
 
 Effective bandwidth of an operation = (bytes of its input + bytes of its outputs) / time, so 100% means the
 operation ran as fast as copying its data once.
@@ -28,28 +29,45 @@ def timeit(cp, fn, repeat):
     return min(times), float(np.median(times))
 
 
+SHAPES = "8192x8192,2048x768,8192x3072,3072x8192"
+
+
 def main():
     import cupy as cp
 
     import fp4sim as fs
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=8192)
-    ap.add_argument("--cols", type=int, default=8192)
+    ap.add_argument("--shapes", default=SHAPES,
+                    help="comma-separated ROWSxCOLS float32 inputs (default: %(default)s: 8192^2 and the training "
+                         "shapes of a GPT-2-small layer, where launch overhead shows)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json")
     a = ap.parse_args()
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    res = {"device": dev, "cupy": cp.__version__, "shapes": []}
+    for shape in a.shapes.split(","):
+        rows, cols = (int(v) for v in shape.split("x"))
+        res["shapes"].append(bench_shape(cp, fs, rows, cols, a.repeat, dev))
+        fs.gpu.flush_warnings()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def bench_shape(cp, fs, rows, cols, repeat, dev):
+    """Every operation on one (rows, cols) float32 input (and its float16 copy), as a share of the copy bandwidth
+    measured on the same input."""
     rng = cp.random.default_rng(0)
-    x = (rng.standard_normal((a.rows, a.cols), dtype=cp.float32)
-         * cp.exp(rng.standard_normal((a.rows, 1), dtype=cp.float32)))
+    x = (rng.standard_normal((rows, cols), dtype=cp.float32)
+         * cp.exp(rng.standard_normal((rows, 1), dtype=cp.float32)))
     n = x.size
     dst = cp.empty_like(x)
-    t_copy, _ = timeit(cp, lambda: cp.copyto(dst, x), a.repeat)
+    t_copy, _ = timeit(cp, lambda: cp.copyto(dst, x), repeat)
     copy_bw = 2 * x.nbytes / t_copy
-    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    res = {"device": dev, "shape": [a.rows, a.cols], "input_mib": x.nbytes / 2**20, "copy_GBps": copy_bw / 1e9,
-           "rows": []}
-    print(f"{dev}: {a.rows}x{a.cols} float32 ({x.nbytes / 2**20:.0f} MiB); device copy {copy_bw / 1e9:.0f} GB/s")
-    print(f"{'op':34} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    res = {"shape": [rows, cols], "input_mib": x.nbytes / 2**20, "copy_GBps": copy_bw / 1e9, "rows": []}
+    print(f"{dev}: {rows}x{cols} float32 ({x.nbytes / 2**20:.0f} MiB); device copy {copy_bw / 1e9:.0f} GB/s "
+          f"({t_copy * 1e6:.1f} us)")
+    print(f"{'op':34} {'us':>9} {'GB/s':>8} {'of copy':>8}")
     q4 = fs.quantize(x, "nvfp4")
     qm = fs.quantize(x, "mxfp4")
     xh = x.astype(cp.float16)
@@ -61,7 +79,9 @@ def main():
         ("quantize mxfp4 (f32)", lambda: fs.quantize(x, "mxfp4"), 4 * n + n // 2 + n // 32),
         ("quantize mxfp8_e4m3 (f32)", lambda: fs.quantize(x, "mxfp8_e4m3"), 4 * n + n + n // 32),
         ("quantize fp8_e4m3 (f32)", lambda: fs.quantize(x, "fp8_e4m3"), 4 * n + n),
+        ("quantize fp8_blockwise (f32)", lambda: fs.quantize(x, "fp8_blockwise"), 4 * n + n + n // 32),
         ("quantize nvfp4 (f16 input)", lambda: fs.quantize(xh, "nvfp4"), 2 * n + fp4_out),
+        ("quantize mxfp4 (f16 input)", lambda: fs.quantize(xh, "mxfp4"), 2 * n + n // 2 + n // 32),
         ("fake_quantize nvfp4 (f32)", lambda: fs.fake_quantize(x, "nvfp4"), 8 * n),
         ("fake_quantize mxfp4 (f32)", lambda: fs.fake_quantize(x, "mxfp4"), 8 * n),
         ("dequantize nvfp4", lambda: fs.dequantize(q4), fp4_out + 4 * n),
@@ -70,13 +90,11 @@ def main():
         ("rht d=16 bf16 out", lambda: fs.rht(x, 16), 8 * n),
     ]
     for name, fn, nbytes in ops:
-        tmin, tmed = timeit(cp, fn, a.repeat)
+        tmin, tmed = timeit(cp, fn, repeat)
         bw = nbytes / tmin
-        res["rows"].append(dict(op=name, ms=tmin * 1e3, median_ms=tmed * 1e3, GBps=bw / 1e9, of_copy=bw / copy_bw))
-        print(f"{name:34} {tmin * 1e3:8.3f} {bw / 1e9:8.0f} {100 * bw / copy_bw:7.1f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        res["rows"].append(dict(op=name, us=tmin * 1e6, median_us=tmed * 1e6, GBps=bw / 1e9, of_copy=bw / copy_bw))
+        print(f"{name:34} {tmin * 1e6:9.1f} {bw / 1e9:8.0f} {100 * bw / copy_bw:7.1f}%")
+    return res
 
 
 if __name__ == "__main__":

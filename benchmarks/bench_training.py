@@ -5,6 +5,7 @@
                                         [--keep-last 0] [--accumulate fast|exact|hopper|hopper_fast_accum]
                                         [--json out.json]
     python benchmarks/bench_training.py --model paper --import-order torch,numpy,fp4sim [--rounds 2] [...]
+    python benchmarks/bench_training.py --model gpt2-124m --device cuda [--presets ...] [--exact-rules] [--json out.json]
 
 1. fp4sim.gemm (exact and fast; for NVFP4 also the hardware accumulation models k64_rtz and exact_sum) for
    M = N = K = 1024 NVFP4 / MXFP4 operands, against a float32 BLAS matmul of the same shape (the quantization of
@@ -17,6 +18,13 @@ d_model 64 with 64 x 128, every block linear under ``Recipe.preset(name, accumul
 high precision as paper_repro keeps it, against the same model in plain torch float32; with ``--general`` the
 same steps with the fast path turned off (what ``accumulate="fast"`` cost before it) are timed in the same
 rounds, so the before / after ratio comes from one run.
+``--model gpt2-124m``: the whole AdamW step of a GPT-2-small-shaped model (paper_repro's GPT at d_model 768, 12
+layers, 12 heads, vocabulary 50304, 8 sequences of 1024 tokens; the head kept in high precision) on ``--device``
+(cuda, or cpu with the size options for a small check) under each preset with ``accumulate="fast"``, against the
+same model's BF16 autocast step and float32 step in the same process: ms per step, the ratios, tokens/s, and peak
+memory (torch's allocator, and CuPy's memory pool beside it). ``--exact-rules``: also one step each under the exact
+GEMM rules (NVFP4 ``tcgen05``, FP8 ``hopper``, NVFP4 ``te_reference``), reported as a step ratio and in ns per
+product of the 4- and 8-bit GEMMs (the layers kept in BF16 not counted).
 Each ratio's two sides are timed in three alternating rounds (best of --repeat calls each), so a load spike
 on a shared machine does not fall on one side only. torch is imported first, as a user's script does.
 ``--import-order``: each listed order (torch, numpy or fp4sim imported first) in a fresh process of its own,
@@ -51,13 +59,14 @@ def main():
     ap.add_argument("--d-model", type=int, default=256, help="--model tiny: the model width (default 256)")
     ap.add_argument("--json", help="write the ratios (and, --model paper, tokens/s) to this JSON file")
     ap.add_argument("--only", choices=("gemm", "step"), help="--model tiny: only part 1 (gemm) or part 2 (step)")
-    ap.add_argument("--model", choices=("tiny", "paper"), default="tiny",
+    ap.add_argument("--model", choices=("tiny", "paper", "gpt2-124m"), default="tiny",
                     help="tiny (default): fs.gemm at 1024^3 and a 2-block transformer's forward + backward; paper: "
                          "paper_repro's GPT, the whole AdamW step")
-    ap.add_argument("--presets", default="bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise",
+    ap.add_argument("--presets", default=ap_default_presets(),
                     help="--model paper: comma-separated Recipe presets to time, each optionally with switches as "
                          "PRESET:KEY=VALUE[:KEY=VALUE] (e.g. nvfp4_paper:scale_format=ue5m3, "
-                         "nvfp4_paper:delayed_amax=16) (default: %(default)s)")
+                         "nvfp4_paper:delayed_amax=16) (default: %(default)s; --model gpt2-124m: "
+                         f"{GPT2_PRESETS})")
     ap.add_argument("--general", action="store_true",
                     help="--model paper: also time each preset with the fast path off (the general path), in the "
                          "same rounds")
@@ -73,6 +82,12 @@ def main():
                     "finishes and the ratios after every round")
     ap.add_argument("--rounds", type=int, default=2,
                     help="--import-order: rounds of the processes, best time kept (default 2)")
+    ap.add_argument("--device", default="cuda", help="--model gpt2-124m: cuda (default) or cpu")
+    ap.add_argument("--exact-rules", action="store_true",
+                    help="--model gpt2-124m: also the exact GEMM rules (tcgen05, hopper, te_reference), one step each")
+    for opt, what in (("--layers", 12), ("--heads", 12), ("--seq", 1024), ("--batch", 8)):
+        ap.add_argument(opt, type=int, default=what, help=f"--model gpt2-124m: (default {what})")
+    ap.add_argument("--width", type=int, default=768, help="--model gpt2-124m: d_model (default 768)")
     ap.add_argument("--child", choices=tuple(ORDERS), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.import_order:
@@ -80,6 +95,8 @@ def main():
     _import(a.child or "torch")
     if a.model == "paper":
         return paper_steps(a)
+    if a.model == "gpt2-124m":
+        return gpt2_steps(a)
     import fp4sim as fs
     import numpy as np
     import torch
@@ -206,6 +223,120 @@ def _preset_spec(spec: str):
         except (ValueError, SyntaxError):
             sw[k] = v
     return name, sw
+
+
+GPT2_PRESETS = "nvfp4_paper,mxfp4_paper,fp8_blockwise"
+EXACT_RULES = ("nvfp4_paper:accumulate=tcgen05", "fp8_blockwise:accumulate=hopper", "nvfp4_paper:accumulate=te_reference")
+
+
+def gpt2_steps(a):
+    """The GPT-2-small-shaped step on ``a.device``: float32, BF16 autocast and each preset (see the docstring)."""
+    import time
+
+    import torch
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from paper_repro.model import GPT, GPTConfig, build
+    from paper_repro.train import make_recipe
+
+    from fp4sim.torch import QuantLinear
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (use --device cpu with a small --width/--layers)")
+    c = GPTConfig(vocab=50304, d_model=a.width, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.heads, ctx=a.seq)
+    B = a.batch
+    idx = torch.randint(0, c.vocab, (B, c.ctx + 1), generator=torch.Generator().manual_seed(0)).to(dev)
+    presets = a.presets if a.presets != ap_default_presets() else GPT2_PRESETS
+    specs = [(p, "fast") for p in presets.split(",")] + ([(r, None) for r in EXACT_RULES] if a.exact_rules else [])
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def pool_bytes():
+        if not cuda:
+            return 0
+        try:
+            import cupy
+            return int(cupy.get_default_memory_pool().total_bytes())
+        except ImportError:
+            return 0
+
+    def timed(kind, spec=None, acc=None, repeat=a.repeat):
+        torch.manual_seed(0)
+        if spec is None:
+            model = GPT(c)
+        else:
+            name, sw = _preset_spec(spec)
+            rule = sw.pop("accumulate", acc)
+            model = build(c, make_recipe(name, sw, 0, 0, rule), 0)
+        model = model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        autocast = kind == "bf16_autocast"
+
+        def step():
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = model(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, c.vocab), idx[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss
+        loss = step()                              # compiles the kernels, allocates the optimizer state
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            loss = step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        products = 3 * B * c.ctx * sum(m.in_features * m.out_features for m in model.modules()
+                                       if isinstance(m, QuantLinear) and m.recipe.fprop_x.scheme != "bf16")
+        row = {"ms": 1e3 * min(times), "median_ms": 1e3 * sorted(times)[len(times) // 2],
+               "tokens_per_s": B * c.ctx / min(times), "loss": float(loss.detach()), "quantized_products": products,
+               "peak_torch_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
+               "cupy_pool_bytes": pool_bytes()}
+        del model, opt
+        if cuda:
+            torch.cuda.empty_cache()
+        return row
+
+    out = {"device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__,
+           "config": {"d_model": c.d_model, "layers": c.n_layers, "heads": c.n_heads, "vocab": c.vocab,
+                      "seq": c.ctx, "batch": B}, "rows": {}}
+    print(f"{out['device']}: GPT d_model {c.d_model}, {c.n_layers} layers, {c.n_heads} heads, {B} x {c.ctx} tokens "
+          "per step, AdamW", flush=True)
+    rows = out["rows"]
+    for kind in ("float32", "bf16_autocast"):
+        rows[kind] = timed(kind)
+        print(f"  {kind:40} {rows[kind]['ms']:9.1f} ms  {rows[kind]['tokens_per_s']:9.0f} tokens/s", flush=True)
+    for spec, acc in specs:
+        key = spec if acc is None else f"{spec}_{acc}"
+        try:
+            r = rows[key] = timed("emulated", spec, acc, repeat=a.repeat if acc else 1)
+        except Exception as e:  # noqa: BLE001 - report a failing variant and go on with the others
+            rows[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"  {key:40} failed: {rows[key]['error']}", flush=True)
+            continue
+        r["vs_bf16"] = r["ms"] / rows["bf16_autocast"]["ms"]
+        r["vs_float32"] = r["ms"] / rows["float32"]["ms"]
+        r["ns_per_product"] = 1e9 * r["ms"] / 1e3 / r["quantized_products"] if r["quantized_products"] else None
+        mem = ""
+        if cuda:
+            r["peak_vs_bf16"] = ((r["peak_torch_bytes"] + r["cupy_pool_bytes"]) /
+                                 (rows["bf16_autocast"]["peak_torch_bytes"] + rows["bf16_autocast"]["cupy_pool_bytes"]))
+            mem = f", peak memory {r['peak_vs_bf16']:.2f}x BF16's (torch + CuPy pool)"
+        print(f"  {key:40} {r['ms']:9.1f} ms  {r['tokens_per_s']:9.0f} tokens/s = {r['vs_bf16']:.2f}x the BF16 step, "
+              f"{r['vs_float32']:.2f}x float32; {r['ns_per_product']:.3g} ns per quantized product{mem}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+def ap_default_presets() -> str:
+    return "bf16,nvfp4_paper,mxfp4_paper,mxfp8,fp8_blockwise"
 
 
 def paper_steps(a):

@@ -11,13 +11,12 @@ def main():
     import cupy as cp
 
     import fp4sim as fs
-    from fp4sim.formats import E4M3
+    from fp4sim import ids
     from fp4sim.gpu import ops
     from fp4sim.gpu.backend import default_backend
-    from fp4sim.planning import nvfp4_constants
-    be = default_backend()
+    k = ops.kernels(default_backend())
     x = cp.random.default_rng(0).standard_normal((8192, 8192), dtype=cp.float32)
-    R, K = x.shape
+    x16 = x.astype(cp.float16)
 
     def t(fn, n=20):
         fn()
@@ -30,26 +29,21 @@ def main():
         b.synchronize()
         return cp.cuda.get_elapsed_time(a, b) / n
 
-    acc = cp.zeros(2, np.uint32)
-    codes = cp.empty((R, K // 2), np.uint8)
-    scales = cp.empty((R, K // 16), np.uint8)
-    fake = cp.empty(1, np.uint32)
-    (c0, c1), dq = nvfp4_constants("te", np.float32(5.0))
-    e4 = cp.asarray(E4M3.values.astype(np.float64))
-    rb = cp.zeros(1, np.uint8)
-    i64, i32, f64 = np.int64, np.int32, np.float64
+    acc = k.absmax_device(x)
+    cst = k.nvfp4_tensor_constants(acc, "te")
+    rb = cp.zeros((1, 1), np.uint8)
     rows = {
         "copy (read+write 256 MiB)": t(lambda: cp.copyto(cp.empty_like(x), x)),
-        "absmax kernel": t(lambda: be.launch("absmax_bits", min(x.size // 8, 1 << 20), x, i64(x.size), acc[0:1],
-                                             acc[1:2])),
-        "nvfp4 kernel (1x16)": t(lambda: be.launch("nvfp4_quantize", scales.size, x, i64(R), i64(K), rb, i32(0),
-                                                   i32(0), i32(8), i32(0), i32(1), f64(c0), f64(c1), f64(dq[0]),
-                                                   f64(dq[1]), e4, codes, scales, fake, i32(0))),
+        "absmax kernel (device result)": t(lambda: k.absmax_device(x)),
+        "tensor constants kernel": t(lambda: k.nvfp4_tensor_constants(acc, "te")),
+        "nvfp4 kernel (1x16)": t(lambda: k.nvfp4(x, rb, 0, ids.RNE, 8, ids.TE, 1, None, None, None, False, cst=cst)),
+        "nvfp4 kernel (1x16, f16 input)": t(lambda: k.nvfp4(x16, rb, 0, ids.RNE, 8, ids.TE, 1, None, None, None,
+                                                            False, cst=cst)),
         "fs.quantize nvfp4 (whole call)": t(lambda: fs.quantize(x, "nvfp4")),
-        "absmax (kernel + host read)": t(lambda: ops.kernels(be).absmax(x)),
+        "absmax (kernel + host read)": t(lambda: k.absmax(x)),
     }
-    for k, v in rows.items():
-        print(f"{k:36} {v * 1e3:9.1f} us")
+    for name, v in rows.items():
+        print(f"{name:36} {v * 1e3:9.1f} us")
 
 
 if __name__ == "__main__":

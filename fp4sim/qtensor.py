@@ -26,7 +26,8 @@ class QuantizedTensor:
         1-D ``"swizzled"`` 128x4 layout; float32 decode scales for FP8 blockwise; for FP8 per-tensor one
         float32 ``fl(1/scale)``; None for BF16.
     global_amax : float32 tensor amax used for NVFP4's second-level scale (a float32 vector, one per row, for
-        row-scaled NVFP4; None for other schemes and for NVFP4 without a tensor scale).
+        row-scaled NVFP4; None for other schemes and for NVFP4 without a tensor scale). On the GPU, a tensor amax
+        the quantize reduced itself is a 0-d CuPy float32 array, left on the device (``float()`` reads it).
     scheme : the scheme object; axis : the quantized axis of the original input; shape : original shape.
     scale_layout : ``"linear"`` or ``"swizzled"``.
     extras : intermediates for analysis (``block_amax`` etc.) when asked for with ``return_intermediates``.
