@@ -94,6 +94,46 @@ def test_a_nan_operand_warns_once_naming_the_layer_and_operand(where, preset):
         assert torch.isfinite(y).all()              # the NaN is gone from the output: what the warning is for
 
 
+@pytest.mark.parametrize("where", ["x", "w", "dy"])
+def test_a_deferred_nan_check_warns_once_later(where, monkeypatch):
+    """On a CUDA device the NaN check does not wait for the device: its flag is read by a later check once it has
+    arrived, or by fp4sim.torch.flush_warnings(). Here the CPU takes that path (``_defers`` patched): the check
+    itself warns nothing, the flush warns once, naming the layer and operand, and further calls stay quiet."""
+    from fp4sim.torch import linear
+    monkeypatch.setattr(linear, "_defers", lambda t: True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    convert(model, "nvfp4_paper")
+    lin = model[0]
+    x, dy = torch.from_numpy(heavy((16, 64), 1)), torch.full((16, 32), float("nan"))
+    t = {"x": x, "w": lin.weight, "dy": dy}[where]
+    if where != "dy":
+        with torch.no_grad():
+            t[3, 5] = float("nan")
+    rec, bw = lin.recipe, lin.recipe_backward               # the operands the layer's own checks name
+    uses = {"x": ((rec, "fprop_x"), (bw, "wgrad_x")), "w": ((rec, "fprop_w"), (bw, "dgrad_w")),
+            "dy": ((bw, "dgrad_dy"), (bw, "wgrad_dy"))}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        linear._check_finite(lin, "warn", where, t, uses[where])
+    assert not [w for w in got if "holds NaN" in str(w.message)]
+    assert len(linear._NAN_CHECKS) == 1
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        linear.flush_warnings()
+        for _ in range(2):
+            y = model(x.clone().requires_grad_(True))
+            y.backward(dy if where == "dy" else torch.ones_like(y))
+        linear.flush_warnings()
+    msgs = [str(w.message) for w in got if "holds NaN" in str(w.message)]
+    assert len(msgs) == 1 and msgs[0].startswith("layer '0': "), msgs
+    assert not linear._NAN_CHECKS
+    with warnings.catch_warnings(record=True) as got:     # a finite tensor: nothing, after the flush too
+        warnings.simplefilter("always")
+        linear._check_finite(lin, "warn", "x", torch.ones(4, 64), ((linear.Recipe.preset("nvfp4_paper"), "fprop_x"),))
+        linear.flush_warnings()
+    assert not [w for w in got if "holds NaN" in str(w.message)]
+
+
 def test_an_all_nan_gradient_gives_finite_gradients_and_raise_stops_it():
     """Under nvfp4_paper an all-NaN upstream gradient becomes dW = dx = 0 (E2M1 NaN -> +6 in blocks whose scale
     comes from a NaN-free amax of 0): what a diverging run would train on. on_nonfinite='raise' stops there, at

@@ -16,8 +16,8 @@ import numpy as np
 
 __all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
            "suggest_high_precision", "drop_extra_state", "gradient_fidelity", "wgrad_errors", "rank_high_precision",
-           "set_data_parallel_rank", "RecipeMismatchWarning"]
-_LINEAR = {"QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
+           "set_data_parallel_rank", "RecipeMismatchWarning", "flush_warnings"]
+_LINEAR = {"flush_warnings", "QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
            "gradient_fidelity", "wgrad_errors", "rank_high_precision", "set_data_parallel_rank",
            "RecipeMismatchWarning"}
 

@@ -3,10 +3,12 @@ says, on CPU (Numba backend, zero-copy NumPy views of float32 tensors) or any CU
 DLPack, no host round trip)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fnmatch
 import json
 import re
+import sys
 import warnings
 import weakref
 
@@ -21,7 +23,7 @@ from ..training import OPERANDS, Recipe
 
 __all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
            "gradient_fidelity", "wgrad_errors", "rank_high_precision", "set_data_parallel_rank",
-           "RecipeMismatchWarning"]
+           "RecipeMismatchWarning", "flush_warnings"]
 
 HEAD_NAMES = ("lm_head", "output", "head")      # a model's output head, by the last component of its name
 _FP4 = ("nvfp4", "mxfp4")                       # element E2M1: NaN encodes as +6 and does not propagate
@@ -67,11 +69,20 @@ def _all_finite(t: torch.Tensor) -> bool:
 def _check_finite(layer, mode: str, which: str, t: torch.Tensor, uses):
     """Warn or raise (``mode``: the running pass's recipe's ``on_nonfinite``) when ``t`` (``which``: x, w or dy)
     holds NaN or Inf and a recipe quantizes one of the operands made from it (``uses``: (recipe, operand name)
-    pairs); the quantization itself stays as the hardware does it."""
+    pairs); the quantization itself stays as the hardware does it. On a CUDA device the warning (not the raise)
+    is deferred: :func:`_defer_nan_check`."""
+    _poll_nan_checks()
     if mode == "ignore":
         return
     ops = [(r, n) for r, n in uses if not r.identity and getattr(r, n).quantized]
-    if not ops or _all_finite(t):
+    if not ops:
+        return
+    if mode == "warn" and _defers(t):
+        fp4 = [n for r, n in ops if getattr(r, n).scheme in _FP4 and (which, n) not in layer._nonfinite_warned]
+        if fp4:
+            _defer_nan_check(layer, which, fp4, t)
+        return
+    if _all_finite(t):
         return
     nan = bool(torch.isnan(t).any())
     kind = "NaN" if nan else "Inf"
@@ -80,13 +91,72 @@ def _check_finite(layer, mode: str, which: str, t: torch.Tensor, uses):
         raise FloatingPointError(f"layer {layer_name!r}: {_WHAT[which]} (operands {', '.join(n for _, n in ops)}) "
                                  f"holds {kind} (on_nonfinite='raise')")
     fp4 = [n for r, n in ops if getattr(r, n).scheme in _FP4 and (which, n) not in layer._nonfinite_warned]
-    if not nan or not fp4:
-        return                                     # an Inf warns where it is quantized; each NaN operand once
+    if nan and fp4:                                # an Inf warns where it is quantized; each NaN operand once
+        _warn_nan(layer, which, fp4)
+
+
+def _warn_nan(layer, which, fp4):
+    if all((which, n) in layer._nonfinite_warned for n in fp4):
+        return
     layer._nonfinite_warned.update((which, n) for n in fp4)
+    layer_name = getattr(layer, "_fp4sim_name", f"#{layer.layer_index}")
     warnings.warn(f"layer {layer_name!r}: {_WHAT[which]} (operands {', '.join(fp4)}) holds NaN; E2M1 encodes "
                   "NaN as +6 (CUDA's satfinite rule), so it does not reach the GEMM's output and training goes "
                   "on. Recipe(..., on_nonfinite='raise') stops at the first NaN or Inf (this warning comes once "
-                  "per layer and operand)", RuntimeWarning, stacklevel=4)
+                  "per layer and operand)", RuntimeWarning, stacklevel=5)
+
+
+def _defers(t: torch.Tensor) -> bool:
+    """Whether the NaN check of ``t`` is deferred (a CUDA tensor: reading the result at once would stall the
+    device every call)."""
+    return t.is_cuda
+
+
+_NAN_CHECKS: list = []      # deferred checks: (layer, which, operands, host flag, CUDA event or None)
+
+
+def _defer_nan_check(layer, which, fp4, t: torch.Tensor):
+    """Queue the NaN test of ``t`` without waiting for it: one reduction on the device (aminmax propagates NaN),
+    its flag copied to pinned host memory behind it; a later check (:func:`_poll_nan_checks`) warns once the flag
+    has arrived, and :func:`flush_warnings` (also at exit) waits for the rest."""
+    lo, hi = torch.aminmax(t.detach())
+    flag = torch.isnan(lo) | torch.isnan(hi)
+    event = None
+    if flag.is_cuda:
+        flag = flag.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    _NAN_CHECKS.append((weakref.ref(layer), which, tuple(fp4), flag, event))
+
+
+def _poll_nan_checks(wait: bool = False):
+    """Warn for the deferred NaN checks whose flags have reached the host (all of them with ``wait``)."""
+    if not _NAN_CHECKS:
+        return
+    keep = []
+    for item in _NAN_CHECKS:
+        ref, which, fp4, flag, event = item
+        if event is not None and not event.query():
+            if not wait:
+                keep.append(item)
+                continue
+            event.synchronize()
+        layer = ref()
+        if layer is not None and bool(flag):
+            _warn_nan(layer, which, list(fp4))
+    _NAN_CHECKS[:] = keep
+
+
+def flush_warnings():
+    """Emit the warnings that wait for values on a CUDA device: the layers' NaN checks and fp4sim's own GPU
+    warnings (:func:`fp4sim.gpu.flush_warnings`). They arrive by themselves at a later call once their values
+    have reached the host; this waits for all of them (it runs at exit too)."""
+    _poll_nan_checks(wait=True)
+    if "fp4sim.gpu.ops" in sys.modules:
+        sys.modules["fp4sim.gpu.ops"].flush_warnings()
+
+
+atexit.register(lambda: _poll_nan_checks(wait=True))
 
 
 @contextlib.contextmanager
