@@ -117,9 +117,12 @@ class GpuKernels:
         """``a`` with ``axis`` moved last, C-contiguous."""
         return self.xp.ascontiguousarray(self.xp.moveaxis(a, axis, -1))
 
+    def _device(self):
+        return self.xp.cuda.Device().id if self.xp is not np else None
+
     def table(self, t: np.ndarray):
-        """A small float64 lookup table on the device (exact float32 values), uploaded once."""
-        key = (t.ctypes.data, t.size)
+        """A small float64 lookup table on the current device (exact float32 values), uploaded once per device."""
+        key = (t.ctypes.data, t.size, self._device())
         if key not in self._tables:
             self._tables[key] = self.xp.asarray(np.asarray(t, np.float64))
         return self._tables[key]
@@ -142,7 +145,7 @@ class GpuKernels:
         xs = self.f32_rows(xs)
         per = self.sr_bytes(sr, xs.shape) if sr.kind != ids.SR_NONE else None
         out = xp.empty(xs.shape, fmt.code_dtype)
-        rb = per if per is not None else xp.zeros(1, np.uint8)
+        rb = per if per is not None else self._unused(np.uint8)
         self.be.launch("encode_elements", xs.size, xs, out, i64(xs.size), i32(fmt.bits > 8), i32(mode), rb,
                        i32(per is not None), i32(nsr), i32(bool(sat)), *[i32(v) for v in kernel_params(fmt)],
                        i32(fmt.name == "ue8m0"), i32(fmt.name == "e2m1"))
@@ -198,13 +201,22 @@ class GpuKernels:
         return self.xp.asarray(np.asarray(v, np.float64).reshape(-1))
 
     def _fake(self, R, K, fake):
-        return self.xp.empty((R, K) if fake else (1,), np.uint32)  # float32 bit patterns written by the kernels
+        """The (R, K) float32 bit patterns the kernels write with ``fake``; else an unused placeholder."""
+        return self.xp.empty((R, K), np.uint32) if fake else self._unused(np.uint32)
+
+    def _unused(self, dtype):
+        """A one-element array passed where a kernel takes an array it will not touch in this call (one per
+        device and dtype, made once: a call then allocates nothing for it)."""
+        key = ("unused", self._device(), np.dtype(dtype).str)
+        if key not in self._tables:
+            self._tables[key] = self.xp.zeros(1, dtype)
+        return self._tables[key]
 
     def _rb_args(self, rb, use_rb):
         """The kernels' random-byte arguments (rb, use_rb, ph, k0, k1, stream, mask, stride): a byte array, or a
         planning.PhiloxRows whose bits the kernel generates itself."""
         if isinstance(rb, planning.PhiloxRows):
-            return (self.xp.zeros(1, np.uint8), i32(0), i32(rb.layout), u32(rb.k0), u32(rb.k1), u32(rb.stream),
+            return (self._unused(np.uint8), i32(0), i32(rb.layout), u32(rb.k0), u32(rb.k1), u32(rb.stream),
                     u32(rb.mask), i64(rb.stride))
         return (rb, i32(use_rb), i32(0), u32(0), u32(0), u32(0), u32(0), i64(1))
 
@@ -274,7 +286,7 @@ class GpuKernels:
         codes = xp.ascontiguousarray(q.codes.reshape(R, -1))
         if p.kind < 0:  # bf16
             return (codes.astype(np.uint32) << 16).view(np.float32)
-        dummy8, dummy32 = xp.zeros(1, np.uint8), xp.zeros(1, np.uint32)
+        dummy8, dummy32 = self._unused(np.uint8), self._unused(np.uint32)
         dq0 = dq1 = 0.0
         dq0v = dq1v = self._vec([0.0])
         per_row = 0
