@@ -27,7 +27,7 @@ from . import fastpath
 from ._f32 import absmax
 from ._xp import matmul, xp_of
 from .gemm import TENSOR_CORE, covers, fast_operand, gemm
-from .quantize import dequantize, fake_quantize, quantize, rht
+from .quantize import dequantize, fake_quantize, quantize, rht, rht_quantize
 from .schemes import NVFP4UE5M3, BF16Cast, FP8Tensor, get_scheme
 from .training import OPERANDS, Operand, Recipe
 
@@ -147,6 +147,9 @@ def quantize_operand(a, op: Operand, axis: int, recipe: Recipe, layer: int, call
     state of operands whose tensor amax is delayed (:func:`held_amax`)."""
     if op.rht:
         a = _pad_axis(a, axis, op.rht)
+        if op.quantized and op.amax == "current" and stats is None:    # one call: on the GPU the RHT is fused
+            return rht_quantize(a, op.rht, signs, recipe.rht_dtype, op.scheme, axis,    # into the quantize
+                                **_quant_kwargs(op, recipe, layer, call, name))
         a = rht(a, op.rht, signs, axis=axis, out=recipe.rht_dtype, memory="axis_last")   # quantized along axis
     if not op.quantized:
         return a

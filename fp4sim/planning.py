@@ -367,12 +367,24 @@ def finish(sch, codes, scales, gamax, lead, axis, shape, scale_layout, extras=No
 def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, block=None, scale_mode=None,
                  global_amax=None, rbits=None, seed=None, stream=0, sr_bits=8, rbits_mapping="te",
                  scale_layout="linear", fake=False, return_intermediates=False, row_scaled=None,
-                 per_tensor_scale=None):
-    """:func:`fp4sim.quantize` (or ``fake_quantize`` with ``fake=True``) on the backend ``kern``."""
+                 per_tensor_scale=None, pre_rht=None):
+    """:func:`fp4sim.quantize` (or ``fake_quantize`` with ``fake=True``) on the backend ``kern``. ``pre_rht``: (d,
+    signs, out) of an RHT along ``axis`` first (:func:`fp4sim.quantize.rht_quantize`), run inside the NVFP4
+    kernels where the backend can (the GPU, d = 16), else as :func:`run_rht` before the quantize."""
     # to2d copies once, with the block axis last; the GPU's block kernels read 16-bit inputs as they are
     xs = kern.as_block_input(x) if hasattr(kern, "as_block_input") else kern.as_float32(x, order="K")
     p = plan_quantize(xs.shape, scheme, axis, rounding, flavor, block, scale_mode, global_amax, rbits, seed,
                       stream, sr_bits, rbits_mapping, scale_layout, fake, row_scaled, per_tensor_scale)
+    fused_rht = None
+    if pre_rht is not None:
+        d, signs, rht_out = pre_rht
+        _, _, sh, to_bf16 = rht_args(xs, d, signs, p.axis, rht_out)
+        sch = p.scheme
+        if (getattr(kern, "amax_on_device", False) and d == 16 and isinstance(sch, NVFP4) and not sch.row_scaled
+                and not sch.four_over_six and not return_intermediates):
+            fused_rht = kern.rht_operand(sh, math.sqrt(1.0 / d), to_bf16)
+        else:
+            xs = kern.as_float32(run_rht(kern, xs, d, signs, p.axis, rht_out, memory="axis_last"), order="K")
     xp, sch = kern.xp, p.scheme
     # The CPU kernels read an input blocked along another axis than the last a chunk of rows at a time
     # (kern.moved_rows): no tensor-sized moved copy. 4over6 and the FP8 / BF16 schemes take the copy.
@@ -391,7 +403,7 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
             return p.back(xp, (codes.astype(np.uint32) << 16).view(np.float32))
         return QuantizedTensor(codes.reshape(p.lead + (p.K,)), None, None, sch, p.axis, p.shape)
     if getattr(kern, "amax_on_device", False) and not (return_intermediates and isinstance(sch, NVFP4)):
-        q = _quantize_on_device(kern, p, x2, rb, use_rb)
+        q = _quantize_on_device(kern, p, x2, rb, use_rb, fused_rht)
         if q is not None:
             return q
     if isinstance(sch, MX):                 # no tensor amax needed: the backend may reduce it as it quantizes
@@ -450,11 +462,12 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     return finish(sch, codes, scales, gamax, p.lead, p.axis, p.shape, p.scale_layout, extras)
 
 
-def _quantize_on_device(kern, p: QuantPlan, x2, rb, use_rb):
+def _quantize_on_device(kern, p: QuantPlan, x2, rb, use_rb, rht=None):
     """run_quantize on a backend that keeps the tensor amax on the device (the GPU): NVFP4 with one second-level
     amax, MX and FP8 without a host round trip. The tensor amax, the constants made from it and the NaN / Inf flags
     stay on the device; the warnings about the input are queued (``kern.defer_warnings``) and emitted once their
-    values have reached the host. None for what needs host values (4over6, row-scaled NVFP4)."""
+    values have reached the host. None for what needs host values (4over6, row-scaled NVFP4). ``rht``: NVFP4's
+    rows are first rotated by the 16-point RHT inside its kernels (kern.rht_operand's)."""
     sch, nsr, xp = p.scheme, p.sr.kernel_nsr, kern.xp
     gamax = None
     if isinstance(sch, MX):
@@ -464,19 +477,20 @@ def _quantize_on_device(kern, p: QuantPlan, x2, rb, use_rb):
     elif isinstance(sch, NVFP4):
         if sch.row_scaled or sch.four_over_six:
             return None
-        acc = kern.absmax_device(x2)
+        acc = kern.absmax_device(x2, rht=rht)
         fl = ids.FLAVOR_IDS[sch.flavor]
         if sch.per_tensor_scale and p.global_amax is None:
             kern.defer_warnings(sch, acc=acc)
             cst = kern.nvfp4_tensor_constants(acc, sch.flavor)
             codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], None, None, None, p.fake,
-                                           cst=cst)
+                                           cst=cst, rht=rht)
             gamax = kern.device_amax(acc)
         else:                                 # the second-level amax is the host's: global_amax, or 1
             g = p.global_amax if sch.per_tensor_scale else f32(1.0)
             kern.defer_warnings(sch, acc=acc, amax_g=g)
             c0, c1, dq = nvfp4_constants_rows(sch.flavor, g, sch.per_tensor_scale)
-            codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], c0, c1, dq, p.fake)
+            codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], c0, c1, dq, p.fake,
+                                           rht=rht)
             gamax = f32(g) if sch.per_tensor_scale else None
     elif isinstance(sch, FP8Tensor):
         if p.global_amax is None:

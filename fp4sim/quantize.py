@@ -90,6 +90,23 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
                                  row_scaled, per_tensor_scale)
 
 
+def rht_quantize(x, d: int, signs, rht_out: str, scheme, axis: int = -1, **kw) -> QuantizedTensor:
+    """``quantize(rht(x, d, signs, axis=axis, out=rht_out, memory="axis_last"), scheme, axis=axis, **kw)`` in one
+    call, bit for bit (the training path's Wgrad operands). On the GPU, NVFP4 with d = 16 runs the RHT inside its
+    amax and quantize kernels, so that the rotated tensor is never stored; elsewhere it is the two calls. ``kw``:
+    :func:`quantize`'s keywords (a UE5M3 scheme takes the two calls)."""
+    names = ("flavor", "block", "scale_mode", "four_over_six", "four_over_six_fast_math", "four_over_six_e4m3_max",
+             "four_over_six_ties", "scale_target", "per_tensor_scale")
+    variant = {k: kw.pop(k, None) for k in names}
+    scheme = _variant(scheme, variant["flavor"], variant["block"], variant["scale_mode"], variant["four_over_six"],
+                      variant["four_over_six_fast_math"], variant["four_over_six_e4m3_max"],
+                      variant["four_over_six_ties"], variant["scale_target"], variant["per_tensor_scale"])
+    if _ue5m3(scheme):
+        return quantize(rht(x, d, signs, axis=axis, out=rht_out, memory="axis_last"), scheme, axis, **kw)
+    return planning.run_quantize(_kernels(x), x, scheme, axis, pre_rht=(d, signs, rht_out),
+                                 per_tensor_scale=variant["per_tensor_scale"], **kw)
+
+
 def fake_quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: str | None = None,
                   block=None, scale_mode: str | None = None, global_amax=None, rbits=None, seed=None,
                   stream: int = 0, sr_bits: int = 8, rbits_mapping: str = "te", row_scaled: bool | None = None,

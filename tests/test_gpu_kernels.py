@@ -513,3 +513,34 @@ def test_dequantize_reads_a_device_tensor_amax_on_the_device(dev):
             got = dataclasses.replace(got, global_amax=np.asarray(got.global_amax, np.float32).view(Dev))
         assert planning.plan_dequantize(got).dq is None
         same_bits(dev.host(ops.dequantize(dev.be, got)), fs.dequantize(want))
+
+
+@pytest.mark.parametrize("scheme,kw", [("nvfp4", {}), ("nvfp4", {"flavor": "torchao"}), ("nvfp4_2d", {}),
+                                       ("nvfp4", {"global_amax": 2.5}), ("mxfp4", {}), ("nvfp4", {"row_scaled": True})])
+def test_rht_fused_into_the_quantize(dev, scheme, kw):
+    """quantize(rht(x)) with the RHT inside the NVFP4 amax and quantize kernels (d = 16; the rotated tensor never
+    stored) gives the two calls' bits: along both axes, bfloat16 and float32 RHT outputs, RNE and SR, float16
+    inputs too; what the fused kernels do not take (MX, row-scaled) runs as the two calls."""
+    x = np.concatenate([CASES["heavy"], np.tile(SPECIALS[:16], (1, 3))[:, :160]])   # (64, 160), NaN and Inf too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for xin in (x, x.astype(np.float16)):
+            for axis in (-1, 0):
+                for out in ("bf16", "fp32"):
+                    for rnd in ({}, {"rounding": "sr", "seed": 7}):
+                        for signs in ("te", 3):
+                            want = fs.quantize(fs.rht(xin, 16, signs, axis=axis, out=out, memory="axis_last"), scheme,
+                                               axis=axis, **kw, **rnd)
+                            got = ops.rht_quantize(dev.be, dev.dev(xin), 16, signs, out, scheme, axis=axis, **kw,
+                                                   **rnd)
+                            assert np.array_equal(dev.host(got.codes), want.codes), (scheme, kw, axis, out, rnd)
+                            assert np.array_equal(dev.host(got.scales).view(np.uint8),
+                                                  np.asarray(want.scales).view(np.uint8))
+                            if want.global_amax is not None:
+                                assert np.array_equal(np.asarray(dev.host(got.global_amax)),
+                                                      np.asarray(want.global_amax))
+                        fake = ops.rht_quantize(dev.be, dev.dev(xin), 16, "te", out, scheme, axis=axis, fake=True,
+                                                **kw)
+                        same_bits(dev.host(fake), fs.fake_quantize(fs.rht(xin, 16, "te", axis=axis, out=out), scheme,
+                                                                   axis=axis, **kw))
+        ops.flush_warnings()

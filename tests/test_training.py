@@ -532,13 +532,18 @@ def test_per_transform_rht_signs_are_distinct_for_each_gemm_of_a_call(monkeypatc
     rec = Recipe.preset("nvfp4_paper", rht_fprop=True, rht_dgrad=True, rht_signs="per_transform", seed=3)
     assert all(getattr(rec, op).rht == 16 and getattr(rec, op).rht_signs == "per_transform" for op in OPERANDS)
     seen = []
-    real = emulate.rht
+    real, real_q = emulate.rht, emulate.rht_quantize
 
     def spy(a, d, signs, **kw):
         seen.append(tuple(rht_signs(d, signs)))
         return real(a, d, signs, **kw)
 
+    def spy_q(a, d, signs, *args, **kw):             # an RHT with the quantize that follows it (one call)
+        seen.append(tuple(rht_signs(d, signs)))
+        return real_q(a, d, signs, *args, **kw)
+
     monkeypatch.setattr(emulate, "rht", spy)
+    monkeypatch.setattr(emulate, "rht_quantize", spy_q)
     x, w, dy = heavy((32, 64), 1), heavy((48, 64), 2), heavy((32, 48), 3)
 
     def vectors(call):

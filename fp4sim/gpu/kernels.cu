@@ -262,6 +262,29 @@ __device__ __forceinline__ u32 fold_amax(u32 m, u32 u) {
     return (a > 0x7F800000u || a <= m) ? m : a;
 }
 
+// The 16-point RHT of one chunk in place, as the rht kernel computes it: y_j = round(scale * sum_i x_i sh[i, j]),
+// the sum in float64 in the order of i, rounded once to bfloat16 (to_bf16) or float32; bit patterns in and out.
+__device__ void rht16(u32 v[16], const double* sh, double scale, int to_bf16) {
+    double xv[16];
+    for (int i = 0; i < 16; ++i) xv[i] = f2d(v[i]);
+    for (int j = 0; j < 16; ++j) {
+        double acc = 0.0;
+        for (int i = 0; i < 16; ++i) acc += xv[i] * sh[i * 16 + j];
+        double y = acc * scale;
+        v[j] = to_bf16 ? (round_f64(y, 7, -126, 127, 0x7F7Full, 0x7F80u, 0x7FFFu, 0x8000u) << 16) : d2f_bits(y);
+    }
+}
+
+// Elements k0 .. k0+15 of row r into v (16- or 8-byte loads when vec), rotated by the 16-point RHT when sh is set.
+__device__ __forceinline__ void load16(const void* x, int in_kind, i64 r, i64 K, i64 k0, bool vec, u32 v[16],
+                                       const double* sh, double scale, int to_bf16) {
+    if (vec)
+        for (int q = 0; q < 4; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+    else
+        for (int e = 0; e < 16; ++e) v[e] = load1(x, r * K + k0 + e, in_kind);
+    if (sh) rht16(v, sh, scale, to_bf16);
+}
+
 // ------------------------------------------------------------------------------------------ element kernels
 extern "C" __global__ void encode_elements(const float* x, u8* out, i64 n, int wide, int mode, const u8* rb,
                                            int use_rb, int nsr, int sat, int mbits, int emin, int bias, int maxmag,
@@ -275,6 +298,25 @@ extern "C" __global__ void encode_elements(const float* x, u8* out, i64 n, int w
     else c = encode_one(fbits(x[i]), mode, r, nsr, mbits, emin, bias, maxmag, sat, nosat, nanc, signbit);
     if (wide) ((u16*)out)[i] = (u16)c;
     else out[i] = (u8)c;
+}
+
+// A thread's amax and NaN flag into the tensor's (amax, has_nan): on the device reduced over the warp first (every
+// lane must reach this call), then one atomic per warp; on the host build one per thread.
+__device__ __forceinline__ void publish_amax(u32 m, u32 nn, u32* amax, u32* has_nan) {
+#ifdef FP4SIM_HOST_SHIM
+    atomicMax(amax, m);
+    if (nn) atomicMax(has_nan, 1u);
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        u32 mo = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+        m = mo > m ? mo : m;
+        nn |= __shfl_xor_sync(0xFFFFFFFFu, nn, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(amax, m);
+        if (nn) atomicMax(has_nan, 1u);
+    }
+#endif
 }
 
 // max |x| over the bit patterns (NaN excluded) and a NaN flag, grid-stride, four elements per load where the
@@ -296,20 +338,26 @@ extern "C" __global__ void absmax_bits(const void* x, int in_kind, i64 n, u32* a
         m = fold_amax(m, u);
         nn |= (u & 0x7FFFFFFFu) > 0x7F800000u;
     }
-#ifdef FP4SIM_HOST_SHIM
-    atomicMax(amax, m);
-    if (nn) atomicMax(has_nan, 1u);
-#else
-    for (int o = 16; o > 0; o >>= 1) {               // every lane of the warp reaches this point
-        u32 mo = __shfl_xor_sync(0xFFFFFFFFu, m, o);
-        m = mo > m ? mo : m;
-        nn |= __shfl_xor_sync(0xFFFFFFFFu, nn, o);
+    publish_amax(m, nn, amax, has_nan);
+}
+
+// absmax_bits of rht(x): each 16-element chunk of the (R, K) rows (K a multiple of 16) rotated as the rht kernel
+// rotates it (sh, scale, to_bf16), its max |y| folded, nothing written but the amax and the NaN flag. With the
+// RHT fused into nvfp4_quantize, the rotated tensor is never stored.
+extern "C" __global__ void rht_absmax_bits(const void* x, int in_kind, i64 R, i64 K, const double* sh, double scale,
+                                           int to_bf16, u32* amax, u32* has_nan) {
+    u32 m = 0, nn = 0;
+    i64 nch = K / 16, n = R * nch;
+    bool vec = vec_ok(x, K, in_kind);
+    for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < n; c += (i64)gridDim.x * blockDim.x) {
+        u32 v[16];
+        load16(x, in_kind, c / nch, K, (c % nch) * 16, vec, v, sh, scale, to_bf16);
+        for (int e = 0; e < 16; ++e) {
+            m = fold_amax(m, v[e]);
+            nn |= (v[e] & 0x7FFFFFFFu) > 0x7F800000u;
+        }
     }
-    if ((threadIdx.x & 31) == 0) {
-        atomicMax(amax, m);
-        if (nn) atomicMax(has_nan, 1u);
-    }
-#endif
+    publish_amax(m, nn, amax, has_nan);
 }
 
 // ------------------------------------------------------------------------------------------ NVFP4
@@ -377,13 +425,16 @@ extern "C" __global__ void nvfp4_tensor_constants(const u32* amax_bits, int flav
 // One thread per (row group, 16-wide block). codes: (R, Kp/2) packed; scales: (ceil(R/tile), Kp/16);
 // fake: (R, K) float32 bit patterns when do_fake. c0v, c1v, dq0v, dq1v: the flavour's float32 constants (exact
 // in double), one set per row when per_row, else one; e4m3_vals: float64 table of the 256 E4M3 values. A full
-// block whose rows can be read four elements at a time is read once: a 1x16 block into registers (amax, then its
-// codes from the same registers), a 16x16 tile row by row. SR bytes: see SrSource.
+// full block is read once: a 1x16 block into registers (amax, then its codes from the same registers), a 16x16
+// tile row by row. SR bytes: see SrSource. rht_sh (a (16, 16) float64 diag(s) @ H_16, or null): each 16-element
+// chunk is first rotated as the rht kernel rotates it (rht_scale, rht_bf16), so that quantize(rht(x)) runs without
+// writing and reading the rotated tensor (K a multiple of 16).
 extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph,
                                           u32 pk0, u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr,
                                           int flavor, int tile, const double* c0v, const double* c1v,
                                           const double* dq0v, const double* dq1v, int per_row,
-                                          const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake) {
+                                          const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake,
+                                          const double* rht_sh, double rht_scale, int rht_bf16) {
     i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ngroups * nbk) return;
@@ -393,12 +444,12 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
     i64 r0 = g * tile, r1 = r0 + tile < R ? r0 + tile : R;
     i64 k0 = j * 16, k1 = k0 + 16 < K ? k0 + 16 : K;
     SrSource sr = sr_source(rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride);
-    bool vec = k1 - k0 == 16 && vec_ok(x, K, in_kind);
+    bool full = k1 - k0 == 16, vec = full && vec_ok(x, K, in_kind);
     u32 v[16];
     u32 m = 0;
     for (i64 r = r0; r < r1; ++r) {
-        if (vec) {
-            for (int q = 0; q < 4; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+        if (full) {
+            load16(x, in_kind, r, K, k0, vec, v, rht_sh, rht_scale, rht_bf16);
             for (int e = 0; e < 16; ++e) m = fold_amax(m, v[e]);
         } else {
             for (i64 k = k0; k < k1; ++k) m = fold_amax(m, load1(x, r * K + k, in_kind));
@@ -414,9 +465,9 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
     bool fast_dq = sdq >= 0x1p-100 && sdq <= 0x1p100;
     float ff = (float)fac, fdq = (float)sdq;
     for (i64 r = r0; r < r1; ++r) {
-        if (vec) {
+        if (full) {
             if (tile != 1)                            // a 1x16 block is still in v
-                for (int q = 0; q < 4; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+                load16(x, in_kind, r, K, k0, vec, v, rht_sh, rht_scale, rht_bf16);
             u64 packed = 0;
             u32 fv[16];
             for (int e = 0; e < 16; ++e) {
@@ -431,8 +482,10 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
                 fv[e] = fast_dq ? fbits((float)E2M1_VALUES[c] * fdq) : d2f_bits(E2M1_VALUES[c] * sdq);
             }
             *(u64*)(codes + r * (nbk * 8) + j * 8) = packed;
-            if (do_fake)
+            if (do_fake && vec)
                 for (int q = 0; q < 4; ++q) store4(fake + r * K + k0 + 4 * q, fv + 4 * q);
+            else if (do_fake)
+                for (int e = 0; e < 16; ++e) fake[r * K + k0 + e] = fv[e];
             continue;
         }
         for (i64 p = 0; p < 8; ++p) {

@@ -151,13 +151,23 @@ class GpuKernels:
                        i32(fmt.name == "ue8m0"), i32(fmt.name == "e2m1"))
         return out
 
-    def absmax_device(self, x2):
-        """max |x| (NaN ignored) as float32 bits and a NaN flag: a (2,) uint32 array left on the device."""
+    def absmax_device(self, x2, rht=None):
+        """max |x| (NaN ignored) as float32 bits and a NaN flag: a (2,) uint32 array left on the device. ``rht``
+        (a device (16, 16) diag(s) @ H_16, the scale, bfloat16 output?): the amax of the rows' 16-point RHT."""
         acc = self.xp.zeros(2, np.uint32)
         n = x2.size
-        self.be.launch("absmax_bits", min(-(-n // 32), 1 << 20), x2, i32(IN_KINDS[x2.dtype]), i64(n), acc[0:1],
-                       acc[1:2])
+        if rht is None:
+            self.be.launch("absmax_bits", min(-(-n // 32), 1 << 20), x2, i32(IN_KINDS[x2.dtype]), i64(n), acc[0:1],
+                           acc[1:2])
+        else:
+            R, K = x2.shape
+            self.be.launch("rht_absmax_bits", min(-(-n // 16), 1 << 20), x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
+                           rht[0], f64(rht[1]), i32(rht[2]), acc[0:1], acc[1:2])
         return acc
+
+    def rht_operand(self, sh, scale, to_bf16):
+        """The ``rht`` argument of absmax_device and nvfp4 (the RHT fused into them): ``sh`` on the device."""
+        return (self.xp.asarray(sh), float(scale), int(bool(to_bf16)))
 
     def absmax(self, x2):
         host = self.to_host(self.absmax_device(x2))
@@ -220,9 +230,10 @@ class GpuKernels:
                     u32(rb.mask), i64(rb.stride))
         return (rb, i32(use_rb), i32(0), u32(0), u32(0), u32(0), u32(0), i64(1))
 
-    def nvfp4(self, x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake, cst=None):
+    def nvfp4(self, x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake, cst=None, rht=None):
         """NVFP4 codes, scale bytes and (``fake``) values; the constants as host vectors ``c0``, ``c1``, ``dq``, or
-        ``cst``: nvfp4_tensor_constants' (4,) array on the device."""
+        ``cst``: nvfp4_tensor_constants' (4,) array on the device. ``rht`` (rht_operand's): the rows' 16-point RHT
+        first, in the kernel (K a multiple of 16)."""
         xp = self.xp
         R, K = x2.shape
         nbk = -(-K // 16)
@@ -236,7 +247,8 @@ class GpuKernels:
             cs, per_row = (self._vec(c0), self._vec(c1), self._vec(dq[:, 0]), self._vec(dq[:, 1])), int(dq.shape[0] > 1)
         self.be.launch("nvfp4_quantize", scales.size, x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
                        *self._rb_args(rb, use_rb), i32(mode), i32(nsr), i32(flavor), i32(tile), *cs, i32(per_row),
-                       self.table(E4M3.values), codes, scales, fv, i32(fake))
+                       self.table(E4M3.values), codes, scales, fv, i32(fake),
+                       *((NULL, f64(0.0), i32(0)) if rht is None else (rht[0], f64(rht[1]), i32(rht[2]))))
         return codes, scales, fv.view(np.float32)
 
     def mx(self, x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):
@@ -416,6 +428,12 @@ def quantize(be, x, scheme, axis=-1, rounding="rne", flavor=None, block=None, sc
     return planning.run_quantize(kernels(be), x, scheme, axis, rounding, flavor, block, scale_mode, global_amax,
                                  rbits, seed, stream, sr_bits, rbits_mapping, scale_layout, fake, False, row_scaled,
                                  per_tensor_scale)
+
+
+def rht_quantize(be, x, d, signs, rht_out, scheme, axis=-1, fake=False, **kw):
+    """``quantize(rht(x, d, signs, axis, rht_out), scheme, axis, **kw)`` on the backend ``be``: the RHT inside the
+    NVFP4 kernels where it can be (:func:`fp4sim.quantize.rht_quantize`)."""
+    return planning.run_quantize(kernels(be), x, scheme, axis, fake=fake, pre_rht=(d, signs, rht_out), **kw)
 
 
 def dequantize(be, q):
