@@ -275,13 +275,19 @@ __device__ void rht16(u32 v[16], const double* sh, double scale, int to_bf16) {
     }
 }
 
+// Where element k of row r lies in x: rows r*K .. r*K+K-1 (S = 1), or, read in place from a C-contiguous tensor
+// blocked along an axis of stride S (the other axes flattened in C order are the rows), (r/S)*K*S + k*S + r%S.
+__device__ __forceinline__ i64 xoff(i64 r, i64 k, i64 K, i64 S) {
+    return S == 1 ? r * K + k : (r / S) * K * S + k * S + r % S;
+}
+
 // Elements k0 .. k0+15 of row r into v (16- or 8-byte loads when vec), rotated by the 16-point RHT when sh is set.
-__device__ __forceinline__ void load16(const void* x, int in_kind, i64 r, i64 K, i64 k0, bool vec, u32 v[16],
+__device__ __forceinline__ void load16(const void* x, int in_kind, i64 r, i64 K, i64 S, i64 k0, bool vec, u32 v[16],
                                        const double* sh, double scale, int to_bf16) {
     if (vec)
         for (int q = 0; q < 4; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
     else
-        for (int e = 0; e < 16; ++e) v[e] = load1(x, r * K + k0 + e, in_kind);
+        for (int e = 0; e < 16; ++e) v[e] = load1(x, xoff(r, k0 + e, K, S), in_kind);
     if (sh) rht16(v, sh, scale, to_bf16);
 }
 
@@ -344,14 +350,15 @@ extern "C" __global__ void absmax_bits(const void* x, int in_kind, i64 n, u32* a
 // absmax_bits of rht(x): each 16-element chunk of the (R, K) rows (K a multiple of 16) rotated as the rht kernel
 // rotates it (sh, scale, to_bf16), its max |y| folded, nothing written but the amax and the NaN flag. With the
 // RHT fused into nvfp4_quantize, the rotated tensor is never stored.
-extern "C" __global__ void rht_absmax_bits(const void* x, int in_kind, i64 R, i64 K, const double* sh, double scale,
-                                           int to_bf16, u32* amax, u32* has_nan) {
+extern "C" __global__ void rht_absmax_bits(const void* x, int in_kind, i64 R, i64 K, i64 S, const double* sh,
+                                           double scale, int to_bf16, u32* amax, u32* has_nan) {
     u32 m = 0, nn = 0;
     i64 nch = K / 16, n = R * nch;
-    bool vec = vec_ok(x, K, in_kind);
+    bool vec = S == 1 && vec_ok(x, K, in_kind);
     for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < n; c += (i64)gridDim.x * blockDim.x) {
         u32 v[16];
-        load16(x, in_kind, c / nch, K, (c % nch) * 16, vec, v, sh, scale, to_bf16);
+        i64 r = S == 1 ? c / nch : c % R, k0 = 16 * (S == 1 ? c % nch : c / R);   // in place: rows fastest
+        load16(x, in_kind, r, K, S, k0, vec, v, sh, scale, to_bf16);
         for (int e = 0; e < 16; ++e) {
             m = fold_amax(m, v[e]);
             nn |= (v[e] & 0x7FFFFFFFu) > 0x7F800000u;
@@ -428,8 +435,10 @@ extern "C" __global__ void nvfp4_tensor_constants(const u32* amax_bits, int flav
 // full block is read once: a 1x16 block into registers (amax, then its codes from the same registers), a 16x16
 // tile row by row. SR bytes: see SrSource. rht_sh (a (16, 16) float64 diag(s) @ H_16, or null): each 16-element
 // chunk is first rotated as the rht kernel rotates it (rht_scale, rht_bf16), so that quantize(rht(x)) runs without
-// writing and reading the rotated tensor (K a multiple of 16).
-extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph,
+// writing and reading the rotated tensor (K a multiple of 16). S: x is read in place (xoff); with S > 1 a warp's
+// threads take neighbouring rows, whose elements lie side by side.
+extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64 K, i64 S, const u8* rb, int use_rb,
+                                          int ph,
                                           u32 pk0, u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr,
                                           int flavor, int tile, const double* c0v, const double* c1v,
                                           const double* dq0v, const double* dq1v, int per_row,
@@ -438,21 +447,21 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
     i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ngroups * nbk) return;
-    i64 g = t / nbk, j = t % nbk;
+    i64 g = S == 1 ? t / nbk : t % ngroups, j = S == 1 ? t % nbk : t / ngroups;
     i64 ci = per_row ? g : 0;  // per-row second-level constants (row-scaled NVFP4, 1x16 groups) or one per tensor
     double c0 = c0v[ci], c1 = c1v[ci], dq0 = dq0v[ci], dq1 = dq1v[ci];
     i64 r0 = g * tile, r1 = r0 + tile < R ? r0 + tile : R;
     i64 k0 = j * 16, k1 = k0 + 16 < K ? k0 + 16 : K;
     SrSource sr = sr_source(rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride);
-    bool full = k1 - k0 == 16, vec = full && vec_ok(x, K, in_kind);
+    bool full = k1 - k0 == 16, vec = full && S == 1 && vec_ok(x, K, in_kind);
     u32 v[16];
     u32 m = 0;
     for (i64 r = r0; r < r1; ++r) {
         if (full) {
-            load16(x, in_kind, r, K, k0, vec, v, rht_sh, rht_scale, rht_bf16);
+            load16(x, in_kind, r, K, S, k0, vec, v, rht_sh, rht_scale, rht_bf16);
             for (int e = 0; e < 16; ++e) m = fold_amax(m, v[e]);
         } else {
-            for (i64 k = k0; k < k1; ++k) m = fold_amax(m, load1(x, r * K + k, in_kind));
+            for (i64 k = k0; k < k1; ++k) m = fold_amax(m, load1(x, xoff(r, k, K, S), in_kind));
         }
     }
     double fac;
@@ -467,7 +476,7 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
     for (i64 r = r0; r < r1; ++r) {
         if (full) {
             if (tile != 1)                            // a 1x16 block is still in v
-                load16(x, in_kind, r, K, k0, vec, v, rht_sh, rht_scale, rht_bf16);
+                load16(x, in_kind, r, K, S, k0, vec, v, rht_sh, rht_scale, rht_bf16);
             u64 packed = 0;
             u32 fv[16];
             for (int e = 0; e < 16; ++e) {
@@ -490,8 +499,8 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
         }
         for (i64 p = 0; p < 8; ++p) {
             i64 ka = k0 + 2 * p, kb = ka + 1;
-            double va = ka < K ? f2d(load1(x, r * K + ka, in_kind)) : 0.0;
-            double vb = kb < K ? f2d(load1(x, r * K + kb, in_kind)) : 0.0;
+            double va = ka < K ? f2d(load1(x, xoff(r, ka, K, S), in_kind)) : 0.0;
+            double vb = kb < K ? f2d(load1(x, xoff(r, kb, K, S), in_kind)) : 0.0;
             int ra = (mode == MODE_SR && ka < K) ? sr_byte(sr, r, ka, K) : 0;
             int rbb = (mode == MODE_SR && kb < K) ? sr_byte(sr, r, kb, K) : 0;
             int ca = nvfp4_elem(va, fac, flavor, mode, ra, nsr), cb = nvfp4_elem(vb, fac, flavor, mode, rbb, nsr);
@@ -629,7 +638,8 @@ __device__ int mx_scale_byte(u32 amax_bits, int mode, int emax, int mbits, doubl
 // One thread per (row, 32-wide block). FP4 codes packed (R, Kp/2), FP8 codes (R, Kp). A full block whose row
 // can be read four elements at a time is read once, into registers. flags: bit 0 set when a NaN was seen, bit 1
 // an Inf (what the host's warnings need, read later without a synchronisation).
-extern "C" __global__ void mx_quantize(const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph,
+extern "C" __global__ void mx_quantize(const void* x, int in_kind, i64 R, i64 K, i64 S, const u8* rb, int use_rb,
+                                       int ph,
                                        u32 pk0, u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr,
                                        int scale_mode, int emax, int mbits_elem, double rcp,
                                        const double* pow2_enc, const double* pow2_dec, int mbits, int emin, int bias,
@@ -639,20 +649,23 @@ extern "C" __global__ void mx_quantize(const void* x, int in_kind, i64 R, i64 K,
     i64 nbk = (K + 31) / 32;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= R * nbk) return;
-    i64 r = t / nbk, j = t % nbk, k0 = j * 32;
+    i64 r = S == 1 ? t / nbk : t % R, j = S == 1 ? t % nbk : t / R, k0 = j * 32;   // S: see nvfp4_quantize
     SrSource sr = sr_source(rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride);
-    bool vec = k0 + 32 <= K && vec_ok(x, K, in_kind);
+    bool full = k0 + 32 <= K, vec = full && S == 1 && vec_ok(x, K, in_kind);
     u32 v[32];
     u32 m = 0, nn = 0;
-    if (vec) {
-        for (int q = 0; q < 8; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+    if (full) {
+        if (vec)
+            for (int q = 0; q < 8; ++q) load4(x, r * K + k0 + 4 * q, in_kind, v + 4 * q);
+        else
+            for (int e = 0; e < 32; ++e) v[e] = load1(x, xoff(r, k0 + e, K, S), in_kind);
         for (int e = 0; e < 32; ++e) {
             m = fold_amax(m, v[e]);
             nn |= (v[e] & 0x7FFFFFFFu) > 0x7F800000u;
         }
     } else {
         for (i64 k = k0; k < k0 + 32 && k < K; ++k) {
-            u32 u = load1(x, r * K + k, in_kind);
+            u32 u = load1(x, xoff(r, k, K, S), in_kind);
             m = fold_amax(m, u);
             nn |= (u & 0x7FFFFFFFu) > 0x7F800000u;
         }
@@ -664,7 +677,7 @@ extern "C" __global__ void mx_quantize(const void* x, int in_kind, i64 R, i64 K,
     double mul = pow2_enc[e], dmul = pow2_dec[e];
     bool fast_dq = dmul >= 0x1p-100 && dmul <= 0x1p100;
     float fdq = (float)dmul;
-    if (vec) {
+    if (full) {
         // fast path (see e2m1_rne_f): x * 2^(127-e) in float32 hardware
         bool fast = is_fp4 && mode == MODE_RNE && mul >= 0x1p-100 && mul <= 0x1p100;
         float mf = (float)mul;
@@ -692,13 +705,15 @@ extern "C" __global__ void mx_quantize(const void* x, int in_kind, i64 R, i64 K,
             u64* dst = (u64*)(codes + r * (nbk * 32) + k0);
             for (int q = 0; q < 4; ++q) dst[q] = packed[q];
         }
-        if (do_fake)
+        if (do_fake && vec)
             for (int q = 0; q < 8; ++q) store4(fake + r * K + k0 + 4 * q, fv + 4 * q);
+        else if (do_fake)
+            for (int q = 0; q < 32; ++q) fake[r * K + k0 + q] = fv[q];
         return;
     }
     int lowc = 0;
     for (i64 k = k0; k < k0 + 32; ++k) {
-        double xv = k < K ? f2d(load1(x, r * K + k, in_kind)) : 0.0;
+        double xv = k < K ? f2d(load1(x, xoff(r, k, K, S), in_kind)) : 0.0;
         int rr = (mode == MODE_SR && k < K) ? sr_byte(sr, r, k, K) : 0;
         double y = r32(xv * mul);
         int c;

@@ -10,6 +10,7 @@ the input are read later (:meth:`GpuKernels.defer_warnings`). Every device-to-ho
 from __future__ import annotations
 
 import atexit
+import math
 import warnings
 import weakref
 
@@ -34,6 +35,27 @@ R6_D, INV2688_D = float(planning.R6), float(planning.INV2688)
 def backend():
     from .backend import default_backend
     return default_backend()
+
+
+class StridedRows:
+    """The (R, K) rows of a C-contiguous tensor blocked along an axis that is not the last, as the NVFP4 and MX
+    kernels read them in place (no moved copy): ``a`` the tensor, ``S`` the axis's stride in elements (rows are
+    the other axes flattened in C order). ``contiguous(xp)`` makes the moved copy for the kernels that need it."""
+
+    def __init__(self, a, axis: int):
+        self.a, self.axis = a, axis
+        self.K = a.shape[axis]
+        self.shape = (a.size // self.K, self.K)
+        self.S = math.prod(a.shape[axis + 1:])
+        self.dtype, self.size = a.dtype, a.size
+
+    def contiguous(self, xp):
+        return xp.ascontiguousarray(xp.moveaxis(self.a, self.axis, -1)).reshape(self.shape)
+
+
+def _base(x2):
+    """(array, S) of the block kernels' input: an (R, K) array (S = 1), or a StridedRows read in place."""
+    return (x2.a, x2.S) if isinstance(x2, StridedRows) else (x2, 1)
 
 
 class GpuKernels:
@@ -67,6 +89,8 @@ class GpuKernels:
     def f32_rows(self, x2):
         """float32 rows for the kernels that read float32 only (4over6, the element and BF16 kernels): a 16-bit
         input widens exactly (its values are float32 normals, so CuPy's FTZ cast cannot change them)."""
+        if isinstance(x2, StridedRows):
+            x2 = x2.contiguous(self.xp)
         return x2 if x2.dtype == np.float32 else self.xp.ascontiguousarray(x2, dtype=np.float32)
 
     def to_host(self, a):
@@ -117,6 +141,16 @@ class GpuKernels:
         """``a`` with ``axis`` moved last, C-contiguous."""
         return self.xp.ascontiguousarray(self.xp.moveaxis(a, axis, -1))
 
+    def moved_rows(self, a, axis):
+        """``a``'s (R, K) rows along ``axis`` for the NVFP4 and MX kernels: a view where the axis is last, a
+        :class:`StridedRows` read in place where it is not and ``a`` is a C-contiguous float tensor (no moved copy:
+        training quantizes its Wgrad and Dgrad operands along their first axis), else the moved copy."""
+        if axis in (-1, a.ndim - 1) and a.flags.c_contiguous:
+            return a.reshape(-1, a.shape[-1])
+        if a.flags.c_contiguous and a.dtype in IN_KINDS and math.prod(a.shape[axis + 1:]) > 1:
+            return StridedRows(a, axis)
+        return self.axis_last(a, axis).reshape(-1, a.shape[axis])
+
     def _device(self):
         return self.xp.cuda.Device().id if self.xp is not np else None
 
@@ -156,13 +190,14 @@ class GpuKernels:
         (a device (16, 16) diag(s) @ H_16, the scale, bfloat16 output?): the amax of the rows' 16-point RHT."""
         acc = self.xp.zeros(2, np.uint32)
         n = x2.size
-        if rht is None:
-            self.be.launch("absmax_bits", min(-(-n // 32), 1 << 20), x2, i32(IN_KINDS[x2.dtype]), i64(n), acc[0:1],
-                           acc[1:2])
+        base, S = _base(x2)
+        if rht is None:            # the elements in any order: a strided tensor's own flat layout
+            self.be.launch("absmax_bits", min(-(-n // 32), 1 << 20), base, i32(IN_KINDS[x2.dtype]), i64(n),
+                           acc[0:1], acc[1:2])
         else:
             R, K = x2.shape
-            self.be.launch("rht_absmax_bits", min(-(-n // 16), 1 << 20), x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
-                           rht[0], f64(rht[1]), i32(rht[2]), acc[0:1], acc[1:2])
+            self.be.launch("rht_absmax_bits", min(-(-n // 16), 1 << 20), base, i32(IN_KINDS[x2.dtype]), i64(R),
+                           i64(K), i64(S), rht[0], f64(rht[1]), i32(rht[2]), acc[0:1], acc[1:2])
         return acc
 
     def rht_operand(self, sh, scale, to_bf16):
@@ -245,7 +280,8 @@ class GpuKernels:
         else:
             dq = np.asarray(dq, np.float32).reshape(-1, 2)
             cs, per_row = (self._vec(c0), self._vec(c1), self._vec(dq[:, 0]), self._vec(dq[:, 1])), int(dq.shape[0] > 1)
-        self.be.launch("nvfp4_quantize", scales.size, x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
+        base, S = _base(x2)
+        self.be.launch("nvfp4_quantize", scales.size, base, i32(IN_KINDS[x2.dtype]), i64(R), i64(K), i64(S),
                        *self._rb_args(rb, use_rb), i32(mode), i32(nsr), i32(flavor), i32(tile), *cs, i32(per_row),
                        self.table(E4M3.values), codes, scales, fv, i32(fake),
                        *((NULL, f64(0.0), i32(0)) if rht is None else (rht[0], f64(rht[1]), i32(rht[2]))))
@@ -260,7 +296,8 @@ class GpuKernels:
         scales = xp.empty((R, nbk), np.uint8)
         fv = self._fake(R, K, fake)
         flags = xp.zeros(1, np.uint32)
-        self.be.launch("mx_quantize", scales.size, x2, i32(IN_KINDS[x2.dtype]), i64(R), i64(K),
+        base, S = _base(x2)
+        self.be.launch("mx_quantize", scales.size, base, i32(IN_KINDS[x2.dtype]), i64(R), i64(K), i64(S),
                        *self._rb_args(rb, use_rb), i32(mode), i32(nsr), i32(scale_mode), i32(fmt.emax),
                        i32(fmt.mbits), f64(f32(1.0) / f32(fmt.max)), self.table(POW2_ENC), self.table(POW2_DEC),
                        *[i32(v) for v in kernel_params(fmt)], i32(is_fp4), self.table(fmt.values), codes, scales, fv,

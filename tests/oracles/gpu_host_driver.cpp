@@ -20,16 +20,16 @@ HOST(absmax_bits)(i64 th, const void* x, int in_kind, i64 n, u32* amax, u32* has
 HOST(nvfp4_tensor_constants)(i64 th, const u32* amax_bits, int flavor, double r6, double inv2688, double* out) {
     host_launch(nvfp4_tensor_constants, th, amax_bits, flavor, r6, inv2688, out);
 }
-HOST(rht_absmax_bits)(i64 th, const void* x, int in_kind, i64 R, i64 K, const double* sh, double scale, int to_bf16,
-                      u32* amax, u32* has_nan) {
-    host_launch(rht_absmax_bits, th, x, in_kind, R, K, sh, scale, to_bf16, amax, has_nan);
+HOST(rht_absmax_bits)(i64 th, const void* x, int in_kind, i64 R, i64 K, i64 S, const double* sh, double scale,
+                      int to_bf16, u32* amax, u32* has_nan) {
+    host_launch(rht_absmax_bits, th, x, in_kind, R, K, S, sh, scale, to_bf16, amax, has_nan);
 }
-HOST(nvfp4_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph, u32 pk0,
+HOST(nvfp4_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, i64 S, const u8* rb, int use_rb, int ph, u32 pk0,
                      u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr, int flavor, int tile,
                      const double* c0v, const double* c1v, const double* dq0v, const double* dq1v, int per_row,
                      const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake, const double* rht_sh,
                      double rht_scale, int rht_bf16) {
-    host_launch(nvfp4_quantize, th, x, in_kind, R, K, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
+    host_launch(nvfp4_quantize, th, x, in_kind, R, K, S, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
                 flavor, tile, c0v, c1v, dq0v, dq1v, per_row, e4m3_vals, codes, scales, fake, do_fake, rht_sh,
                 rht_scale, rht_bf16);
 }
@@ -39,12 +39,12 @@ HOST(nvfp4_4over6_quantize)(i64 th, const float* x, i64 R, i64 K, int tile, cons
     host_launch(nvfp4_4over6_quantize, th, x, R, K, tile, sec, per_row, denom, err_mse, fast_math, ties_map4,
                 e4m3_vals, codes, scales, pick);
 }
-HOST(mx_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, const u8* rb, int use_rb, int ph, u32 pk0,
+HOST(mx_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, i64 S, const u8* rb, int use_rb, int ph, u32 pk0,
                   u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr, int scale_mode, int emax,
                   int mbits_elem, double rcp, const double* pow2_enc, const double* pow2_dec, int mbits, int emin,
                   int bias, int maxmag, int nosat, int nanc, int signbit, int is_fp4, const double* elem_vals,
                   u8* codes, u8* scales, u32* fake, int do_fake, u32* flags) {
-    host_launch(mx_quantize, th, x, in_kind, R, K, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
+    host_launch(mx_quantize, th, x, in_kind, R, K, S, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
                 scale_mode, emax, mbits_elem, rcp, pow2_enc, pow2_dec, mbits, emin, bias, maxmag, nosat, nanc, signbit,
                 is_fp4, elem_vals, codes, scales, fake, do_fake, flags);
 }
