@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a machine with an NVIDIA GPU: install the gpu extra if CuPy is missing, name the
 # tensor-core model the device's FP8 and 16-bit GEMMs match (benchmarks/tensorcore_check.py), run the GPU test
-# suite (CuPy results == Numba results, bit for bit; a converted layer on a side stream), the kernel benchmark
+# suite (CuPy results == Numba results, bit for bit; a converted layer on a side stream), a quantize call split
+# into its kernels (gpu_profile.py), the kernel benchmark
 # (bench_gpu.py: every kernel at 8192^2 and the GPT-2-small training shapes, as a share of the copy bandwidth) and
 # the training benchmark (bench_training.py --model gpt2-124m: the emulated step against BF16 autocast and float32;
 # the exact GEMM rules on a smaller batch), and write everything (logs and JSON) to OUTDIR.
-# Usage: benchmarks/gpu_check.sh [OUTDIR]   (each step has a time limit; together at most 8 minutes; about 5
+# Usage: benchmarks/gpu_check.sh [OUTDIR]   (each step has a time limit, together 8 minutes; about 5
 # on an H200, much of it NVRTC compilation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,13 +26,14 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log, record the
     echo "$name: exit status $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/steps.txt"
     return "$rc"
 }
-step tensorcore_check 90 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore"
-step gpu_tests 200 "$py" -m pytest -q -rfE --durations=15 -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+step tensorcore_check 60 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore"
+step gpu_profile 20 "$py" benchmarks/gpu_profile.py
+step gpu_tests 180 "$py" -m pytest -q -rfE --durations=15 -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
     tests/test_training.py tests/test_gpu_streams.py
 tests_rc=$?
-step bench_gpu 90 "$py" benchmarks/bench_gpu.py --json "$out/bench_gpu.json"
-step bench_training 120 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --json "$out/bench_training.json"
-step bench_training_exact 60 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --batch 1 --seq 256 \
+step bench_gpu 70 "$py" benchmarks/bench_gpu.py --json "$out/bench_gpu.json"
+step bench_training 100 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --json "$out/bench_training.json"
+step bench_training_exact 50 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --batch 1 --seq 256 \
     --repeat 1 --presets nvfp4_paper --exact-rules --json "$out/bench_training_exact.json"
 echo "gpu tests exit status: $tests_rc" | tee -a "$out/steps.txt"
 exit "$tests_rc"
