@@ -6,6 +6,9 @@ arrays, the CUDA kernels for CuPy arrays.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 from . import planning
@@ -32,7 +35,28 @@ def _ue5m3(sch) -> bool:
     return isinstance(sch, NVFP4UE5M3)
 
 
+_FORCED = contextvars.ContextVar("fp4sim_forced_kernels", default=None)
+
+
+@contextlib.contextmanager
+def forced_kernels(kern):
+    """Within the block, every call of this module runs on the backend ``kern`` whatever its input (the tests run
+    the CUDA source's host build on NumPy arrays this way, the whole training path included), and the training
+    fast path (Numba's fused kernels) is off, so that the quantizations go through ``kern``."""
+    from . import fastpath
+    token = _FORCED.set(kern)
+    old = fastpath._set_enabled(False)
+    try:
+        yield kern
+    finally:
+        fastpath._set_enabled(old)
+        _FORCED.reset(token)
+
+
 def _kernels(a):
+    forced = _FORCED.get()
+    if forced is not None:
+        return forced
     if is_cupy(a):
         from .gpu import ops
         return ops.kernels(ops.backend())

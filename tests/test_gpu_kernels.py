@@ -544,3 +544,32 @@ def test_rht_fused_into_the_quantize(dev, scheme, kw):
                         same_bits(dev.host(fake), fs.fake_quantize(fs.rht(xin, 16, "te", axis=axis, out=out), scheme,
                                                                    axis=axis, **kw))
         ops.flush_warnings()
+
+
+@pytest.mark.parametrize("preset,kw", [("nvfp4_paper", {}), ("nvfp4_paper", {"rht_fprop": True}),
+                                       ("mxfp4_paper", {}), ("fp8_blockwise", {}), ("mxfp8", {})])
+def test_the_training_gemms_through_the_cuda_source(dev, preset, kw):
+    """emulate.fprop / dgrad / wgrad of one layer with every quantization on the CUDA kernels (on the host build:
+    fp4sim.quantize.forced_kernels) give the CPU backend's bits: the tensor amaxes and constants kept on the
+    device, the operands quantized along their first axis read in place, the Wgrad RHT fused into the NVFP4
+    kernels, SR on the gradients; accumulate="fast" and the exact rule."""
+    from fp4sim import emulate, fastpath
+    from fp4sim.quantize import forced_kernels
+    from fp4sim.training import Recipe
+    if isinstance(dev, _Cupy):
+        pytest.skip("the CuPy run is tests/test_training.py's QuantLinear on CUDA")
+    x, w, dy = heavy((64, 96), 11), heavy((48, 96), 12), heavy((64, 48), 13)
+    for acc in ("fast", "exact"):
+        rec = Recipe.preset(preset, accumulate=acc, seed=5, **kw)
+        old = fastpath._set_enabled(False)                 # the CPU side on its general path too
+        try:
+            want = [emulate.fprop(x, w, rec, layer=2, call=3)[0], emulate.dgrad(dy, w, rec, layer=2, call=3),
+                    emulate.wgrad(dy, x, rec, layer=2, call=3)]
+        finally:
+            fastpath._set_enabled(old)
+        with forced_kernels(ops.kernels(dev.be)), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = [emulate.fprop(x, w, rec, layer=2, call=3)[0], emulate.dgrad(dy, w, rec, layer=2, call=3),
+                   emulate.wgrad(dy, x, rec, layer=2, call=3)]
+        for g, wnt, what in zip(got, want, ("fprop", "dgrad", "wgrad")):
+            same_bits(np.asarray(g, np.float32), np.asarray(wnt, np.float32))

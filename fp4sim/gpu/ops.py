@@ -434,7 +434,14 @@ def flush_warnings():
         k.poll_warnings(wait=True)
 
 
-atexit.register(flush_warnings)
+def _flush_at_exit():
+    try:
+        flush_warnings()
+    except Exception:  # noqa: BLE001 - the CUDA context may be gone at exit: nothing left to read then
+        pass
+
+
+atexit.register(_flush_at_exit)
 
 
 def kernels(be) -> GpuKernels:
