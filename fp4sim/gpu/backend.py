@@ -36,12 +36,16 @@ class CupyBackend:
         import cupy as cp
         self.xp = cp
         self.module = cp.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
+        self._functions = {}        # (device id, kernel name) -> the loaded function: one lookup per launch
 
     def launch(self, name, threads, *args):
         threads = int(threads)
         if threads <= 0:
             return
-        fn = self.module.get_function(name)
+        key = (self.xp.cuda.Device().id, name)
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._functions[key] = self.module.get_function(name)
         fn(((threads + BLOCK - 1) // BLOCK,), (BLOCK,), args)
 
 
