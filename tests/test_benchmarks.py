@@ -36,3 +36,14 @@ def test_gpt2_step_benchmark_runs_small_on_the_cpu(tmp_path):
             assert r["quantized_products"] == 3 * B * T * 12 * d * d * L, key
             assert r["vs_bf16"] == pytest.approx(r["ms"] / rows["bf16_autocast"]["ms"])
     assert rows["float32"]["quantized_products"] == 0
+
+
+def test_planning_benchmark_runs_without_a_gpu(tmp_path):
+    """bench_planning.py times the host's share of a GPU quantize with launches that do nothing: every call and
+    shape is timed, and the calls really plan (a bad scheme name in a case would raise)."""
+    out = tmp_path / "p.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_planning.py"), "--calls", "3", "--json",
+                    str(out)], check=True, capture_output=True, text=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 * 6 and all(r["us"] > 0 for r in rows)
+    assert {tuple(r["shape"]) for r in rows} == {(2048, 768), (8192, 3072), (3072, 8192), (8192, 8192)}

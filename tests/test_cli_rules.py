@@ -77,8 +77,10 @@ def _fifo(path: Path) -> Path:
 def _interrupt(args, fifo: Path, cwd):
     """Start ``python -m ARGS``, wait until it blocks reading ``fifo`` (inside the command, past its imports),
     send SIGINT, and return the finished process's (exit status, stderr)."""
+    # SIGINT's default action in the command, as a terminal's Ctrl-C finds it: a suite started in the background
+    # of a shell (nohup ... &) ignores SIGINT, and an ignored signal stays ignored in every process it starts
     p = subprocess.Popen([sys.executable, "-m", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=cwd)
+                         text=True, cwd=cwd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.monotonic()
     fd = None
     while fd is None:                      # a writer can open the FIFO once the command has opened it to read
