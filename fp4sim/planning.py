@@ -9,9 +9,10 @@ A backend ("kernels" object) provides::
     sr_bytes(sr, shape)                  the per-element random bytes of an SRPlan, in ``shape``
     philox_in_kernel                     True where nvfp4 / mx take a :class:`PhiloxRows` for ``rb``: Philox
                                          bits generated inside the kernel, no tensor-sized byte array
-    moved_rows(a, axis)                  optional (CPU): ``a``'s (R, K) rows along ``axis``, as an array or an
-                                         object the kernels below gather a chunk of rows at a time from
-                                         (x2 and rb of absmax, row_absmax, nvfp4, mx)
+    moved_rows(a, axis)                  optional: ``a``'s (R, K) rows along ``axis``, as an array or an
+                                         object the kernels below read them from in place (the CPU gathers a
+                                         chunk of rows at a time, the GPU reads strided; x2 of absmax,
+                                         row_absmax, nvfp4, mx, and on the CPU rb)
     encode(xs, fmt, mode, sat, nsr, sr)  element codes of a float32 array
     absmax(x2)                           (max |x| with NaN ignored as float32, whether a NaN was seen)
     absmax_blocks(x2)                    optional (CPU): absmax's pair, an NVFP4 code array holding each
@@ -27,6 +28,13 @@ A backend ("kernels" object) provides::
         (scale None: blockwise, tile x 128 blocks, float32 scales; else per-tensor with that scale)
     dequantize(q, dq: DequantPlan)       float32 (rows, K) values
     rht(x2, d, sh, scale, to_bf16)       the transform of every d-long chunk of each row
+
+A backend with ``amax_on_device`` (the GPU's) quantizes NVFP4 (one second-level amax), MX and FP8 through
+:func:`_quantize_on_device` instead, which reads nothing back: ``absmax_device(x2[, rht])`` (the amax bits and a
+NaN flag, left on the device), ``nvfp4_tensor_constants(acc, flavor)``, ``nvfp4(..., cst=, rht=)``, ``mx`` returning
+its NaN / Inf flags where the others return an amax, ``fp8(..., amax_dev=)``, ``defer_warnings`` (the warnings read
+once the values reach the host), ``as_block_input`` (16-bit inputs kept as they are) and ``rht_operand`` (an RHT
+fused into NVFP4's kernels, :func:`run_quantize`'s ``pre_rht``).
 
 ``fp4sim.cpu.backend.CpuKernels`` implements it with Numba, ``fp4sim.gpu.ops.GpuKernels`` with the CUDA
 kernels (on a GPU through CuPy, or compiled for the host in the tests). The ids the kernels take (rounding
