@@ -2,6 +2,7 @@
 
     python benchmarks/bench_analyze.py [--size 4096] [--repeat 2] [--json out.json]
     python benchmarks/bench_analyze.py --checkpoint-elems 1e9 [--workers 1,2] [--json out.json]
+    python benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda [--json out.json]
 
 1. One size x size float32 tensor (Gaussian, heavy-tailed rows) analysed as an activation and as a gradient,
    with every default scheme and study and with ``hadamard=False``, each stage timed (the schemes, the outlier
@@ -11,6 +12,11 @@
    analysed as ``python -m fp4sim.analyze DIR --no-hadamard`` does, locally and on a Dask LocalCluster of 1 and
    2 worker processes (one thread each): elements per second, the peak resident size of the process (and of
    the workers), and the scaling from 1 to 2 workers.
+
+``--device cuda``: the same on the current CUDA device (``analyze(..., device="cuda")``). Part 1's baseline is then
+one NVFP4 quantize of the tensor on the device; part 2 analyses the checkpoint on the device (the kernels compiled by
+a first, untimed analysis of one small tensor) and, as the baseline of the same run, its first shard on the CPU in
+this process (no Dask).
 
 torch is imported first, as a user's script does.
 """
@@ -29,7 +35,7 @@ import numpy as np
 
 import fp4sim as fs
 from fp4sim.analyze import analyze
-from fp4sim.analyze.core import analyze_tensor
+from fp4sim.analyze.core import analyze_tensor, resolve_device
 from fp4sim.analyze.inputs import discover
 
 
@@ -41,19 +47,36 @@ def _tensor(n: int) -> np.ndarray:
     return x
 
 
+def _sync(device):
+    if device == "cuda":
+        import cupy
+        cupy.cuda.Device().synchronize()
+
+
 def stages(a, out):
     x = _tensor(a.size)
-    fs.quantize(x, "nvfp4")
-    tq = min(_timed(lambda: fs.quantize(x, "nvfp4")) for _ in range(a.repeat))
+    xq = x
+    if a.device == "cuda":
+        import cupy
+        xq = cupy.asarray(x)
+
+    def quantize():
+        fs.quantize(xq, "nvfp4")
+        _sync(a.device)
+    quantize()
+    tq = min(_timed(quantize) for _ in range(a.repeat))
     out["quantize_s"] = tq
-    print(f"one NVFP4 fs.quantize of {a.size} x {a.size}: {tq * 1e3:.1f} ms")
+    out["device"] = a.device
+    print(f"one NVFP4 fs.quantize of {a.size} x {a.size} ({a.device}): {tq * 1e3:.2f} ms")
+    dv = resolve_device(a.device)
     with tempfile.TemporaryDirectory() as d:
         for role in ("activation", "gradient"):
             name = {"activation": "blk.mlp.input", "gradient": "blk.mlp.grad_output"}[role]
             p = Path(d) / f"{name}.npy"
             np.save(p, x)
             src = discover([str(p)])[0][0]
-            analyze_tensor(src, chunk_elems=1 << 16, hadamard=True) if role == "activation" else None   # compile
+            if role == "activation":                                                                  # compile
+                analyze_tensor(src, chunk_elems=1 << 16, hadamard=True, device=dv)
             for hadamard in (True, False):
                 best = None
                 for _ in range(a.repeat):
@@ -67,7 +90,7 @@ def stages(a, out):
                             t[key] = t.get(key, 0.0) + now - last[1]
                         last[:] = [s, now]
                     t0 = time.perf_counter()
-                    analyze_tensor(src, hadamard=hadamard, stage=stage)
+                    analyze_tensor(src, hadamard=hadamard, stage=stage, device=dv)
                     stage("end")
                     t["total"] = time.perf_counter() - t0
                     best = t if best is None or t["total"] < best["total"] else best
@@ -104,10 +127,13 @@ def checkpoint(a, out):
     with tempfile.TemporaryDirectory() as d:
         wmap = {}
         t = time.perf_counter()
+        base = rng.standard_normal((side, side), np.float32)
+
+        def entry(e):          # one Gaussian draw, rolled and scaled per entry (drawing 1e9 values takes minutes)
+            return (np.roll(base, 97 * e, axis=0) * np.float32(1 + e / 64)).astype(ml_dtypes.bfloat16)
         for s in range(shards):
             fn = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-            part = {f"model.layers.{2 * s + i}.mlp.up_proj.weight":
-                    rng.standard_normal((side, side), np.float32).astype(ml_dtypes.bfloat16)
+            part = {f"model.layers.{2 * s + i}.mlp.up_proj.weight": entry(2 * s + i)
                     for i in range(2) if 2 * s + i < entries}
             save_file(part, str(Path(d) / fn))
             wmap.update({k: fn for k in part})
@@ -115,16 +141,32 @@ def checkpoint(a, out):
         elems = entries * side * side
         print(f"wrote {entries} BF16 entries of {side} x {side} ({elems:.3g} elements, {shards} shards) in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
-        res = {"elements": elems}
+        res = {"elements": elems, "device": a.device}
+        if a.device == "cuda":
+            first = Path(d) / wmap[next(iter(wmap))]
+            with tempfile.TemporaryDirectory() as d1:                      # the kernels compiled, untimed
+                np.save(Path(d1) / "w.npy", rng.standard_normal((256, 256), np.float32))
+                analyze([d1], hadamard=False, quiet=True, device="cuda")
+            n1 = sum(1 for v in wmap.values() if v == first.name) * side * side
+            t = time.perf_counter()
+            analyze([str(first)], hadamard=False, quiet=True)
+            dt1 = time.perf_counter() - t
+            res["cpu_first_shard"] = {"elements": n1, "s": dt1, "elems_per_s": n1 / dt1}
+            print(f"CPU, the first shard alone: {dt1:.1f} s, {n1 / dt1:.3g} elements/s", flush=True)
         t = time.perf_counter()
-        analyze([d], hadamard=False, quiet=True)
+        analyze([d], hadamard=False, quiet=True, device=a.device)
+        _sync(a.device)
         dt = time.perf_counter() - t
         res["local"] = {"s": dt, "elems_per_s": elems / dt,
                         "peak_rss_mb": _peak_rss_mb()}
-        print(f"local: {dt:.0f} s, {elems / dt:.3g} elements/s, peak RSS {res['local']['peak_rss_mb']:.0f} MB",
-              flush=True)
+        print(f"local ({a.device}): {dt:.1f} s, {elems / dt:.3g} elements/s, peak RSS "
+              f"{res['local']['peak_rss_mb']:.0f} MB", flush=True)
+        if a.device == "cuda":
+            res["speedup_vs_cpu"] = res["local"]["elems_per_s"] / res["cpu_first_shard"]["elems_per_s"]
+            print(f"the device analyses {res['speedup_vs_cpu']:.1f}x as many elements per second as this machine's "
+                  f"CPU path", flush=True)
         from dask.distributed import Client, LocalCluster
-        for w in (int(v) for v in a.workers.split(",")):
+        for w in (int(v) for v in a.workers.split(",") if v.strip() and a.device == "cpu"):
             with LocalCluster(n_workers=w, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
                     Client(cl) as client:
                 t = time.perf_counter()
@@ -145,7 +187,8 @@ def main():
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--checkpoint-elems", default=None, help="run part 2 instead, with about this many elements")
-    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--workers", default="1,2", help="Dask worker counts of part 2 (CPU only; '' for none)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json")
     a = ap.parse_args()
     out = {}

@@ -5,7 +5,8 @@
 # into its kernels (gpu_profile.py), the kernel benchmark
 # (bench_gpu.py: every kernel at 8192^2 and the GPT-2-small training shapes, as a share of the copy bandwidth) and
 # the training benchmark (bench_training.py --model gpt2-124m: the emulated step against BF16 autocast and float32;
-# the exact GEMM rules on a smaller batch), and write everything (logs and JSON) to OUTDIR.
+# the exact GEMM rules on a smaller batch) and the analysis of a 1e9-element BF16 checkpoint on the device
+# (bench_analyze.py --device cuda), and write everything (logs and JSON) to OUTDIR.
 # Usage: benchmarks/gpu_check.sh [OUTDIR]   (each step has a time limit, together 8 minutes; about 5
 # on an H200, much of it NVRTC compilation)
 set -uo pipefail
@@ -26,14 +27,15 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log, record the
     echo "$name: exit status $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/steps.txt"
     return "$rc"
 }
-step tensorcore_check 60 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore"
+step tensorcore_check 50 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore"
 step gpu_profile 20 "$py" benchmarks/gpu_profile.py
-step gpu_tests 180 "$py" -m pytest -q -rfE --durations=15 -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
-    tests/test_training.py tests/test_gpu_streams.py
+step gpu_tests 170 "$py" -m pytest -q -rfE --durations=15 -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
+    tests/test_training.py tests/test_gpu_streams.py tests/test_analyze_device.py
 tests_rc=$?
-step bench_gpu 70 "$py" benchmarks/bench_gpu.py --json "$out/bench_gpu.json"
-step bench_training 100 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --json "$out/bench_training.json"
-step bench_training_exact 50 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --batch 1 --seq 256 \
+step bench_gpu 60 "$py" benchmarks/bench_gpu.py --json "$out/bench_gpu.json"
+step bench_training 80 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --json "$out/bench_training.json"
+step bench_training_exact 40 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --batch 1 --seq 256 \
     --repeat 1 --presets nvfp4_paper --exact-rules --json "$out/bench_training_exact.json"
+step bench_analyze 60 "$py" benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda --json "$out/bench_analyze.json"
 echo "gpu tests exit status: $tests_rc" | tee -a "$out/steps.txt"
 exit "$tests_rc"

@@ -92,3 +92,20 @@ def cuda_convert(tmp_path_factory):
         return {**dict(zip(names8, p8)), **dict(zip(names16, p16))}
 
     return run
+
+
+@pytest.fixture(scope="session")
+def host_lib(tmp_path_factory):
+    """fp4sim/gpu/kernels.cu compiled for the host through tests/oracles/cuda_host_shim.h (a shared library for
+    fp4sim.gpu.backend.HostBackend)."""
+    from fp4sim.gpu.backend import SOURCE, write_ids_header
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        oracle_missing("no host C++ compiler (g++) to build the kernels for the host")
+    oracles = Path(__file__).parent / "oracles"
+    out = tmp_path_factory.mktemp("gpu_host") / "libfp4sim_kernels_host.so"
+    ids = write_ids_header(out.parent)
+    subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-include", str(ids),
+                    f"-I{oracles}", f"-I{SOURCE.parent}", str(oracles / "gpu_host_driver.cpp"), "-o", str(out)],
+                   check=True)
+    return out

@@ -27,18 +27,6 @@ from fp4sim.gpu.backend import NVRTC_OPTIONS, SOURCE, HostBackend, write_ids_hea
 ORACLES = Path(__file__).parent / "oracles"
 
 
-@pytest.fixture(scope="session")
-def host_lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        oracle_missing("no host C++ compiler (g++) to build the kernels for the host")
-    out = tmp_path_factory.mktemp("gpu_host") / "libfp4sim_kernels_host.so"
-    ids = write_ids_header(out.parent)
-    subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-include", str(ids), f"-I{ORACLES}",
-                    f"-I{SOURCE.parent}", str(ORACLES / "gpu_host_driver.cpp"), "-o", str(out)], check=True)
-    return out
-
-
 class _Cupy:
     """Adapter so a test can hand NumPy inputs to the GPU and get NumPy results back."""
 

@@ -47,6 +47,10 @@ def main(argv=None) -> int:
                     help="also analyse 1-D biases and normalization weights (skipped by default: no GEMM takes them)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding (Philox), 0 <= N < 2**64")
     ap.add_argument("--threads", type=int, help="Numba threads (default: the idle cores, from the load average)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the studies run: cpu (default) or cuda (the current CUDA device through CuPy, pip "
+                         "install '.[gpu]'; the same codes, counts and per-block values as the CPU, float64 sums to "
+                         "the reassociation tolerance; not with --dask)")
     ap.add_argument("--dask", action="store_true", help="analyse tensors in parallel on a local Dask cluster")
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler (implies --dask)")
     ap.add_argument("--requantize", metavar="REF",
@@ -84,6 +88,13 @@ def _run(a) -> int:
             raise BadInput(f"--schemes: unknown {bad}; choose from {', '.join(SCHEMES_BY_LABEL)}")
     if not 0 <= a.seed < 1 << 64:
         raise BadInput(f"--seed {a.seed}: give an integer in [0, 2**64)")
+    if a.device == "cuda":
+        if a.dask or a.scheduler:
+            raise BadInput("--device cuda runs on one GPU in this process: leave out --dask / --scheduler")
+        from .. import gpu
+        if not gpu.available():
+            raise BadInput("--device cuda: no CUDA device with CuPy was found (install CuPy with pip install "
+                           "'.[gpu]' from the repository root, or leave out --device)")
     try:
         threads.configure(a.threads)
         if a.out:
@@ -112,7 +123,7 @@ def _run(a) -> int:
         client = _connect(a.scheduler)
     try:
         ds = analyze(paths, schemes, roles, a.seed, not a.no_hadamard, a.dask, None, quiet=a.quiet, client=client,
-                     include_vectors=a.include_vectors, blocks=a.blocks, resume=_parts(a))
+                     include_vectors=a.include_vectors, blocks=a.blocks, resume=_parts(a), device=a.device)
     except ValueError as e:  # a broken roles file, names that cannot be told apart
         raise BadInput(str(e)) from None
     finally:

@@ -35,12 +35,13 @@ def chunk_size(numel: int) -> int:
 
 def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard: bool = True,
                    chunk_elems: int | None = None, stage=None, include_vectors: bool = False,
-                   blocks: bool = False) -> dict:
+                   blocks: bool = False, device=None) -> dict:
     """Everything about one tensor (a plain dict, so it can travel back from a Dask worker). ``stage(name)``
     is called as each stage starts (for progress). Every study works in row chunks of ``chunk_elems``
     elements (default: :func:`chunk_size`), so the extra memory stays a small multiple of the tensor. A 1-D bias
     or normalization weight raises :class:`NotATarget` unless ``include_vectors``. ``blocks``: keep each scheme's
-    per-block records (:data:`~fp4sim.analyze.metrics.BLOCK_FIELDS`) under ``["schemes"][label]["blocks"]``."""
+    per-block records (:data:`~fp4sim.analyze.metrics.BLOCK_FIELDS`) under ``["schemes"][label]["blocks"]``.
+    ``device``: a :class:`fp4sim.analyze.device.Device` to run the studies on (None: the CPU)."""
     stage = stage or (lambda name: None)
     stage("load")
     x = load(src)
@@ -54,30 +55,80 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     # twice over
     with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"), _worker_numba_threads():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {},
-               "n_nan": int(np.count_nonzero(np.isnan(x))), "n_inf": int(np.count_nonzero(np.isinf(x)))}
-        amax = tensor_amax(x)
+        res = {"name": src.name, "role": src.role, "shape": list(x.shape), "numel": int(x.size), "schemes": {}}
+        if device is not None:
+            from . import device as dev
+            x = device.upload(x)
+            res["n_nan"], res["n_inf"], amax = dev.specials(device, x)
+            run = _OnDevice(device)
+        else:
+            res["n_nan"], res["n_inf"] = int(np.count_nonzero(np.isnan(x))), int(np.count_nonzero(np.isinf(x)))
+            amax = tensor_amax(x)
+            run = _OnCpu
         shared = {}                 # the chunks' scheme-independent sums, taken once
         for spec in schemes:
             if src.role in spec.roles:
                 stage(f"scheme {spec.label}")
                 recs = [] if blocks else None
-                m, chs, sh = scheme_metrics(x, spec, src.role, seed, ch, amax, recs, shared=shared)
+                m, chs, sh = run.scheme_metrics(x, spec, src.role, seed, ch, amax, recs, shared=shared)
                 res["schemes"][spec.label] = {"metrics": m, "code_hist": chs.tolist(), "scale_hist": sh.tolist()}
                 if blocks:
                     res["schemes"][spec.label]["blocks"] = {f: np.concatenate([r[f] for r in recs])
                                                             for f in BLOCK_FIELDS}
         stage("outliers")
-        res["outliers"] = outliers(x, chunk_elems=ch, amax=amax)
-        res["absmax_map"] = absmax_map(x, chunk_elems=ch).tolist()
+        res["outliers"] = run.outliers(x, chunk_elems=ch, amax=amax)
+        res["absmax_map"] = run.absmax_map(x, chunk_elems=ch).tolist()
         if hadamard:
             stage("Hadamard study")
-            dims, err, kur = hadamard_effect(x, seed, res["outliers"]["kurtosis"], chunk_elems=ch, amax=amax)
+            dims, err, kur = run.hadamard_effect(x, seed, res["outliers"]["kurtosis"], chunk_elems=ch, amax=amax)
             res["rht"] = {"dims": list(dims), "rel_mse": err.tolist(), "kurtosis": kur.tolist()}
         if src.role == "gradient":
             stage("gradient bias")
-            res["bias"] = gradient_bias(x, seed, chunk_elems=ch)
+            res["bias"] = run.gradient_bias(x, seed, chunk_elems=ch)
+        if device is not None:
+            device.k.poll_warnings(wait=True)   # the device's deferred input warnings, ignored here as on the CPU
     return res
+
+
+class _OnCpu:
+    """The studies on the CPU."""
+    scheme_metrics = staticmethod(scheme_metrics)
+    outliers = staticmethod(outliers)
+    absmax_map = staticmethod(absmax_map)
+    hadamard_effect = staticmethod(hadamard_effect)
+    gradient_bias = staticmethod(gradient_bias)
+    wgrad_gemm = staticmethod(wgrad_gemm)
+
+
+class _OnDevice:
+    """The studies of :mod:`fp4sim.analyze.device` on one device."""
+
+    def __init__(self, dv):
+        import functools
+
+        from . import device as dev
+        for name in ("scheme_metrics", "outliers", "absmax_map", "hadamard_effect", "gradient_bias", "wgrad_gemm"):
+            setattr(self, name, functools.partial(getattr(dev, name), dv))
+
+
+def resolve_device(device):
+    """``analyze``'s ``device`` as a :class:`fp4sim.analyze.device.Device`, or None for the CPU: "cpu" (or None),
+    "cuda" (the current CUDA device, through CuPy) or a CUDA backend of :mod:`fp4sim.gpu.backend`."""
+    if device is None or device == "cpu":
+        return None
+    from .device import Device
+    if isinstance(device, Device):
+        return device
+    if device == "cuda":
+        from .. import gpu
+        if not gpu.available():
+            raise ValueError("device='cuda' needs CuPy and a CUDA device: none was found (install CuPy with pip "
+                             "install '.[gpu]' from the repository root, or analyse on the CPU with device='cpu')")
+        from ..gpu.backend import default_backend
+        return Device(default_backend())
+    if hasattr(device, "launch") and hasattr(device, "xp"):
+        return Device(device)
+    raise ValueError(f"device={device!r}: give 'cpu' or 'cuda'")
 
 
 def _worker_numba_threads():
@@ -160,7 +211,8 @@ def _killed(name, e) -> dict:
 
 def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: bool = True, dask: bool = False,
             scheduler: str | None = None, chunk_elems: int | None = None, quiet: bool = False,
-            client=None, include_vectors: bool = False, blocks: str | None = None, resume=None) -> xr.Dataset:
+            client=None, include_vectors: bool = False, blocks: str | None = None, resume=None,
+            device=None) -> xr.Dataset:
     """Analyse every tensor under ``paths``; returns the Dataset (``ds.attrs['skipped']`` lists what was not
     analysed and why, as JSON; entries with ``"ignored": true`` are no quantization targets — integer buffers,
     and biases and normalization weights unless ``include_vectors`` — rather than failures). ``blocks``: also write
@@ -168,7 +220,12 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
     folder where each tensor's result is kept as it finishes; a rerun with the same arguments reads them back
     instead of analysing those tensors again, and returns the same Dataset as an uninterrupted run. On a Dask
     cluster a tensor whose worker dies is retried on another (Dask's ``allowed-failures``); one that keeps
-    killing workers (out of memory) is reported as skipped with that reason."""
+    killing workers (out of memory) is reported as skipped with that reason. ``device``: "cpu" (the default) or
+    "cuda": the studies on the current CUDA device through CuPy (:mod:`fp4sim.analyze.device`: the CPU's codes,
+    counts and per-block values, its float64 sums to the reassociation tolerance); not with Dask."""
+    dv = resolve_device(device)
+    if dv is not None and (dask or scheduler or client is not None):
+        raise ValueError("device='cuda' runs on one GPU in this process: leave out dask / scheduler / client")
     specs = DEFAULT_SCHEMES if schemes is None else tuple(SCHEMES_BY_LABEL[s] if isinstance(s, str) else s
                                                           for s in schemes)
     sources, problems, meta = discover(paths, role_overrides)
@@ -179,7 +236,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
     if resume is not None:
         parts = Parts(resume, {"schemes": [sp.label for sp in specs], "seed": int(seed), "hadamard": bool(hadamard),
                                "chunk_elems": chunk_elems, "include_vectors": bool(include_vectors),
-                               "blocks": bool(blocks)})
+                               "blocks": bool(blocks), "device": "cpu" if dv is None else "cuda"})
     todo = []
     for s in sources:
         got = parts.get(s) if parts is not None else None
@@ -229,7 +286,8 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
             try:
                 finished(s, "result", analyze_tensor(s, specs, seed, hadamard, chunk_elems,
                                                      stage=lambda what, s=s: prog.stage(s.name, what),
-                                                     include_vectors=include_vectors, blocks=bool(blocks)))
+                                                     include_vectors=include_vectors, blocks=bool(blocks),
+                                                     device=dv))
             except TensorError as e:
                 finished(s, "skipped", _skip(s.name, e))
             prog.done()
@@ -243,7 +301,10 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
         if a in byname and g in byname:
             prog.stage(pname, "weight-gradient GEMM")
             try:
-                pairs.append({"pair": pname, **wgrad_gemm(load(_src(sources, a)), load(_src(sources, g)))})
+                xa, xg = load(_src(sources, a)), load(_src(sources, g))
+                pair = (wgrad_gemm(xa, xg) if dv is None else
+                        _OnDevice(dv).wgrad_gemm(dv.upload(xa), dv.upload(xg)))
+                pairs.append({"pair": pname, **pair})
             except (TensorError, ValueError) as e:
                 skipped.append({"tensor": pname, "reason": f"weight-gradient GEMM: {e}"})
         prog.done()

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import dequantize, quantize
 from ..formats import E4M3
+from .._xp import table, xp_of
 from ..layout import unpack_fp4
 
 SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err", "underflow_frac",
@@ -77,14 +78,15 @@ def chunks(x2: np.ndarray, chunk_elems: int):
         yield i, x2[r0:r0 + step]
 
 
-def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int):
+def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int, qfn=quantize):
+    """One row chunk's quantization under ``spec`` (``qfn``: :func:`fp4sim.quantize`, or a backend's)."""
     kw = spec.options(role)
     tensor_scale = not kw.get("row_scaled") and kw.get("per_tensor_scale", True)  # the variants bring their own
     if spec.scheme in ("nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2") and tensor_scale:
         kw["global_amax"] = amax
     if role == "gradient" and spec.fp4 and not kw.get("four_over_six"):
         kw.update(rounding="sr", seed=seed, stream=stream)
-    return quantize(c, spec.scheme, **kw)
+    return qfn(c, spec.scheme, **kw)
 
 
 def tensor_amax(x: np.ndarray) -> np.float32:
@@ -108,23 +110,35 @@ def _scales(q, spec: SchemeSpec, c, acc: dict, scale_hist, scale_vals: list):
     if "map_to_4" in q.extras:
         acc["map4"] = acc.get("map4", 0) + int(q.extras["map_to_4"].sum())
         acc["map4_n"] = acc.get("map4_n", 0) + int(q.extras["map_to_4"].size)
-    s = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
-    scale_hist += np.bincount(np.asarray(s).ravel(), minlength=256)
+    s = _scale_bytes(q, spec)
+    xp = xp_of(s)
+    scale_hist += _host(xp.bincount(s.ravel().astype(np.intp), minlength=256))
     if spec.scheme.startswith("nvfp4"):
-        scale_vals.append(E4M3.values[s].ravel())
+        scale_vals.append(table(xp, E4M3.values)[s].ravel())
     else:
-        scale_vals.append(np.exp2(s.astype(np.float64).ravel() - 127))
+        scale_vals.append(xp.exp2(s.astype(np.float64).ravel() - 127))
+
+
+def _scale_bytes(q, spec: SchemeSpec):
+    """The scale bytes of an NVFP4 (one row per tensor row) or MX quantization, (rows, blocks)."""
+    return q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+
+
+def _host(a) -> np.ndarray:
+    """A NumPy array of ``a`` (a CuPy array is copied to the host)."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def _block_records(q, spec: SchemeSpec, xm, eb, r0: int, c, y) -> dict:
     """One chunk's per-block records (:data:`BLOCK_FIELDS`) from its block amaxes ``xm`` and squared errors ``eb``
-    (rows x blocks), its quantization ``q``, the chunk ``c`` and its dequantized values ``y``; ``r0``: the chunk's
-    first row. A block in which finite values come back Inf or NaN (``lost``: how many) has an unbounded error:
-    its ``sq_err`` is +Inf, as the tensor's mse is then (its other elements' errors are not a bound on it)."""
+    (rows x blocks), its quantization ``q``, the chunk ``c`` and its dequantized values ``y`` (NumPy arrays; ``q``
+    may hold device arrays); ``r0``: the chunk's first row. A block in which finite values come back Inf or NaN
+    (``lost``: how many) has an unbounded error: its ``sq_err`` is +Inf, as the tensor's mse is then (its other
+    elements' errors are not a bound on it)."""
     nr, nbk = xm.shape
     sb = np.full((nr, nbk), -1, np.int16)
     if spec.fp4 or spec.scheme.startswith("mx"):
-        sb[:] = q.scales_per_row() if spec.scheme.startswith("nvfp4") else q.linear_scales()
+        sb[:] = _host(_scale_bytes(q, spec))
     lost = np.isfinite(c) & ~np.isfinite(y)
     if lost.any():
         K = c.shape[1]
@@ -204,7 +218,8 @@ _FUSED = True      # the one-pass kernels; False: the NumPy reference path (the 
 
 
 def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, chunk_elems: int = 1 << 22,
-                   amax=None, blocks: list | None = None, _fused: bool | None = None, shared: dict | None = None):
+                   amax=None, blocks: list | None = None, _fused: bool | None = None, shared: dict | None = None,
+                   device=None):
     """(scalar metrics dict, E2M1 code histogram (16,), scale-byte histogram (256,)) of x under ``spec``.
 
     Per-block statistics use 1 x B row segments (B = the scheme's block length along the last axis), also
@@ -220,10 +235,13 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     falls outside ``b <= g_amax <= 28672 b``, g_amax the tensor's amax or, row-scaled, the row's, so that only the
     right-hand side can fail: those blocks get subnormal E4M3 scales) and the dead zone
     (``dead_zone_frac``: the share of nonzero elements below b / 24, which round to 0 even with the block's exact
-    scale b / 6)."""
+    scale b / 6). ``device``: a :class:`fp4sim.analyze.device.Device` holding ``x`` (the chunks' statistics then
+    taken there)."""
     x2 = as_rows(x)
     _fused = _FUSED if _fused is None else _fused
-    amax = tensor_amax(x2) if amax is None else np.float32(amax)
+    if amax is None:
+        amax = tensor_amax(x2) if device is None else device.amax(x2)
+    amax = np.float32(amax)
     acc = dict(sx2=0.0, se2=0.0, se=0.0, max_err=0.0, nz=0, under=0, sat=0, zero=0, n=0, bm_err=0.0, bm_n=0,
                nblk=0, blk_max=0, binades=0.0, fin=0, lost=0, win_out=0, dead=0)
     win = _window(spec)
@@ -232,6 +250,13 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     scale_hist = np.zeros(256, np.int64)
     scale_vals, blk_errs = [], []
     for i, c in chunks(x2, chunk_elems):
+        if device is not None:
+            from .device import chunk_stats
+            q = quantize_chunk(c, spec, role, amax, seed, i, qfn=device.quantize)
+            if c.size:
+                r0 = chunk_stats(device, c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0, shared)
+                _scales(q, spec, c, acc, scale_hist, scale_vals)
+            continue
         q = quantize_chunk(c, spec, role, amax, seed, i)
         if _fused and c.size:
             r0 = _chunk_fused(c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0, shared)
@@ -287,11 +312,17 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
             _scales(q, spec, c, acc, scale_hist, scale_vals)
         else:
             acc["zero"] += int(((y == 0) & fin).sum())
+    return summarise(acc, blk_errs, scale_vals, scale_hist, code_hist, spec, win, np if device is None else device.xp)
+
+
+def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist, spec: SchemeSpec, win, xp=np):
+    """The metrics dict and histograms of :func:`scheme_metrics` from its chunks' sums ``acc``, block errors and
+    scale values (arrays of the module ``xp``)."""
     mse = acc["se2"] / max(acc["n"], 1)
     ms = acc["sx2"] / max(acc["n"], 1)
-    be = np.concatenate(blk_errs) if blk_errs else np.zeros(1)
+    be = xp.concatenate(blk_errs) if blk_errs else xp.zeros(1)
     ntop = max(1, be.size // 100)
-    top = np.partition(be, be.size - ntop)[be.size - ntop:]
+    top = xp.partition(be, be.size - ntop)[be.size - ntop:]
     out = dict(mse=mse, rel_mse=mse / ms if ms else np.nan,
                sqnr_db=10 * np.log10(ms / mse) if mse > 0 and ms > 0 else np.inf,
                max_abs_err=acc["max_err"], blockmax_rel_err=acc["bm_err"] / max(acc["bm_n"], 1),
@@ -299,8 +330,8 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
                zero_code_frac=acc["zero"] / max(acc["n"], 1),
                frac_blocks_amax_max=acc["blk_max"] / acc["nblk"] if acc["nblk"] else np.nan,
                binades_per_block=acc["binades"] / acc["nblk"] if acc["nblk"] else np.nan,
-               block_err_p50=float(np.percentile(be, 50)), block_err_p90=float(np.percentile(be, 90)),
-               block_err_p99=float(np.percentile(be, 99)),
+               block_err_p50=float(xp.percentile(be, 50)), block_err_p90=float(xp.percentile(be, 90)),
+               block_err_p99=float(xp.percentile(be, 99)),
                worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0,
                map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan,
                lost_frac=acc["lost"] / acc["fin"] if acc["fin"] else 0.0,
@@ -309,8 +340,8 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     if acc["lost"]:                     # finite values the scheme turns into Inf / NaN: an unbounded error
         out.update(mse=np.inf, rel_mse=np.inf, sqnr_db=-np.inf, max_abs_err=np.inf)
     if scale_vals:
-        sv = np.concatenate(scale_vals)
-        out.update(scale_std=float(np.std(sv)), scale_min=float(sv.min()), scale_max=float(sv.max()))
+        sv = xp.concatenate(scale_vals)
+        out.update(scale_std=float(xp.std(sv)), scale_min=float(sv.min()), scale_max=float(sv.max()))
         if spec.scheme.startswith("nvfp4"):
             out.update(n_scale_subnormal=int(scale_hist[1:8].sum()), n_scale_zero=int(scale_hist[0]))
         else:

@@ -13,9 +13,10 @@ RHT_SIGNS = ("te", "random", "none")
 RHT_SCHEMES = ("nvfp4", "mxfp4")
 
 
-def kurtosis(x: np.ndarray) -> float:
-    """Pearson kurtosis E[(x-mu)^4]/sigma^4 (3 for a Gaussian), over finite values."""
-    m = _Moments()
+def kurtosis(x: np.ndarray, device=None) -> float:
+    """Pearson kurtosis E[(x-mu)^4]/sigma^4 (3 for a Gaussian), over finite values (``device``: a
+    :class:`fp4sim.analyze.device.Device` holding ``x``)."""
+    m = _moments(device)
     for _, c in chunks(as_rows(x), 1 << 20):
         m.add1(c)
     for _, c in chunks(as_rows(x), 1 << 20):
@@ -156,6 +157,14 @@ def _fq_sums(c, amax, mean=0.0):
                              e4m3, smode, emax, mbits, rcp, enc, dec, float(mean))
 
 
+def _moments(device):
+    """A two-pass moments accumulator on the CPU, or on ``device`` (:class:`fp4sim.analyze.device.Moments`)."""
+    if device is None:
+        return _Moments()
+    from .device import Moments
+    return Moments(device)
+
+
 def _ratio(a, b):
     return a / b if b > 0 else float("nan")
 
@@ -243,24 +252,24 @@ def absmax_map(x: np.ndarray, size: int = 64, chunk_elems: int = 1 << 20) -> np.
 
 
 def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, chunk_elems: int = 1 << 20,
-                    amax=None):
+                    amax=None, device=None):
     """rel-MSE of NVFP4 and MXFP4 on rht(x) and its kurtosis, for each d and sign mode (NaN where the last axis
     is not a multiple of d, or 'te' with d != 16). Index [0] of the d axis is no transform (``kurt0``: the
     kurtosis of x when the caller has it already). The transform runs along the last axis, row chunk by row
-    chunk (NVFP4 with the transformed tensor's own amax, found in a first pass)."""
+    chunk (NVFP4 with the transformed tensor's own amax, found in a first pass). ``device``: a
+    :class:`fp4sim.analyze.device.Device` holding ``x``."""
     x2 = as_rows(x)
     K = x2.shape[1]
     dims = (0,) + RHT_DIMS
     err = np.full((len(dims), len(RHT_SIGNS), len(RHT_SCHEMES)), np.nan)
     kur = np.full((len(dims), len(RHT_SIGNS)), np.nan)
-    amax0 = _amax(x2) if amax is None else np.float32(amax)
+    amax_of = _amax if device is None else device.amax
+    amax0 = amax_of(x2) if amax is None else np.float32(amax)
     e = np.zeros((len(RHT_SCHEMES), 2))
     for _, c in chunks(x2, chunk_elems):  # d = 0: no transform, any signs
-        out = _fq_sums(c, amax0)
-        e += (_err_sums_pair(c, fake_quantize(c, "nvfp4", global_amax=amax0), fake_quantize(c, "mxfp4"))
-              if out is None else [[out[1], out[0]], [out[2], out[0]]])
+        e += _pair_err_sums(c, amax0, device)
     err[0, :] = [_ratio(*v) for v in e]
-    kur[0, :] = kurtosis(x2) if kurt0 is None else kurt0
+    kur[0, :] = kurtosis(x2, device) if kurt0 is None else kurt0
     for di, d in enumerate(dims[1:], 1):
         if K % d:
             continue
@@ -268,25 +277,40 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
             if sg == "te" and d != 16:
                 continue
             signs = {"te": "te", "random": seed + 1, "none": None}[sg]
-            m = _Moments()
+            m = _moments(device)
             a_r = np.float32(0)
             xrs = []                 # the transformed chunks, kept for the second pass (one float32 copy of x)
             for _, c in chunks(x2, chunk_elems):
-                xr = rht(c, d, signs, out="fp32")
+                xr = rht(c, d, signs, out="fp32") if device is None else device.rht(c, d, signs)
                 a = m.add1(xr)
-                a_r = max(a_r, _amax(xr) if a is None else a)
+                a_r = max(a_r, amax_of(xr) if a is None else a)
                 xrs.append(xr)
             e = np.zeros((len(RHT_SCHEMES), 2))
             while xrs:
-                xr = xrs.pop(0)
-                out = _fq_sums(xr, a_r, m.mean)
-                if out is None:
-                    e += m.add2(xr, fake_quantize(xr, "nvfp4", global_amax=a_r), fake_quantize(xr, "mxfp4"))
-                else:
-                    e += m.add_sums(out)
+                e += _pass2_err_sums(m, xrs.pop(0), a_r, device)
             kur[di, si] = m.kurtosis()
             err[di, si, :] = [_ratio(*v) for v in e]
     return dims, err, kur
+
+
+def _pair_err_sums(c, amax, device=None) -> np.ndarray:
+    """[[sum (y - x)^2, sum x^2]] of chunk ``c`` under NVFP4 (tensor amax ``amax``) and MXFP4 (the finite x)."""
+    if device is not None:
+        return _moments(device).add2(c, device.fake(c, "nvfp4", global_amax=amax), device.fake(c, "mxfp4"))
+    out = _fq_sums(c, amax)
+    if out is None:
+        return _err_sums_pair(c, fake_quantize(c, "nvfp4", global_amax=amax), fake_quantize(c, "mxfp4"))
+    return np.array([[out[1], out[0]], [out[2], out[0]]])
+
+
+def _pass2_err_sums(m, xr, amax, device=None) -> np.ndarray:
+    """The second moments pass of ``m`` over the transformed chunk ``xr`` with its NVFP4 / MXFP4 error sums."""
+    if device is None:
+        out = _fq_sums(xr, amax, m.mean)
+        if out is not None:
+            return m.add_sums(out)
+    fq = fake_quantize if device is None else device.fake
+    return m.add2(xr, fq(xr, "nvfp4", global_amax=amax), fq(xr, "mxfp4"))
 
 
 def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_elems: int = 1 << 20) -> dict:
@@ -297,17 +321,7 @@ def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_ele
     same byte for every element of a pass)."""
     g2 = as_rows(g)
     amax = _amax(g2)
-
-    def sums(y, x, along_sign=False):
-        fin = np.isfinite(x)
-        e = y[fin].astype(np.float64) - x[fin]
-        if along_sign:
-            e = e * np.sign(x[fin])
-        return np.array([e.sum(), np.abs(x[fin]).astype(np.float64).sum(), fin.sum()])
-
-    def rel(t):
-        return float((t[0] / t[2]) / ((t[1] / t[2]) or 1.0)) if t[2] else float("nan")
-
+    sums, rel = _bias_sums, _bias_rel
     rne = np.zeros(3)
     sr = np.zeros(3)
     for i, c in chunks(g2, chunk_elems):
@@ -325,6 +339,20 @@ def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_ele
                 grad_shrink_sr=rel(sums(fake_quantize(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax), s,
                                         True)),
                 grad_shrink_sr_expected=rel(sums(exp, s, True)))
+
+
+def _bias_sums(y, x, along_sign=False):
+    """[sum of the error y - x (times sign(x) when ``along_sign``), sum |x|, count] over the finite x (float64)."""
+    fin = np.isfinite(x)
+    e = y[fin].astype(np.float64) - x[fin]
+    if along_sign:
+        e = e * np.sign(x[fin])
+    return np.array([e.sum(), np.abs(x[fin]).astype(np.float64).sum(), fin.sum()])
+
+
+def _bias_rel(t):
+    """The mean error relative to the mean |x| of :func:`_bias_sums`'s totals ``t``."""
+    return float((t[0] / t[2]) / ((t[1] / t[2]) or 1.0)) if t[2] else float("nan")
 
 
 def _rne_along_tokens(X, use_rht, cols):

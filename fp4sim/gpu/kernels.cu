@@ -1019,3 +1019,267 @@ extern "C" __global__ void tc_group_chain(const double* A, const double* B, cons
     }
     out[t] = d2f_bits(c);
 }
+
+// ------------------------------------------------------------------------------------------ analysis
+// The statistics of `fp4sim.analyze --device cuda` (fp4sim/analyze/device.py), as fp4sim/cpu/analysis.py takes them
+// on the CPU. Counts, extrema and per-block values are the CPU's exactly: a block's squared error is summed in
+// NumPy's pairwise order (np_sum), as the CPU's kernels sum it. The chunk-wide float64 sums (an_sums, the outlier
+// study's column sums) are per-thread partial sums added up by the caller: the same terms in another order.
+
+// A thread's count added to a global counter, and a thread's maximum folded into a global one: on the device reduced
+// over the warp first (every lane must reach these calls), then one atomic per warp; on the host build one per thread.
+__device__ __forceinline__ void publish_add(u64 v, u64* dst) {
+#ifdef FP4SIM_HOST_SHIM
+    if (v) atomicAdd(dst, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    if ((threadIdx.x & 31) == 0 && v) atomicAdd(dst, v);
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void publish_max(T v, T* dst) {
+#ifdef FP4SIM_HOST_SHIM
+    atomicMax(dst, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        T w = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        v = w > v ? w : v;
+    }
+    if ((threadIdx.x & 31) == 0) atomicMax(dst, v);
+#endif
+}
+
+__device__ __forceinline__ bool fin32(u32 u) { return (u & 0x7FFFFFFFu) < 0x7F800000u; }
+
+// NumPy's direct sum of f(lo) ... f(lo + n - 1), n <= 128 (8 interleaved accumulators), and its pairwise sum of
+// f(0) ... f(n - 1) (runs longer than 128 split in two at half the length rounded down to a multiple of 8).
+template <class F>
+__device__ double np_leaf(const F& f, i64 lo, i64 n) {
+    if (n < 8) {
+        double res = 0.0;
+        for (i64 i = 0; i < n; ++i) res += f(lo + i);
+        return res;
+    }
+    double r[8];
+    for (int q = 0; q < 8; ++q) r[q] = f(lo + q);
+    i64 i = 8, m = n - n % 8;
+    for (; i < m; i += 8)
+        for (int q = 0; q < 8; ++q) r[q] += f(lo + i + q);
+    double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; ++i) res += f(lo + i);
+    return res;
+}
+
+template <class F>
+__device__ double np_sum(const F& f, i64 lo, i64 n) {
+    if (n <= 128) return np_leaf(f, lo, n);
+    i64 k2 = n / 2;
+    k2 -= k2 % 8;
+    return np_sum(f, lo, k2) + np_sum(f, lo + k2, n - k2);
+}
+
+// fp4sim.cpu.analysis.block_stats for one chunk, one thread per block of B elements of a row (B = K for the
+// per-tensor schemes): x (R, K) float32 and its dequantized values y (R, K); codes the packed E2M1 codes (row
+// stride cstride bytes, low nibble first) when fp4. Per block: eb (its squared error over the elements where x and y
+// are finite), xm (its largest finite |x|, the first one), ym (|y| there), blk_max (a code of magnitude 7 in it),
+// binades (how many E2M1 binades its codes use). Over the chunk: counts[FIN ... DEAD] (see N_COUNTS), max_err (the
+// float64 bits of the largest |error|), hist (the codes' histogram); row_amax[r] the float64 bits of the row's
+// largest finite |x| (window 2 only). window: 0 no g_amax window, 1 the tensor's, 2 the row's (the dead-zone
+// counter counts only with one).
+extern "C" __global__ void an_block_stats(const float* x, const float* y, const u8* codes, i64 cstride, i64 R,
+                                          i64 K, i64 B, i64 nbk, int fp4, int window, u64* counts, u64* max_err,
+                                          u64* row_amax, double* eb, double* xm, double* ym, u8* blk_max,
+                                          u8* binades, u64* hist) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 n_fin = 0, n_lost = 0, n_nz = 0, n_under = 0, n_zy = 0, n_zero = 0, n_sat = 0, n_dead = 0;
+    u64 me = 0;
+    u32 h[16];
+    for (int q = 0; q < 16; ++q) h[q] = 0;
+    if (t < R * nbk) {
+        i64 r = t / nbk, b = t % nbk, k0 = b * B;
+        i64 n = K - k0 < B ? K - k0 : B;
+        const float* xr = x + r * K + k0;
+        const float* yr = y + r * K + k0;
+        double best = 0.0;
+        i64 arg = 0;
+        for (i64 i = 0; i < n; ++i) {
+            u32 bx = fbits(xr[i]), by = fbits(yr[i]);
+            double xd = f2d(bx), yd = f2d(by);
+            bool fin = fin32(bx), finy = fin32(by), nz = fin && xd != 0.0;
+            double dd = fin && finy ? fabs(yd - xd) : 0.0;
+            u64 db = (u64)__double_as_longlong(dd);
+            me = db > me ? db : me;
+            double ab = fin ? fabs(xd) : 0.0;
+            if (ab > best) { best = ab; arg = i; }
+            n_fin += fin;
+            n_lost += fin && !finy;
+            n_nz += nz;
+            n_under += nz && yd == 0.0;
+            n_zy += fin && yd == 0.0;
+        }
+        auto e2 = [&](i64 i) -> double {
+            if (i >= n) return 0.0;
+            u32 bx = fbits(xr[i]), by = fbits(yr[i]);
+            if (!fin32(bx) || !fin32(by)) return 0.0;
+            double d = f2d(by) - f2d(bx);
+            return d * d;
+        };
+        i64 o = r * nbk + b;
+        eb[o] = np_sum(e2, 0, B);
+        xm[o] = best;
+        ym[o] = fabs(f2d(fbits(yr[arg])));
+        if (window == 2) atomicMax(row_amax + r, (u64)__double_as_longlong(best));
+        if (window) {
+            double lim = best / 24.0;
+            for (i64 i = 0; i < n; ++i) {
+                u32 bx = fbits(xr[i]);
+                double ab = fin32(bx) ? fabs(f2d(bx)) : 0.0;
+                n_dead += ab > 0.0 && ab < lim;
+            }
+        }
+        if (fp4) {
+            int top = 0, used = 0;
+            for (i64 i = 0; i < n; ++i) {
+                i64 k = k0 + i;
+                int c = (codes[r * cstride + (k >> 1)] >> (4 * (k & 1))) & 15, mag = c & 7;
+                top = mag > top ? mag : top;
+                used |= mag >= 2 ? 1 << (mag >> 1) : mag;
+                n_zero += mag == 0;
+                u32 bx = fbits(xr[i]);
+                n_sat += mag == 7 && fin32(bx) && fabs(f2d(bx)) > fabs(f2d(fbits(yr[i]))) * (1 + 1e-7);
+                h[c] += 1;
+            }
+            blk_max[o] = top == 7;
+            binades[o] = (used & 1) + ((used >> 1) & 1) + ((used >> 2) & 1) + ((used >> 3) & 1);
+        }
+    }
+    if (!fp4) n_zero = n_zy;
+    publish_add(n_fin, counts + 0);
+    publish_add(n_lost, counts + 1);
+    publish_add(n_nz, counts + 2);
+    publish_add(n_under, counts + 3);
+    publish_add(n_zero, counts + 4);
+    publish_add(n_sat, counts + 5);
+    publish_add(n_dead, counts + 6);
+    publish_max(me, max_err);
+    if (fp4)
+        for (int q = 0; q < 16; ++q) publish_add(h[q], hist + q);
+}
+
+// A thread's partial sum into its warp's: on the device a shuffle reduction, lane 0 storing it (every lane must
+// reach this call); on the host build, where the threads run one after the other, each adds its own.
+__device__ __forceinline__ void publish_part(double v, double* dst) {
+#ifdef FP4SIM_HOST_SHIM
+    *dst += v;
+#else
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    if ((threadIdx.x & 31) == 0) *dst = v;
+#endif
+}
+
+// The float64 sums of the studies over the finite x of a flat chunk (n elements): partial sums per warp,
+// part[w * AN_NCOL + column] (zeroed by the caller), added up by the caller. Warp w takes the 32 * seg elements
+// from 32 * seg * w, lane l every 32nd of them from l. Columns: 0 count, 1 sum x, 2 sum x^2, 3 sum ea^2,
+// 4 sum eb^2, 5 sum d^2, 6 sum d^4 (d = x - mean), 7 sum ea, 8 sum eb, 9 sum |x|, 10 NaN count, 11 Inf count
+// (over every x), 12 sum ea sign(x), 13 sum eb sign(x); ea = float64(ya) - float64(x) (eb of yb) for nerr >= 1 (2),
+// whatever ya is (an Inf or NaN ya makes the sums Inf or NaN, as the CPU's masked copies do). amax2: max |x| with NaN ignored ([0], Inf counts) and over the finite x ([1]),
+// float32 bits.
+#define AN_NCOL 14
+extern "C" __global__ void an_sums(const float* x, const float* ya, const float* yb, i64 n, int nerr, double mean,
+                                   int seg, double* part, u32* amax2) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    double s[AN_NCOL];
+    for (int q = 0; q < AN_NCOL; ++q) s[q] = 0.0;
+    u32 am = 0, fm = 0;
+    i64 base = (t >> 5) * 32 * (i64)seg + (t & 31);
+    for (int j = 0; j < seg; ++j) {
+        i64 i = base + 32 * (i64)j;
+        if (i >= n) break;
+        u32 bx = fbits(x[i]), a = bx & 0x7FFFFFFFu;
+        s[10] += a > 0x7F800000u;
+        s[11] += a == 0x7F800000u;
+        am = fold_amax(am, bx);
+        if (a >= 0x7F800000u) continue;
+        fm = a > fm ? a : fm;
+        double xd = f2d(bx), d = xd - mean, d2 = d * d, sg = xd > 0.0 ? 1.0 : (xd < 0.0 ? -1.0 : 0.0);
+        s[0] += 1.0;
+        s[1] += xd;
+        s[2] += xd * xd;
+        s[5] += d2;
+        s[6] += d2 * d2;
+        s[9] += fabs(xd);
+        for (int w = 0; w < nerr && w < 2; ++w) {
+            double e = f2d(fbits((w ? yb : ya)[i])) - xd;
+            s[3 + w] += e * e;
+            s[7 + w] += e;
+            s[12 + w] += e * sg;
+        }
+    }
+    if (base - (t & 31) < n)                                  // the same for the whole warp
+        for (int q = 0; q < AN_NCOL; ++q) publish_part(s[q], part + (t >> 5) * AN_NCOL + q);
+    publish_max(am, amax2);
+    publish_max(fm, amax2 + 1);
+}
+
+// The outlier study's column sums (fp4sim.cpu.analysis.outlier_sums), one thread per column and tile of `rows` rows:
+// perr[tile, k] the sum of (float64(y) - float64(x))^2 over the tile's finite x of column k, px2[tile, k] of x^2;
+// col_big[k] set to 1 where |x| > thr (thr a float32 value; NaN is not big).
+extern "C" __global__ void an_outlier_cols(const float* x, const float* y, i64 R, i64 K, i64 rows, double thr,
+                                           double* perr, double* px2, u8* col_big) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x, tile = t / K, k = t % K;
+    if (tile * rows >= R) return;
+    i64 r1 = (tile + 1) * rows < R ? (tile + 1) * rows : R;
+    double ce = 0.0, cx = 0.0;
+    bool big = false;
+    for (i64 r = tile * rows; r < r1; ++r) {
+        u32 bx = fbits(x[r * K + k]);
+        double xd = f2d(bx);
+        big |= f2d(bx & 0x7FFFFFFFu) > thr;
+        if (!fin32(bx)) continue;
+        double e = f2d(fbits(y[r * K + k])) - xd;
+        ce += e * e;
+        cx += xd * xd;
+    }
+    perr[t] = ce;
+    px2[t] = cx;
+    if (big) col_big[k] = 1;
+}
+
+// ... and its 16-element blocks, one thread per block: eb[r, j] its squared error over the finite x summed as NumPy
+// sums a run of 16 (the zero-padded last block included), bb[r, j] whether it holds a big value, row_big[r] set to 1
+// where the row does.
+extern "C" __global__ void an_outlier_blocks(const float* x, const float* y, i64 R, i64 K, double thr, double* eb,
+                                             u8* bb, u8* row_big) {
+    i64 nbk = (K + 15) / 16, t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= R * nbk) return;
+    i64 r = t / nbk, k0 = (t % nbk) * 16, w = K - k0 < 16 ? K - k0 : 16;
+    const float* xr = x + r * K + k0;
+    const float* yr = y + r * K + k0;
+    auto e2 = [&](i64 i) -> double {
+        if (i >= w) return 0.0;
+        u32 bx = fbits(xr[i]);
+        if (!fin32(bx)) return 0.0;
+        double e = f2d(fbits(yr[i])) - f2d(bx);
+        return e * e;
+    };
+    bool big = false;
+    for (i64 i = 0; i < w; ++i) big |= f2d(fbits(xr[i]) & 0x7FFFFFFFu) > thr;
+    eb[t] = np_leaf(e2, 0, 16);
+    bb[t] = big;
+    if (big) row_big[r] = 1;
+}
+
+// The absmax map of a chunk (rows r0 ... of the tensor): one thread per row and group of pc columns, its largest
+// finite |x| (NaN and Inf count as 0) folded into m[(r0 + r) / pr, group] (float32 bits) by an atomic max.
+extern "C" __global__ void an_absmax_map(const float* x, i64 R, i64 K, i64 r0, i64 pr, i64 pc, i64 cols, u32* m) {
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x, r = t / cols, g = t % cols;
+    if (r >= R) return;
+    i64 k1 = (g + 1) * pc < K ? (g + 1) * pc : K;
+    u32 v = 0;
+    for (i64 k = g * pc; k < k1; ++k) {
+        u32 a = fbits(x[r * K + k]) & 0x7FFFFFFFu;
+        v = a < 0x7F800000u && a > v ? a : v;
+    }
+    atomicMax(m + ((r0 + r) / pr) * cols + g, v);
+}

@@ -33,6 +33,8 @@ inline double __longlong_as_double(long long u) { double d; std::memcpy(&d, &u, 
 inline u32 __umulhi(u32 a, u32 b) { return (u32)(((u64)a * (u64)b) >> 32); }
 inline u32 atomicMax(u32* p, u32 v) { u32 o = *p; if (v > o) *p = v; return o; }
 inline u32 atomicOr(u32* p, u32 v) { u32 o = *p; *p = o | v; return o; }
+inline u64 atomicAdd(u64* p, u64 v) { u64 o = *p; *p = o + v; return o; }
+inline u64 atomicMax(u64* p, u64 v) { u64 o = *p; if (v > o) *p = v; return o; }
 using std::fabs; using std::isinf;
 inline float fabsf(float v) { return std::fabs(v); }
 inline float nextafterf(float a, float b) { return std::nextafter(a, b); }

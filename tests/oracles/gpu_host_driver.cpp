@@ -80,3 +80,24 @@ HOST(tc_group_chain)(i64 th, const double* A, const double* B, const double* SA,
                      const i64* ESB, i64 M, i64 N, i64 K, i64 nb, int L, int G, int bs, int F, int e_zero, u32* out) {
     host_launch(tc_group_chain, th, A, B, SA, SB, ESA, ESB, M, N, K, nb, L, G, bs, F, e_zero, out);
 }
+HOST(an_block_stats)(i64 th, const float* x, const float* y, const u8* codes, i64 cstride, i64 R, i64 K, i64 B,
+                     i64 nbk, int fp4, int window, u64* counts, u64* max_err, u64* row_amax, double* eb, double* xm,
+                     double* ym, u8* blk_max, u8* binades, u64* hist) {
+    host_launch(an_block_stats, th, x, y, codes, cstride, R, K, B, nbk, fp4, window, counts, max_err, row_amax, eb,
+                xm, ym, blk_max, binades, hist);
+}
+HOST(an_sums)(i64 th, const float* x, const float* ya, const float* yb, i64 n, int nerr, double mean, int seg,
+              double* part, u32* amax2) {
+    host_launch(an_sums, th, x, ya, yb, n, nerr, mean, seg, part, amax2);
+}
+HOST(an_outlier_cols)(i64 th, const float* x, const float* y, i64 R, i64 K, i64 rows, double thr, double* perr,
+                      double* px2, u8* col_big) {
+    host_launch(an_outlier_cols, th, x, y, R, K, rows, thr, perr, px2, col_big);
+}
+HOST(an_outlier_blocks)(i64 th, const float* x, const float* y, i64 R, i64 K, double thr, double* eb, u8* bb,
+                        u8* row_big) {
+    host_launch(an_outlier_blocks, th, x, y, R, K, thr, eb, bb, row_big);
+}
+HOST(an_absmax_map)(i64 th, const float* x, i64 R, i64 K, i64 r0, i64 pr, i64 pc, i64 cols, u32* m) {
+    host_launch(an_absmax_map, th, x, R, K, r0, pr, pc, cols, m);
+}
