@@ -31,7 +31,8 @@ A backend ("kernels" object) provides::
 
 A backend with ``amax_on_device`` (the GPU's) quantizes NVFP4 (one second-level amax), MX and FP8 through
 :func:`_quantize_on_device` instead, which reads nothing back: ``absmax_device(x2[, rht])`` (the amax bits and a
-NaN flag, left on the device), ``nvfp4_tensor_constants(acc, flavor)``, ``nvfp4(..., cst=, rht=)``, ``mx`` returning
+NaN flag, left on the device), ``nvfp4_tensor_constants(acc, flavor)``, ``nvfp4(..., cst=, rht=, flags=)`` (with a
+given second-level amax, the input's NaN / Inf flags set by the kernel itself, no amax pass), ``mx`` returning
 its NaN / Inf flags where the others return an amax, ``fp8(..., amax_dev=)``, ``defer_warnings`` (the warnings read
 once the values reach the host), ``as_block_input`` (16-bit inputs kept as they are) and ``rht_operand`` (an RHT
 fused into NVFP4's kernels, :func:`run_quantize`'s ``pre_rht``).
@@ -485,9 +486,9 @@ def _quantize_on_device(kern, p: QuantPlan, x2, rb, use_rb, rht=None):
     elif isinstance(sch, NVFP4):
         if sch.row_scaled or sch.four_over_six:
             return None
-        acc = kern.absmax_device(x2, rht=rht)
         fl = ids.FLAVOR_IDS[sch.flavor]
         if sch.per_tensor_scale and p.global_amax is None:
+            acc = kern.absmax_device(x2, rht=rht)
             kern.defer_warnings(sch, acc=acc)
             cst = kern.nvfp4_tensor_constants(acc, sch.flavor)
             codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], None, None, None, p.fake,
@@ -495,10 +496,11 @@ def _quantize_on_device(kern, p: QuantPlan, x2, rb, use_rb, rht=None):
             gamax = kern.device_amax(acc)
         else:                                 # the second-level amax is the host's: global_amax, or 1
             g = p.global_amax if sch.per_tensor_scale else f32(1.0)
-            kern.defer_warnings(sch, acc=acc, amax_g=g)
             c0, c1, dq = nvfp4_constants_rows(sch.flavor, g, sch.per_tensor_scale)
+            flags = xp.zeros(1, np.uint32)      # the input's NaN / Inf, seen by the quantize kernel itself
             codes, scales, fv = kern.nvfp4(x2, rb, use_rb, p.mode, nsr, fl, sch.block[0], c0, c1, dq, p.fake,
-                                           rht=rht)
+                                           rht=rht, flags=flags)
+            kern.defer_warnings(sch, flags=flags, amax_g=g)
             gamax = f32(g) if sch.per_tensor_scale else None
     elif isinstance(sch, FP8Tensor):
         if p.global_amax is None:

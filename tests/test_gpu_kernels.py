@@ -488,6 +488,40 @@ def test_quantize_reads_nothing_back_from_the_device(dev, monkeypatch, scheme, k
     assert count.n > 0
 
 
+def test_nvfp4_with_a_given_amax_takes_its_flags_from_the_quantize_kernel(dev, monkeypatch):
+    """NVFP4 with a given second-level amax (or none) makes no amax pass: the quantize kernel sets the NaN / Inf
+    flags itself, of the rotated values when the RHT is fused. The warnings are the CPU's, for NaN, Inf, both and
+    neither, in full and partial blocks, 1x16 and 16x16, direct and through the fused RHT."""
+    launched = []
+    real = type(dev.be).launch
+    monkeypatch.setattr(type(dev.be), "launch", lambda be, name, *a: (launched.append(name), real(be, name, *a))[1])
+
+    def messages(fn):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn()
+            ops.flush_warnings()
+        return sorted({str(w.message) for w in seen})
+    rng = np.random.default_rng(4)
+    for where in ((), (3, 5), (29, 38), (3, 5, 29, 38)):
+        for i, special in enumerate((np.nan, np.inf, -np.inf)):
+            x = rng.standard_normal((32, 48)).astype(np.float32)
+            x[where[:2]] = special if where else 0.0
+            x[where[2:]] = (np.nan if i else np.inf) if len(where) > 2 else x[where[2:]]
+            for scheme, kw in (("nvfp4", {"global_amax": 2.5}), ("nvfp4_2d", {"global_amax": 2.5}),
+                               ("nvfp4", {"flavor": "torchao", "per_tensor_scale": False})):
+                for fn_cpu, fn_dev in (
+                        (lambda: fs.quantize(x, scheme, **kw),
+                         lambda: ops.quantize(dev.be, dev.dev(x), scheme, **kw)),
+                        (lambda: fs.quantize(x[:, :40], scheme, **kw),                   # a partial block
+                         lambda: ops.quantize(dev.be, dev.dev(x[:, :40].copy()), scheme, **kw)),
+                        (lambda: fs.quantize(fs.rht(x, 16, "te", out="bf16"), scheme, **kw),
+                         lambda: ops.rht_quantize(dev.be, dev.dev(x), 16, "te", "bf16", scheme, **kw))):
+                    launched.clear()
+                    assert messages(fn_dev) == messages(fn_cpu), (where, special, scheme, kw)
+                    assert "absmax_bits" not in launched and "rht_absmax_bits" not in launched, launched
+
+
 def test_dequantize_reads_a_device_tensor_amax_on_the_device(dev):
     """A QuantizedTensor whose global_amax is a device array (what the GPU's quantize returns) dequantizes with
     the constants made on the device from it: the host's bits, for every flavour."""

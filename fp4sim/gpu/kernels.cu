@@ -436,14 +436,15 @@ extern "C" __global__ void nvfp4_tensor_constants(const u32* amax_bits, int flav
 // tile row by row. SR bytes: see SrSource. rht_sh (a (16, 16) float64 diag(s) @ H_16, or null): each 16-element
 // chunk is first rotated as the rht kernel rotates it (rht_scale, rht_bf16), so that quantize(rht(x)) runs without
 // writing and reading the rotated tensor (K a multiple of 16). S: x is read in place (xoff); with S > 1 a warp's
-// threads take neighbouring rows, whose elements lie side by side.
+// threads take neighbouring rows, whose elements lie side by side. flags (when not null): bit 0 set when a NaN was
+// seen, bit 1 an Inf (of the rotated values with rht_sh), as mx_quantize sets them.
 extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64 K, i64 S, const u8* rb, int use_rb,
                                           int ph,
                                           u32 pk0, u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr,
                                           int flavor, int tile, const double* c0v, const double* c1v,
                                           const double* dq0v, const double* dq1v, int per_row,
                                           const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake,
-                                          const double* rht_sh, double rht_scale, int rht_bf16) {
+                                          const double* rht_sh, double rht_scale, int rht_bf16, u32* flags) {
     i64 nbk = (K + 15) / 16, ngroups = (R + tile - 1) / tile;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ngroups * nbk) return;
@@ -455,15 +456,24 @@ extern "C" __global__ void nvfp4_quantize(const void* x, int in_kind, i64 R, i64
     SrSource sr = sr_source(rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride);
     bool full = k1 - k0 == 16, vec = full && S == 1 && vec_ok(x, K, in_kind);
     u32 v[16];
-    u32 m = 0;
+    u32 m = 0, nn = 0;
     for (i64 r = r0; r < r1; ++r) {
         if (full) {
             load16(x, in_kind, r, K, S, k0, vec, v, rht_sh, rht_scale, rht_bf16);
-            for (int e = 0; e < 16; ++e) m = fold_amax(m, v[e]);
+            for (int e = 0; e < 16; ++e) {
+                m = fold_amax(m, v[e]);
+                nn |= (v[e] & 0x7FFFFFFFu) > 0x7F800000u;
+            }
         } else {
-            for (i64 k = k0; k < k1; ++k) m = fold_amax(m, load1(x, xoff(r, k, K, S), in_kind));
+            for (i64 k = k0; k < k1; ++k) {
+                u32 u = load1(x, xoff(r, k, K, S), in_kind);
+                m = fold_amax(m, u);
+                nn |= (u & 0x7FFFFFFFu) > 0x7F800000u;
+            }
         }
     }
+    u32 fl = (nn ? 1u : 0u) | (m == 0x7F800000u ? 2u : 0u);
+    if (fl && flags) atomicOr(flags, fl);
     double fac;
     int byte = nvfp4_scale(f2d(m), flavor, c0, c1, e4m3_vals, &fac);
     scales[g * nbk + j] = (u8)byte;

@@ -265,10 +265,11 @@ class GpuKernels:
                     u32(rb.mask), i64(rb.stride))
         return (rb, i32(use_rb), i32(0), u32(0), u32(0), u32(0), u32(0), i64(1))
 
-    def nvfp4(self, x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake, cst=None, rht=None):
+    def nvfp4(self, x2, rb, use_rb, mode, nsr, flavor, tile, c0, c1, dq, fake, cst=None, rht=None, flags=None):
         """NVFP4 codes, scale bytes and (``fake``) values; the constants as host vectors ``c0``, ``c1``, ``dq``, or
         ``cst``: nvfp4_tensor_constants' (4,) array on the device. ``rht`` (rht_operand's): the rows' 16-point RHT
-        first, in the kernel (K a multiple of 16)."""
+        first, in the kernel (K a multiple of 16). ``flags``: a zeroed (1,) uint32 device array in which the kernel
+        sets bit 0 for a NaN input and bit 1 for an Inf (as mx's)."""
         xp = self.xp
         R, K = x2.shape
         nbk = -(-K // 16)
@@ -284,7 +285,8 @@ class GpuKernels:
         self.be.launch("nvfp4_quantize", scales.size, base, i32(IN_KINDS[x2.dtype]), i64(R), i64(K), i64(S),
                        *self._rb_args(rb, use_rb), i32(mode), i32(nsr), i32(flavor), i32(tile), *cs, i32(per_row),
                        self.table(E4M3.values), codes, scales, fv, i32(fake),
-                       *((NULL, f64(0.0), i32(0)) if rht is None else (rht[0], f64(rht[1]), i32(rht[2]))))
+                       *((NULL, f64(0.0), i32(0)) if rht is None else (rht[0], f64(rht[1]), i32(rht[2]))),
+                       NULL if flags is None else flags)
         return codes, scales, fv.view(np.float32)
 
     def mx(self, x2, rb, use_rb, mode, nsr, scale_mode, fmt, fake):

@@ -28,10 +28,10 @@ HOST(nvfp4_quantize)(i64 th, const void* x, int in_kind, i64 R, i64 K, i64 S, co
                      u32 pk1, u32 pstream, u32 pmask, i64 pstride, int mode, int nsr, int flavor, int tile,
                      const double* c0v, const double* c1v, const double* dq0v, const double* dq1v, int per_row,
                      const double* e4m3_vals, u8* codes, u8* scales, u32* fake, int do_fake, const double* rht_sh,
-                     double rht_scale, int rht_bf16) {
+                     double rht_scale, int rht_bf16, u32* flags) {
     host_launch(nvfp4_quantize, th, x, in_kind, R, K, S, rb, use_rb, ph, pk0, pk1, pstream, pmask, pstride, mode, nsr,
                 flavor, tile, c0v, c1v, dq0v, dq1v, per_row, e4m3_vals, codes, scales, fake, do_fake, rht_sh,
-                rht_scale, rht_bf16);
+                rht_scale, rht_bf16, flags);
 }
 HOST(nvfp4_4over6_quantize)(i64 th, const float* x, i64 R, i64 K, int tile, const double* sec, int per_row,
                             double denom, int err_mse, int fast_math, int ties_map4, const double* e4m3_vals,
