@@ -53,6 +53,14 @@ class Device:
         """float64 of a float32 array, exactly (subnormals kept)."""
         return self.k.f64(a)
 
+    def moments(self) -> Moments:
+        """A two-pass moments accumulator whose sums are taken on this device."""
+        return Moments(self)
+
+    def chunk_stats(self, *args) -> int:
+        """:func:`chunk_stats` on this device."""
+        return chunk_stats(self, *args)
+
     def amax(self, x) -> np.float32:
         """max |x| with NaN ignored (0 for an all-NaN tensor)."""
         return self.k.absmax(as_rows(self.xp.ascontiguousarray(x)))[0]

@@ -251,10 +251,9 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     scale_vals, blk_errs = [], []
     for i, c in chunks(x2, chunk_elems):
         if device is not None:
-            from .device import chunk_stats
             q = quantize_chunk(c, spec, role, amax, seed, i, qfn=device.quantize)
             if c.size:
-                r0 = chunk_stats(device, c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0, shared)
+                r0 = device.chunk_stats(c, q, spec, win, amax, acc, code_hist, blk_errs, blocks, r0, shared)
                 _scales(q, spec, c, acc, scale_hist, scale_vals)
             continue
         q = quantize_chunk(c, spec, role, amax, seed, i)

@@ -159,10 +159,7 @@ def _fq_sums(c, amax, mean=0.0):
 
 def _moments(device):
     """A two-pass moments accumulator on the CPU, or on ``device`` (:class:`fp4sim.analyze.device.Moments`)."""
-    if device is None:
-        return _Moments()
-    from .device import Moments
-    return Moments(device)
+    return _Moments() if device is None else device.moments()
 
 
 def _ratio(a, b):
