@@ -145,6 +145,46 @@ def test_device_sums_are_the_exact_sums_to_the_tolerance(device):
         assert abs(s[col] - exact) <= 1e-13 * math.fsum(np.abs(terms)), col
 
 
+def test_percentiles_from_a_sorted_array_are_numpys():
+    """A device's block-error percentiles come from its sorted copy with NumPy's interpolation rule applied on the
+    host: np.percentile's bits, for every size, ties, Inf and the edges (NumPy itself is the oracle)."""
+    from fp4sim.analyze.metrics import percentile_of_sorted
+    rng = np.random.default_rng(0)
+    for n in list(range(1, 140)) + [1000, 4097, 65536]:
+        for kind in range(3):
+            a = rng.standard_normal(n) ** 2
+            if kind == 1:
+                a = np.round(a, 1)                           # ties
+            if kind == 2 and n > 3:
+                a[:2] = np.inf
+            for q in (0, 1, 33.3, 50, 90, 99, 100):
+                with np.errstate(invalid="ignore"):
+                    want = np.float64(np.percentile(a, q))
+                got = np.float64(percentile_of_sorted(np.sort(a), q))
+                assert want.view(np.int64) == got.view(np.int64) or np.isnan(want) and np.isnan(got), (n, kind, q)
+
+
+def test_summaries_on_a_device_module_equal_numpys():
+    """metrics.summarise with an array module that is not NumPy (the device's route: sort, then percentiles from
+    two order statistics) gives NumPy's route's numbers."""
+    from fp4sim.analyze.metrics import summarise
+
+    class OtherXp:                                            # NumPy's functions under another module
+        def __getattr__(self, name):
+            return getattr(np, name)
+    rng = np.random.default_rng(5)
+    spec = DEFAULT_SCHEMES[0]
+    blk = [rng.standard_normal(n) ** 2 for n in (1000, 37, 4096)]
+    sv = [rng.standard_normal(300).astype(np.float32)]
+    acc = dict(sx2=3.0, se2=0.5, n=5133, max_err=0.1, under=3, nz=5000, sat=1, zero=7, bm_err=2.0, bm_n=300, nblk=300,
+               blk_max=12, binades=700.0, fin=5133, lost=0, win_out=2, dead=4)
+    want = summarise(dict(acc), list(blk), list(sv), np.zeros(256, np.int64), np.zeros(16, np.int64), spec, "tensor")
+    got = summarise(dict(acc), list(blk), list(sv), np.zeros(256, np.int64), np.zeros(16, np.int64), spec, "tensor",
+                    OtherXp())
+    for k in want[0]:
+        assert (_close if k in ("worst1pct_block_err_share",) else _same)(got[0][k], want[0][k]), k
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "fp4sim.analyze", *args], capture_output=True, text=True, timeout=120)
 

@@ -314,6 +314,27 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
     return summarise(acc, blk_errs, scale_vals, scale_hist, code_hist, spec, win, np if device is None else device.xp)
 
 
+def percentile_of_sorted(sb, q) -> float:
+    """``np.percentile(a, q)`` (its default 'linear' method) from ``sb``, ``a`` sorted (a NumPy or device array):
+    NumPy's virtual index and interpolation rule applied on the host to the two order statistics around it, so that
+    a device's percentiles are NumPy's bit for bit (reading two values, not the array)."""
+    n = sb.size
+    v = (n - 1) * np.true_divide(q, 100)
+    if np.isnan(float(sb[n - 1])):
+        return float("nan")
+    if v >= n - 1:
+        i0 = i1 = -1
+    elif v < 0:
+        i0 = i1 = 0
+    else:
+        i0 = int(np.floor(v))
+        i1 = i0 + 1
+    a, b = (float(sb[i]) for i in (i0, i1))
+    g = float(v - i0)
+    d = b - a
+    return b - d * (1 - g) if g >= 0.5 else a + d * g
+
+
 def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist, spec: SchemeSpec, win, xp=np):
     """The metrics dict and histograms of :func:`scheme_metrics` from its chunks' sums ``acc``, block errors and
     scale values (arrays of the module ``xp``)."""
@@ -321,7 +342,13 @@ def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist
     ms = acc["sx2"] / max(acc["n"], 1)
     be = xp.concatenate(blk_errs) if blk_errs else xp.zeros(1)
     ntop = max(1, be.size // 100)
-    top = xp.partition(be, be.size - ntop)[be.size - ntop:]
+    if xp is np:
+        top = np.partition(be, be.size - ntop)[be.size - ntop:]
+        pct = [float(np.percentile(be, q)) for q in (50, 90, 99)]
+    else:                        # on a device: sorted there, NumPy's interpolation on the host
+        be = xp.sort(be)
+        top = be[be.size - ntop:]
+        pct = [percentile_of_sorted(be, q) for q in (50, 90, 99)]
     out = dict(mse=mse, rel_mse=mse / ms if ms else np.nan,
                sqnr_db=10 * np.log10(ms / mse) if mse > 0 and ms > 0 else np.inf,
                max_abs_err=acc["max_err"], blockmax_rel_err=acc["bm_err"] / max(acc["bm_n"], 1),
@@ -329,8 +356,7 @@ def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist
                zero_code_frac=acc["zero"] / max(acc["n"], 1),
                frac_blocks_amax_max=acc["blk_max"] / acc["nblk"] if acc["nblk"] else np.nan,
                binades_per_block=acc["binades"] / acc["nblk"] if acc["nblk"] else np.nan,
-               block_err_p50=float(xp.percentile(be, 50)), block_err_p90=float(xp.percentile(be, 90)),
-               block_err_p99=float(xp.percentile(be, 99)),
+               block_err_p50=pct[0], block_err_p90=pct[1], block_err_p99=pct[2],
                worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0,
                map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan,
                lost_frac=acc["lost"] / acc["fin"] if acc["fin"] else 0.0,
