@@ -28,10 +28,15 @@ def device(request):
     return dev.Device(HostBackend(request.getfixturevalue("host_lib")))
 
 
-def _close(a, b) -> bool:
+# the weight-gradient GEMM's biases are means of differences of two float64 GEMMs (cuBLAS's order and FMAs on a GPU,
+# NumPy's on the host), about 1e3 times smaller than the products: their reassociation shows 1e3 times larger
+RTOL_WGRAD_BIAS = 1e-10
+
+
+def _close(a, b, rtol=RTOL) -> bool:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return a.shape == b.shape and bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))
-                                              | (np.abs(a - b) <= RTOL * np.abs(b))))
+                                              | (np.abs(a - b) <= rtol * np.abs(b))))
 
 
 def _same(a, b) -> bool:
@@ -46,7 +51,7 @@ def _compare_datasets(got, ref):
         if r.dtype.kind in "iubUO":
             assert np.array_equal(g, r), v
         elif v in SUMMED or not v.startswith(("code_hist", "scale_hist", "absmax_map", "n_")):
-            assert _close(g, r), (v, g, r)
+            assert _close(g, r, RTOL_WGRAD_BIAS if v.startswith("wgrad_bias") else RTOL), (v, g, r)
         else:
             assert _same(g, r), v
     for v in ("code_hist", "scale_hist", "absmax_map", "n_nan", "n_inf", "n_outlier_rows", "n_outlier_cols",
