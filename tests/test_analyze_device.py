@@ -72,6 +72,33 @@ def test_device_analysis_of_the_sample_equals_the_cpu(device):
     assert json.loads(got.attrs["skipped"]) == json.loads(ref.attrs["skipped"])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_bfloat16_checkpoint_goes_to_the_device_as_stored(device, tmp_path, monkeypatch):
+    """bfloat16 safetensors entries are copied to the device as they are and widened there from their bits
+    (subnormals, NaN and Inf included): the CPU's numbers, and no float32 copy is made on the host."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    w[0, :5] = [1e-39, -3e-40, np.nan, np.inf, -np.inf]
+    save_file({"model.layers.0.mlp.up_proj.weight": w.astype(ml_dtypes.bfloat16),
+               "model.layers.0.mlp.down_proj.weight": rng.standard_normal((96, 64)).astype(ml_dtypes.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    ref = analyze([str(tmp_path)], quiet=True)
+    widened = []
+    real = np.ascontiguousarray
+
+    def spy(a, dtype=None, **kw):
+        if dtype is not None and a.dtype == np.dtype(ml_dtypes.bfloat16):
+            widened.append(a.shape)
+        return real(a, dtype=dtype, **kw)
+    monkeypatch.setattr("fp4sim.analyze.inputs.np.ascontiguousarray", spy)
+    got = analyze([str(tmp_path)], quiet=True, device=device.be)
+    assert not widened
+    _compare_datasets(got, ref)
+    assert int(got["n_nan"].sum()) == 1 and int(got["n_inf"].sum()) == 2
+
+
 def _adversarial():
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((300, 40)) * np.exp(rng.normal(0, 3, (300, 1)))).astype(np.float32)

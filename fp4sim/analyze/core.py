@@ -44,7 +44,7 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     ``device``: a :class:`fp4sim.analyze.device.Device` to run the studies on (None: the CPU)."""
     stage = stage or (lambda name: None)
     stage("load")
-    x = load(src)
+    x = load(src, keep_bf16=device is not None)
     if not include_vectors and is_vector_param(src.name, x.ndim):
         raise NotATarget("a 1-D bias or normalization weight: no GEMM operand, so no quantization target "
                          "(--include-vectors analyses it)")
@@ -301,7 +301,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
         if a in byname and g in byname:
             prog.stage(pname, "weight-gradient GEMM")
             try:
-                xa, xg = load(_src(sources, a)), load(_src(sources, g))
+                xa, xg = (load(_src(sources, n), keep_bf16=dv is not None) for n in (a, g))
                 pair = (wgrad_gemm(xa, xg) if dv is None else
                         _OnDevice(dv).wgrad_gemm(dv.upload(xa), dv.upload(xg)))
                 pairs.append({"pair": pname, **pair})

@@ -12,6 +12,7 @@ the host build of the same kernels, with NumPy arrays).
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from . import metrics as _metrics
@@ -35,7 +36,13 @@ class Device:
         self.k = ops.kernels(be)
 
     def upload(self, x: np.ndarray):
-        return self.xp.ascontiguousarray(self.xp.asarray(x, dtype=np.float32))
+        """A host tensor (float32, or bfloat16 as stored) on the device as float32: bfloat16 is copied as it is (half
+        the bytes) and widened there from its bits, exactly."""
+        xp = self.xp
+        if x.dtype == np.dtype(ml_dtypes.bfloat16):
+            bits = xp.asarray(np.ascontiguousarray(x).view(np.uint16))
+            return xp.ascontiguousarray((bits.astype(np.uint32) << 16).view(np.float32))
+        return xp.ascontiguousarray(xp.asarray(x), dtype=np.float32)
 
     def quantize(self, x, scheme, **kw):
         return self.ops.quantize(self.be, x, scheme, **kw)

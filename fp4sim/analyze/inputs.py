@@ -274,8 +274,9 @@ def _reason(e) -> str:
     return f"cannot be read: {type(e).__name__}: {_first_line(e)}"
 
 
-def load(src: Source) -> np.ndarray:
-    """The tensor as float32 (float16/bfloat16 widen exactly; float64 rounds), or TensorError saying why not."""
+def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
+    """The tensor as float32 (float16/bfloat16 widen exactly; float64 rounds), or TensorError saying why not.
+    ``keep_bf16``: a bfloat16 tensor as it is stored (half the bytes to move; the caller widens it)."""
     path = Path(src.path)
     suf = path.suffix.lower()
     try:
@@ -320,6 +321,8 @@ def load(src: Source) -> np.ndarray:
         raise TensorError("is 0-d (a scalar); nothing to quantize")
     if a.size == 0:
         raise TensorError(f"is empty (shape {a.shape})")
+    if keep_bf16 and a.dtype == np.dtype(ml_dtypes.bfloat16):
+        return np.ascontiguousarray(a)
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
