@@ -424,8 +424,10 @@ def run_quantize(kern, x, scheme="nvfp4", axis=-1, rounding="rne", flavor=None, 
     pre = row_amax = None   # where the backend can: the block (and row) amaxes come from the tensor-amax pass
     if hasattr(kern, "absmax_blocks") and isinstance(sch, NVFP4) and not sch.four_over_six:
         amax_t, has_nan, pre, row_amax = kern.absmax_blocks(x2)
-    else:
+    elif isinstance(sch, NVFP4) or (isinstance(sch, FP8Tensor) and p.global_amax is None):
         amax_t, has_nan = kern.absmax(x2)
+    else:                   # FP8 blockwise, and FP8 per-tensor with a given amax: no tensor amax to take
+        amax_t, has_nan = f32(0.0), False
     pre = () if pre is None else (pre,)
     has_inf = bool(np.isinf(amax_t))
     extras, gamax = {}, None
