@@ -154,7 +154,7 @@ def checkpoint(a, out):
             res["cpu_first_shard"] = {"elements": n1, "s": dt1, "elems_per_s": n1 / dt1}
             print(f"CPU, the first shard alone: {dt1:.1f} s, {n1 / dt1:.3g} elements/s", flush=True)
         t = time.perf_counter()
-        analyze([d], hadamard=False, quiet=True, device=a.device)
+        analyze([d], hadamard=False, quiet=a.device == "cpu", device=a.device)     # on a GPU: progress shown
         _sync(a.device)
         dt = time.perf_counter() - t
         res["local"] = {"s": dt, "elems_per_s": elems / dt,

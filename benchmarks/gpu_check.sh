@@ -27,15 +27,15 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log, record the
     echo "$name: exit status $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/steps.txt"
     return "$rc"
 }
-step tensorcore_check 50 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore"
+step tensorcore_check 45 "$py" benchmarks/tensorcore_check.py --out "$out/tensorcore"
 step gpu_profile 20 "$py" benchmarks/gpu_profile.py
 step gpu_tests 170 "$py" -m pytest -q -rfE --durations=15 -m gpu -p no:cacheprovider tests/test_gpu_kernels.py \
     tests/test_training.py tests/test_gpu_streams.py tests/test_analyze_device.py
 tests_rc=$?
 step bench_gpu 60 "$py" benchmarks/bench_gpu.py --json "$out/bench_gpu.json"
-step bench_training 80 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --json "$out/bench_training.json"
-step bench_training_exact 40 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --batch 1 --seq 256 \
+step bench_training 70 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --json "$out/bench_training.json"
+step bench_training_exact 35 "$py" benchmarks/bench_training.py --model gpt2-124m --device cuda --batch 1 --seq 256 \
     --repeat 1 --presets nvfp4_paper --exact-rules --json "$out/bench_training_exact.json"
-step bench_analyze 60 "$py" benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda --json "$out/bench_analyze.json"
+step bench_analyze 80 "$py" benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda --json "$out/bench_analyze.json"
 echo "gpu tests exit status: $tests_rc" | tee -a "$out/steps.txt"
 exit "$tests_rc"
