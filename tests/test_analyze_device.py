@@ -23,8 +23,14 @@ RTOL = 1e-12           # float64 sums of the same terms in another order
 SUMMED = {"mse", "rel_mse", "sqnr_db", "blockmax_rel_err", "scale_std"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["host", pytest.param("cupy", marks=pytest.mark.gpu)])
 def device(request):
+    """The device path on the host build of the kernels (NumPy arrays), and on a GPU (CuPy) where there is one."""
+    if request.param == "cupy":
+        if not fs.gpu.available():
+            pytest.skip("no CUDA device with CuPy: pip install '.[gpu]' (from the repository root)")
+        from fp4sim.gpu.backend import default_backend
+        return dev.Device(default_backend())
     return dev.Device(HostBackend(request.getfixturevalue("host_lib")))
 
 
@@ -166,7 +172,7 @@ def test_device_sums_are_the_exact_sums_to_the_tolerance(device):
     x = (rng.standard_normal(100_003) * 1e3).astype(np.float32)
     y = fs.fake_quantize(x, "mxfp4")
     x[[5, 70_000]] = [np.nan, np.inf]
-    s, am = device.sums(x, y, mean=0.5)
+    s, am = device.sums(device.upload(x), device.upload(y), mean=0.5)
     f = np.isfinite(x)
     x64, e = x[f].astype(np.float64), y[f].astype(np.float64) - x[f]
     assert s[dev.N] == f.sum() and s[dev.NNAN] == 1 and s[dev.NINF] == 1
