@@ -68,6 +68,7 @@ def bench_shape(cp, fs, rows, cols, repeat, dev):
     print(f"{dev}: {rows}x{cols} float32 ({x.nbytes / 2**20:.0f} MiB); device copy {copy_bw / 1e9:.0f} GB/s "
           f"({t_copy * 1e6:.1f} us)")
     print(f"{'op':34} {'us':>9} {'GB/s':>8} {'of copy':>8}")
+    from fp4sim.quantize import rht_quantize
     q4 = fs.quantize(x, "nvfp4")
     qm = fs.quantize(x, "mxfp4")
     xh = x.astype(cp.float16)
@@ -75,8 +76,13 @@ def bench_shape(cp, fs, rows, cols, repeat, dev):
     ops = [
         ("quantize nvfp4 (f32)", lambda: fs.quantize(x, "nvfp4"), 4 * n + fp4_out),
         ("quantize nvfp4 sr seed (f32)", lambda: fs.quantize(x, "nvfp4", rounding="sr", seed=1), 4 * n + fp4_out),
+        ("quantize nvfp4 given amax (f32)", lambda: fs.quantize(x, "nvfp4", global_amax=4.0), 4 * n + fp4_out),
+        ("quantize nvfp4 axis 0 (f32)", lambda: fs.quantize(x, "nvfp4", axis=0), 4 * n + fp4_out),
+        ("rht+quantize nvfp4 fused (f32)", lambda: rht_quantize(x, 16, "te", "bf16", "nvfp4"), 4 * n + fp4_out),
         ("quantize nvfp4_2d (f32)", lambda: fs.quantize(x, "nvfp4_2d"), 4 * n + n // 2 + n // 256),
         ("quantize mxfp4 (f32)", lambda: fs.quantize(x, "mxfp4"), 4 * n + n // 2 + n // 32),
+        ("quantize mxfp4 sr seed (f32)", lambda: fs.quantize(x, "mxfp4", rounding="sr", seed=1),
+         4 * n + n // 2 + n // 32),
         ("quantize mxfp8_e4m3 (f32)", lambda: fs.quantize(x, "mxfp8_e4m3"), 4 * n + n + n // 32),
         ("quantize fp8_e4m3 (f32)", lambda: fs.quantize(x, "fp8_e4m3"), 4 * n + n),
         ("quantize fp8_blockwise (f32)", lambda: fs.quantize(x, "fp8_blockwise"), 4 * n + n + n // 32),

@@ -6,7 +6,8 @@
 # (bench_gpu.py: every kernel at 8192^2 and the GPT-2-small training shapes, as a share of the copy bandwidth) and
 # the training benchmark (bench_training.py --model gpt2-124m: the emulated step against BF16 autocast and float32;
 # the exact GEMM rules on a smaller batch) and the analysis of a 1e9-element BF16 checkpoint on the device
-# (bench_analyze.py --device cuda), and write everything (logs and JSON) to OUTDIR.
+# (bench_analyze.py --device cuda), and write everything (logs and JSON) to OUTDIR, with report.md: the tables
+# and each target's verdict (gpu_report.py).
 # Usage: benchmarks/gpu_check.sh [OUTDIR]   (each step has a time limit, together 8 minutes; about 5
 # on an H200, much of it NVRTC compilation)
 set -uo pipefail
@@ -38,4 +39,5 @@ step bench_training_exact 35 "$py" benchmarks/bench_training.py --model gpt2-124
     --repeat 1 --presets nvfp4_paper --exact-rules --json "$out/bench_training_exact.json"
 step bench_analyze 80 "$py" benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda --json "$out/bench_analyze.json"
 echo "gpu tests exit status: $tests_rc" | tee -a "$out/steps.txt"
+"$py" benchmarks/gpu_report.py "$out" --json "$out/verdicts.json" > "$out/report.md"   # the tables, with verdicts
 exit "$tests_rc"

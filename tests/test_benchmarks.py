@@ -36,6 +36,37 @@ def test_gpt2_step_benchmark_runs_small_on_the_cpu(tmp_path):
             assert r["quantized_products"] == 3 * B * T * 12 * d * d * L, key
             assert r["vs_bf16"] == pytest.approx(r["ms"] / rows["bf16_autocast"]["ms"])
     assert rows["float32"]["quantized_products"] == 0
+    _report_checks(tmp_path, res)
+
+
+def _report_checks(tmp_path, training):
+    """gpu_report.py on a gpu_check.sh folder: the H200's recorded kernel JSON, this training JSON and a stand-in
+    analysis JSON; each verdict follows from its figure and the issue's target, and what is missing is reported as
+    not measured."""
+    import shutil
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_report
+    out = tmp_path / "gpu_check"
+    out.mkdir()
+    shutil.copy(ROOT / "benchmarks" / "results" / "h200-2026-12-04" / "bench_gpu.json", out)
+    (out / "bench_training.json").write_text(json.dumps(training))
+    (out / "bench_analyze.json").write_text(json.dumps({"checkpoint": {"elements": 1.0e9, "device": "cuda",
+                                                                       "local": {"s": 31.0, "elems_per_s": 3.2e7}}}))
+    assert gpu_report.main([str(out), "--json", str(out / "v.json")]) == 0
+    v = json.loads((out / "v.json").read_text())
+    rec = json.loads((out / "bench_gpu.json").read_text())
+    for r in rec["rows"]:
+        t = gpu_report.KERNEL_TARGETS.get(r["op"])
+        if t is not None:
+            assert v["kernels"][r["op"]] == ("met" if r["of_copy"] >= t else "missed"), r["op"]
+    assert v["kernels"]["quantize nvfp4 (f32)"] == "missed"              # 12.4% of the copy bandwidth
+    assert v["kernels"]["rht+quantize nvfp4 fused (f32)"] == "not measured"  # not in that run
+    rows = training["rows"]
+    assert v["training"]["nvfp4_paper_fast"] == ("met" if rows["nvfp4_paper_fast"]["vs_bf16"] <= 1.5 else "missed")
+    assert v["training"]["fp8_blockwise_fast"] == ("met" if rows["fp8_blockwise_fast"]["vs_bf16"] <= 1.3
+                                                   else "missed")
+    assert v["training"]["peak_memory"] == "not measured"                 # a CPU run has no device peak
+    assert v["analysis"]["analyze_1e9"] == "missed"                        # 31 s against 30 s
 
 
 def test_planning_benchmark_runs_without_a_gpu(tmp_path):
