@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -520,6 +521,98 @@ def test_nvfp4_with_a_given_amax_takes_its_flags_from_the_quantize_kernel(dev, m
                     launched.clear()
                     assert messages(fn_dev) == messages(fn_cpu), (where, special, scheme, kw)
                     assert "absmax_bits" not in launched and "rht_absmax_bits" not in launched, launched
+
+
+class _DeviceStandIn(np.ndarray):
+    """A host array standing in for a device array: every implicit read of its values (float(), int(), bool(),
+    an index, item(), tolist()) is recorded, as each would synchronise with a GPU."""
+    reads: list = []
+
+    def _read(self, what):
+        _DeviceStandIn.reads.append(what)
+        return np.asarray(self).item()
+
+    def __float__(self):
+        return float(self._read("float"))
+
+    def __int__(self):
+        return int(self._read("int"))
+
+    def __bool__(self):
+        return bool(self._read("bool"))
+
+    def __index__(self):
+        return int(self._read("index"))
+
+    def item(self, *a):
+        return self._read("item")
+
+    def tolist(self):
+        self._read("tolist")
+        return np.asarray(self).tolist()
+
+    def get(self, out=None, blocking=True):          # an explicit read (GpuKernels.to_host, the pinned copies)
+        if out is None:
+            return np.asarray(self).copy()
+        out[...] = np.asarray(self)
+        return out
+
+
+@pytest.mark.parametrize("preset", ["nvfp4_paper", "mxfp4_paper", "fp8_blockwise"])
+def test_a_training_layer_reads_nothing_from_the_device(host_lib, monkeypatch, preset):
+    """One layer's Fprop, Dgrad and Wgrad with accumulate="fast" on the CUDA source, with every array the backend
+    makes standing in for a device array: no device-to-host read, explicit (GpuKernels.to_host) or implicit (a
+    float() of a device value, a device bool in an if), so a GPU step never waits for the device. The stand-in
+    records a float() of a quantized tensor's device amax (the detector works)."""
+    import types
+    from fp4sim import emulate
+    from fp4sim.quantize import forced_kernels
+    from fp4sim.training import Recipe
+
+    def stand_in(a):
+        return a.view(_DeviceStandIn) if type(a) is np.ndarray else a
+
+    class Xp:                                    # NumPy whose array constructors make stand-ins
+        cuda = types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0))
+
+        def __getattr__(self, name):
+            f = getattr(np, name)
+            if name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "asarray", "ascontiguousarray",
+                        "concatenate", "stack", "arange", "where", "array"):
+                return lambda *a, **k: stand_in(f(*a, **k))
+            return f
+
+    class Event:
+        done = True
+
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event)))
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda s, d: np.empty(s, d)))
+    be = HostBackend(host_lib)
+    be.xp = Xp()
+    launch = HostBackend.launch
+    monkeypatch.setattr(HostBackend, "launch", lambda self, name, th, *args: launch(
+        self, name, th, *[np.asarray(a) if isinstance(a, _DeviceStandIn) else a for a in args]))
+    count = _Counting(monkeypatch)
+    x, w, dy = (stand_in(heavy(s, i)) for s, i in (((64, 96), 11), ((48, 96), 12), ((64, 48), 13)))
+    rec = Recipe.preset(preset, accumulate="fast", seed=5)
+    _DeviceStandIn.reads = []
+    with forced_kernels(ops.kernels(be)), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = [emulate.fprop(x, w, rec, layer=2, call=3)[0], emulate.dgrad(dy, w, rec, layer=2, call=3),
+               emulate.wgrad(dy, x, rec, layer=2, call=3)]
+    assert _DeviceStandIn.reads == [] and count.n == 0, (_DeviceStandIn.reads, count.n)
+    assert all(isinstance(o, _DeviceStandIn) for o in out)          # the results stayed on the "device"
+    float(ops.quantize(be, x, "nvfp4").global_amax)
+    assert _DeviceStandIn.reads == ["float"]
+    ops.kernels(be).poll_warnings(wait=True)
 
 
 def test_dequantize_reads_a_device_tensor_amax_on_the_device(dev):
