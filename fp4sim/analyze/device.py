@@ -68,6 +68,22 @@ class Device:
         """:func:`chunk_stats` on this device."""
         return chunk_stats(self, *args)
 
+    def outlier_sums(self, c, y, thr):
+        """One chunk's share of the outlier study (:func:`fp4sim.cpu.analysis.outlier_sums`'s) from the chunk
+        ``c`` and its NVFP4 values ``y``, ``thr`` the float32 threshold: (column holds a big value, row holds one,
+        column sums of the squared error and of x^2, each 16-block's squared error, block holds a big value); the
+        column arrays on the host, the others on the device."""
+        xp = self.xp
+        c = xp.ascontiguousarray(c)
+        R, K = c.shape
+        nbk, ntile = -(-K // 16), -(-R // TILE)
+        cols = xp.zeros(K, np.uint8)
+        perr, px2 = xp.empty((ntile, K)), xp.empty((ntile, K))
+        self.be.launch("an_outlier_cols", ntile * K, c, y, i64(R), i64(K), i64(TILE), f64(thr), perr, px2, cols)
+        eb, bb, rb = xp.empty((R, nbk)), xp.empty((R, nbk), np.uint8), xp.zeros(R, np.uint8)
+        self.be.launch("an_outlier_blocks", R * nbk, c, y, i64(R), i64(K), f64(thr), eb, bb, rb)
+        return _host(cols) != 0, rb != 0, _host(perr.sum(0)), _host(px2.sum(0)), eb, bb != 0
+
     def amax(self, x) -> np.float32:
         """max |x| with NaN ignored (0 for an all-NaN tensor)."""
         return self.k.absmax(as_rows(self.xp.ascontiguousarray(x)))[0]
@@ -189,52 +205,8 @@ def chunk_stats(dv: Device, c, q, spec: SchemeSpec, win, amax, acc: dict, code_h
 # ------------------------------------------------------------------------------------------------ studies
 def outliers(dv: Device, x, k: float = 6.0, chunk_elems: int = 1 << 20, amax=None) -> dict:
     """:func:`fp4sim.analyze.studies.outliers` of the device tensor ``x``."""
-    from .studies import _ratio
-    xp = dv.xp
-    x2 = as_rows(x)
-    R, K = x2.shape
-    amax = dv.amax(x2) if amax is None else np.float32(amax)
-    m = Moments(dv)
-    for _, c in chunks(x2, chunk_elems):
-        m.add1(c)
-    sd = m.sd
-    cols = xp.zeros(K, np.uint8)
-    col_err, col_x2 = xp.zeros(K), xp.zeros(K)
-    n_rows = 0
-    eb_all = eb_out = 0.0
-    n_out_blocks = n_blocks = 0
-    with np.errstate(over="ignore"):
-        thr = float(np.float32(k * sd)) if sd > 0 else float("inf")
-    nbk = -(-K // 16)
-    for _, c in chunks(x2, chunk_elems):
-        c = xp.ascontiguousarray(c)
-        m.add2(c)
-        y = dv.fake(c, "nvfp4", global_amax=amax)
-        r = c.shape[0]
-        ntile = -(-r // TILE)
-        perr, px2 = xp.empty((ntile, K)), xp.empty((ntile, K))
-        dv.be.launch("an_outlier_cols", ntile * K, c, y, i64(r), i64(K), i64(TILE), f64(thr), perr, px2, cols)
-        col_err += perr.sum(0)
-        col_x2 += px2.sum(0)
-        eb = xp.empty((r, nbk))
-        bb = xp.empty((r, nbk), np.uint8)
-        rb = xp.zeros(r, np.uint8)
-        dv.be.launch("an_outlier_blocks", r * nbk, c, y, i64(r), i64(K), f64(thr), eb, bb, rb)
-        bb = bb != 0
-        n_rows += int(rb.sum())
-        eb_all += float(eb.sum())
-        eb_out += float(eb[bb].sum())
-        n_out_blocks += int(bb.sum())
-        n_blocks += bb.size
-    col_err, col_x2, keep = _host(col_err), _host(col_x2), _host(cols) == 0
-    rms = float(np.sqrt(m.s2 / m.n)) if m.n else 0.0
-    return dict(kurtosis=m.kurtosis(), max_over_rms=m.amax / rms if rms > 0 else np.nan,
-                n_outlier_rows=n_rows, n_outlier_cols=int((~keep).sum()),
-                nvfp4_rel_mse=_ratio(col_err.sum(), col_x2.sum()),
-                nvfp4_rel_mse_without_outlier_cols=_ratio(col_err[keep].sum(), col_x2[keep].sum())
-                if keep.any() else np.nan,
-                outlier_block_err_share=eb_out / eb_all if eb_all > 0 else 0.0,
-                outlier_block_frac=n_out_blocks / max(n_blocks, 1))
+    from .studies import outliers
+    return outliers(x, k, chunk_elems, amax, device=dv)
 
 
 def absmax_map(dv: Device, x, size: int = 64, chunk_elems: int = 1 << 20) -> np.ndarray:

@@ -166,14 +166,17 @@ def _ratio(a, b):
     return a / b if b > 0 else float("nan")
 
 
-def outliers(x: np.ndarray, k: float = 6.0, chunk_elems: int = 1 << 20, amax=None) -> dict:
+def outliers(x: np.ndarray, k: float = 6.0, chunk_elems: int = 1 << 20, amax=None, device=None) -> dict:
     """Kurtosis, max/RMS, outlier rows/columns (any |x| > k*sigma), NVFP4 error with and without the outlier
     columns, and the share of NVFP4 error carried by 1x16 blocks that hold an outlier. Computed in row chunks
-    (NVFP4 with the whole tensor's amax), so memory stays a small multiple of one chunk."""
+    (NVFP4 with the whole tensor's amax), so memory stays a small multiple of one chunk. ``device``: a
+    :class:`fp4sim.analyze.device.Device` holding ``x``."""
     x2 = as_rows(x)
     R, K = x2.shape
-    amax = _amax(x2) if amax is None else np.float32(amax)
-    m = _Moments()
+    if amax is None:
+        amax = _amax(x2) if device is None else device.amax(x2)
+    amax = np.float32(amax)
+    m = _moments(device)
     for _, c in chunks(x2, chunk_elems):
         m.add1(c)
     sd = m.sd
@@ -187,6 +190,17 @@ def outliers(x: np.ndarray, k: float = 6.0, chunk_elems: int = 1 << 20, amax=Non
         thr = np.float32(k * sd) if sd > 0 else np.float32(np.inf)
     for _, c in chunks(x2, chunk_elems):
         m.add2(c)
+        if device is not None:
+            cb, rb, ce, cx, eb, bb = device.outlier_sums(c, device.fake(c, "nvfp4", global_amax=amax), thr)
+            cols |= cb
+            n_rows += int(rb.sum())
+            col_err += ce
+            col_x2 += cx
+            eb_all += float(eb.sum())
+            eb_out += float(eb[bb].sum())
+            n_out_blocks += int(bb.sum())
+            n_blocks += bb.size
+            continue
         y = fake_quantize(c, "nvfp4", global_amax=amax)
         if _FAST and c.dtype == np.float32:
             c = np.ascontiguousarray(c)
