@@ -321,3 +321,72 @@ def test_the_finetune_script_trains_data_parallel(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, str(ROOT / "analyses" / "finetune_smollm2.py"), "run", "--nproc", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--nproc 3: a number of processes that divides --batch 4" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------- the ranks' shared state, pinned
+def _edge_worker(rank, world, path):
+    """Each property below is one plausible one-line bug away from breaking, and none changes what a rank that
+    is fed the same batch as the other computes: so every check gives the ranks different data or settings."""
+    out = {}
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    # 1. the delayed and history amaxes are the maximum over the ranks: batches whose amaxes differ (not by a
+    # power of two, so that a sum or the rank's own amax gives other NVFP4 scales, not only other numbers)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(7 + rank))
+    x = x / x.abs().max() * (1.0 if rank == 0 else 5.3)
+    held = {}
+    for kw in ({"delayed_amax": 1}, {"amax_history": 4}):
+        m = convert(copy.deepcopy(base), Recipe.preset("nvfp4_paper", seed=3, **kw), quantize_head=True)
+        m(x).pow(2).sum().backward()
+        held[next(iter(kw))] = {f"{i}:{k}": v for i, q in enumerate(m) if isinstance(q, QuantLinear)
+                                for k, v in q._amax_state.items()}
+    out["held"] = held
+    out["x_amax"] = float(x.abs().max())
+    # 2. set_data_parallel_rank(model, 0) on rank 1 draws rank 0's bits (the same batch on both ranks)
+    xs = torch.randn(8, 32, generator=torch.Generator().manual_seed(11))
+    grads = {}
+    for pin in (None, 0):
+        m = convert(copy.deepcopy(base), Recipe.preset("nvfp4_paper", seed=3), quantize_head=True)
+        if pin is not None:
+            set_data_parallel_rank(m, pin)
+        m(xs).pow(2).sum().backward()
+        grads[pin] = [p.grad.clone() for p in m.parameters()]
+    out["grads"] = grads
+    # 3. the recipe-agreement check stops ranks whose layers differ in index or order alone (same recipe, seed)
+    for what in ("index", "order"):
+        m = convert(copy.deepcopy(base), Recipe.preset("nvfp4_paper", seed=3), quantize_head=True)
+        if rank == 1:
+            a, b = m[0], m[2]
+            if what == "index":
+                a._setup(a.recipe, 7)
+            else:                                   # the two layers numbered the other way round
+                ia, ib = a.layer_index, b.layer_index
+                a._setup(a.recipe, ib)
+                b._setup(b.recipe, ia)
+        try:
+            m(xs)
+            out[what] = "ran"
+        except RuntimeError as e:
+            out[what] = str(e)
+    torch.save(out, f"{path}/edge{rank}.pt")
+
+
+def test_the_ranks_share_what_they_must_and_no_more(tmp_path, monkeypatch):
+    spawn(_edge_worker, (str(tmp_path),), monkeypatch)
+    got = [torch.load(tmp_path / f"edge{r}.pt") for r in range(2)]
+    want = float(np.float32(max(g["x_amax"] for g in got)))
+    assert got[0]["x_amax"] != got[1]["x_amax"]
+    for mode in ("delayed_amax", "amax_history"):
+        h0, h1 = got[0]["held"][mode], got[1]["held"][mode]
+        assert h0 and h0 == h1, (mode, h0, h1)                      # every operand's state, the same on each rank
+        fx = [v for k, v in h0.items() if k.startswith("0:") and "x" in k.split(":")[1] and "fprop" in k]
+        assert fx, h0
+        vals = [v["held"] if "held" in v else max(v["history"]) for v in fx]
+        assert all(float(v) == want for v in vals), (mode, vals, want)
+    g0, g1 = got[0]["grads"], got[1]["grads"]
+    assert all(torch.equal(a, b) for a, b in zip(g1[0], g0[None]))         # rank 1 pinned to 0 = rank 0's own
+    assert not all(torch.equal(a, b) for a, b in zip(g1[None], g0[None]))  # rank 1's own bits are its own
+    assert all(torch.equal(a, b) for a, b in zip(g0[0], g0[None]))
+    for g in got:
+        for what in ("index", "order"):
+            assert "ranks [1] run it with another recipe or layer index" in g[what], (what, g[what])

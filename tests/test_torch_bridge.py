@@ -707,3 +707,53 @@ def test_gradient_fidelity_isolates_its_two_runs():
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(bufs, model.buffers()))
     assert float(model[4].n) == 0 and float(q[4].n) == 1
+
+
+def test_a_state_saved_under_another_backward_recipe_warns_naming_it():
+    """The saved fingerprint covers the backward recipe too: a layer whose forward recipe is the checkpoint's but
+    whose backward recipe is another warns, naming the backward recipe the checkpoint was saved under."""
+    import warnings
+    from fp4sim.torch import RecipeMismatchWarning, set_recipe
+
+    def model(backward):
+        torch.manual_seed(0)
+        m = convert(torch.nn.Sequential(torch.nn.Linear(32, 16)), Recipe.preset("nvfp4_paper", seed=1),
+                    quantize_head=True)
+        if backward:
+            set_recipe(m, Recipe.preset(backward, seed=1), which="backward")
+        return m
+    a = model("mxfp4_paper")
+    a(torch.randn(4, 32)).sum().backward()
+    st = a.state_dict()
+    with pytest.warns(RecipeMismatchWarning, match="backward 'mxfp4_paper'"):
+        model(None).load_state_dict(st)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeMismatchWarning)
+        model("mxfp4_paper").load_state_dict(st)                      # the same two recipes: no warning
+
+
+def test_more_pending_compiled_forwards_than_kept_drop_the_oldest():
+    """The compiled path's operators keep at most 16 forwards per layer waiting for their backward: the 17th
+    forward drops the oldest, whose backward then says why it has no forward; the others' backwards run, and
+    give the eager layer's gradient for the same call."""
+    from fp4sim.torch.linear import _PENDING_MAX
+    torch.manual_seed(0)
+    m = convert(torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False)), Recipe.preset("nvfp4_paper", seed=1),
+                quantize_head=True)
+    eager = copy.deepcopy(m)
+    q = m[0]
+    xs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
+          for i in range(_PENDING_MAX + 1)]
+    ys = [torch.ops.fp4sim.qlinear(x, q.weight, id(q), True)[0] for x in xs]
+    assert sorted(q._pending) == list(range(1, _PENDING_MAX + 1))            # call 0, the oldest, dropped
+    with pytest.raises(RuntimeError, match=f"holds no forward call 0 .*more than {_PENDING_MAX} forwards"):
+        ys[0].sum().backward()
+    assert q.weight.grad is None
+    ys[-1].sum().backward()
+    with torch.no_grad():
+        for x in xs[:-1]:                                                    # the eager layer's calls 0..15
+            eager(x)
+    ye = eager(xs[-1].detach())                                              # and its call 16
+    ye.sum().backward()
+    assert torch.equal(ys[-1].detach(), ye.detach())
+    assert torch.equal(q.weight.grad, eager[0].weight.grad)

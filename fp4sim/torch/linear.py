@@ -396,7 +396,7 @@ def _register_ops():
         if ctx is None:
             raise RuntimeError(f"fp4sim::qlinear_backward: layer {getattr(layer, '_fp4sim_name', key)!r} holds no "
                                f"forward call {int(call)} (a second backward through one graph is not supported, "
-                               "or more than {_PENDING_MAX} forwards waited for theirs)")
+                               f"or more than {_PENDING_MAX} forwards waited for theirs: the oldest are dropped)")
         ctx.saved_tensors = (x, weight)
         ctx.needs_input_grad = (need_dx, need_dw, False, False)
         dx, dw, _, _ = _Fn.run_backward(ctx, dy)
