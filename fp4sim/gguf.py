@@ -42,13 +42,21 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
+__all__ = ["read_gguf", "GGUFFile", "GGUFTensor", "block_layout", "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3",
            "rule_costs", "te_nvfp4_blocks", "other_fp4_bytes", "to_ggml_order", "from_ggml_order", "to_gguf_blocks",
            "FP4_TYPES"]
 
 FP4_TYPES = {39: "MXFP4", 40: "NVFP4"}
 _BLOCK = {"MXFP4": (32, 17, 1), "NVFP4": (64, 36, 4)}          # elements, bytes, scale bytes per block
 _SUB = {"MXFP4": 32, "NVFP4": 16}                             # elements per scale
+
+
+def block_layout(kind: str) -> tuple:
+    """(elements, bytes, scale bytes per block, elements per scale) of ggml's FP4 block type ``kind`` ("MXFP4":
+    (32, 17, 1, 32); "NVFP4": (64, 36, 4, 16))."""
+    if kind not in _BLOCK:
+        raise ValueError(f"kind={kind!r}: ggml's FP4 block types are 'MXFP4' and 'NVFP4'")
+    return _BLOCK[kind] + (_SUB[kind],)
 
 
 def _gguf():
@@ -110,16 +118,35 @@ class GGUFTensor:
     def fp4(self) -> bool:
         return self.type in _BLOCK
 
+    @property
+    def truncation(self) -> str | None:
+        """Why the tensor's data cannot be read whole ("truncated: the file ends ..."), or None: a GGUF file cut
+        short leaves the tensors whose data it ends before without their bytes (wholly, for a tensor that starts
+        past the end)."""
+        if not self.missing:
+            return None
+        there = self.n_bytes - self.missing
+        return (f"truncated: the file ends {self.missing} bytes before its data does ("
+                + (f"{there} of its {self.n_bytes} bytes are there)" if there > 0 else
+                   f"none of its {self.n_bytes} bytes are there)"))
+
+    def stored(self) -> np.ndarray:
+        """The tensor's data as gguf-py reads it (any type: float types as their values, quantized types as
+        their raw rows); ValueError naming the tensor where the file ends before its data does — never the
+        zero-filled bytes of a truncated read."""
+        why = self.truncation
+        if why:
+            raise ValueError(f"{self.name}: {why}")
+        return np.asarray(self.raw)
+
     def _blocks(self):
         if not self.fp4:
             raise ValueError(f"{self.name}: a {self.type} tensor, not one of ggml's FP4 types (MXFP4, NVFP4)")
-        if self.missing:
-            raise ValueError(f"{self.name}: truncated: the file ends {self.missing} bytes before its data does "
-                             f"({self.n_bytes - self.missing} of its {self.n_bytes} bytes are there)")
+        raw = self.stored()
         n, nbytes, ns = _BLOCK[self.type]
         K = self.shape[-1]
         rows = int(np.prod(self.shape[:-1], dtype=np.int64))
-        b = np.ascontiguousarray(self.raw, np.uint8).reshape(rows, K // n, nbytes)
+        b = np.ascontiguousarray(raw, np.uint8).reshape(rows, K // n, nbytes)
         return b, ns, rows, K
 
     @property
@@ -139,15 +166,18 @@ class GGUFTensor:
         """The tensor as an fp4sim :class:`~fp4sim.QuantizedTensor` (rows, K) along K, for ``fs.dequantize``,
         ``fs.gemm`` and the validators: MXFP4 as fp4sim's ``mxfp4``; NVFP4 as ``nvfp4`` without a tensor scale
         (the ``torchao`` flavour's ``per_tensor_scale=False``: E2M1 x E4M3(s), ggml's 0.5 factor folded into the
-        scale byte's meaning). Where the two readings differ: a scale byte 0x7F is E4M3's NaN for fp4sim and zero
-        for ggml (its quantizer never writes it), and code 8 decodes to -0 in fp4sim, +0 in ggml."""
+        scale byte's meaning). An NVFP4 scale byte's sign bit is dropped, as ggml reads the byte (ggml's UE4M3 is
+        unsigned; :attr:`scales` keeps the stored bytes, and ``validate checkpoint`` names a set sign bit as a
+        fault), so ``fs.dequantize`` of this tensor equals :meth:`values` except where the two readings differ: a
+        scale byte 0x7F (or 0xFF) is E4M3's NaN for fp4sim and zero for ggml (its quantizer never writes it), and
+        code 8 decodes to -0 in fp4sim, +0 in ggml."""
         from .qtensor import QuantizedTensor
         from .schemes import get_scheme
         b, ns, rows, K = self._blocks()
         sch = (get_scheme("mxfp4") if self.type == "MXFP4" else
                get_scheme("nvfp4", flavor="torchao", per_tensor_scale=False))
-        return QuantizedTensor(codes=self.codes, scales=self.scales, global_amax=None, scheme=sch, axis=1,
-                               shape=(rows, K))
+        s = self.scales if self.type == "MXFP4" else self.scales & np.uint8(0x7F)
+        return QuantizedTensor(codes=self.codes, scales=s, global_amax=None, scheme=sch, axis=1, shape=(rows, K))
 
     def values(self) -> np.ndarray:
         """The stored values as ggml reads them, float32 (rows, K): E2M1 x 2^(e - 127) (MXFP4; E8M0 255 is NaN,
@@ -157,8 +187,9 @@ class GGUFTensor:
         from .layout import unpack_fp4
         c = unpack_fp4(self.codes)
         s = self.scales
-        if self.type == "MXFP4":
-            f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), s.astype(np.int32) - 127))
+        if self.type == "MXFP4":       # (byte 255 is NaN: 2^128 is never formed, so no overflow is warned of)
+            f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.minimum(s, 254).astype(np.int32)
+                                                                 - 127))
         else:
             s = s & 0x7F
             f = np.where(s == 0x7F, np.float32(0), E4M3.values[s])

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["is_gpt_oss", "read_gpt_oss", "GptOssCheckpoint", "MXFP4Weight", "reproducing_rules", "MX_RULES"]
+__all__ = ["is_gpt_oss", "read_gpt_oss", "GptOssCheckpoint", "MXFP4Weight", "reproducing_rules", "MX_RULES",
+           "rule_bytes", "reference_orientations", "reference_rows", "matching_orientation", "STORED", "TRANSPOSED"]
 
 MX_RULES = ("rceil", "floor", "ceil", "even", "ggml")        # fp4sim's MX scale modes, and ggml's quantizer
 
@@ -92,18 +93,39 @@ class MXFP4Weight:
 @dataclass
 class GptOssCheckpoint:
     """A gpt-oss MXFP4 folder: the quantized weights by name, the modules left in high precision
-    (``modules_to_not_convert``), every other entry (name -> (file, dtype, shape)) and the quantization config."""
+    (``modules_to_not_convert``), every other entry (name -> (file, dtype, shape)), the quantization config, and
+    the weights whose entries do not make a weight (``broken``: name -> what is wrong; filled where the folder
+    was read with ``strict=False``)."""
     path: Path
     weights: dict
     excluded: list
     other: dict
     config: dict
+    broken: dict = field(default_factory=dict)
 
 
-def read_gpt_oss(path) -> GptOssCheckpoint:
+def _entry_problem(files, key, skey):
+    """What keeps ``key`` (a ``_blocks`` entry) and ``skey`` (its ``_scales``) from making an MXFP4 weight, or
+    None: a missing partner, shapes that do not agree, entries that are not bytes."""
+    from .checkpoint import _dtype, _shape
+    if skey not in files:
+        return f"{key} has no {skey} beside it (the E8M0 scales of its blocks)"
+    bs, ss = _shape(files[key], key), _shape(files[skey], skey)
+    if len(bs) < 2 or bs[-1] != 16 or tuple(bs[:-1]) != tuple(ss):
+        return (f"{key} has shape {bs} and {skey} {ss}; gpt-oss stores blocks as [..., rows, K/32, 16] bytes "
+                "beside scales [..., rows, K/32]")
+    for k in (key, skey):
+        if str(_dtype(files[k], k)) not in ("U8", "I8"):
+            return f"{k} is {_dtype(files[k], k)}, not bytes (U8)"
+    return None
+
+
+def read_gpt_oss(path, strict: bool = True) -> GptOssCheckpoint:
     """Read a gpt-oss MXFP4 checkpoint folder (sharded or not); ValueError naming the file and what is wrong:
-    a ``_blocks`` entry without its ``_scales`` (or the reverse), shapes that do not agree, blocks that are not
-    16 bytes."""
+    no such folder, no MXFP4 quantization_config, no .safetensors, and — where ``strict`` — a weight whose
+    entries do not make one: a ``_blocks`` entry without its ``_scales`` (or the reverse), shapes that do not
+    agree, blocks that are not 16 bytes. With ``strict=False`` such a weight is listed in ``broken`` (name ->
+    what is wrong) and the others are read: validate names it as a fault, analyze skips it with the reason."""
     from .checkpoint import _dtype, _files, _shape
     d = Path(path)
     if not d.is_dir():
@@ -115,34 +137,35 @@ def read_gpt_oss(path) -> GptOssCheckpoint:
     files = _files(d)
     if not files:
         raise ValueError(f"{d}: no .safetensors files")
-    weights, used = {}, set()
+    weights, used, broken = {}, set(), {}
     for key in sorted(files):
         if not key.endswith("_blocks"):
             continue
         name = key[: -len("_blocks")]
         skey = name + "_scales"
-        if skey not in files:
-            raise ValueError(f"{d}: {key} has no {skey} beside it (the E8M0 scales of its blocks)")
-        bs, ss = _shape(files[key], key), _shape(files[skey], skey)
-        if len(bs) < 2 or bs[-1] != 16 or tuple(bs[:-1]) != tuple(ss):
-            raise ValueError(f"{d}: {key} has shape {bs} and {skey} {ss}; gpt-oss stores blocks as "
-                             "[..., rows, K/32, 16] bytes beside scales [..., rows, K/32]")
-        for k in (key, skey):
-            if str(_dtype(files[k], k)) not in ("U8", "I8"):
-                raise ValueError(f"{d}: {k} is {_dtype(files[k], k)}, not bytes (U8)")
-        weights[name] = MXFP4Weight(name, tuple(bs[:-2]) + (bs[-2] * 32,),
-                                    {"blocks": (files[key], key), "scales": (files[skey], skey)})
-        used.update((key, skey))
-    orphans = [k for k in files if k.endswith("_scales") and k not in used and k[: -len("_scales")] + "_blocks"
-               not in files]
-    if orphans:
-        raise ValueError(f"{d}: {orphans[0]} has no _blocks entry beside it")
+        used.update(k for k in (key, skey) if k in files)
+        why = _entry_problem(files, key, skey)
+        if why is None:
+            bs = _shape(files[key], key)
+            weights[name] = MXFP4Weight(name, tuple(bs[:-2]) + (bs[-2] * 32,),
+                                        {"blocks": (files[key], key), "scales": (files[skey], skey)})
+        elif strict:
+            raise ValueError(f"{d}: {why}")
+        else:
+            broken[name] = why
+    for k in sorted(files):
+        if k.endswith("_scales") and k not in used:
+            if strict:
+                raise ValueError(f"{d}: {k} has no _blocks entry beside it")
+            broken[k[: -len("_scales")]] = f"{k} has no {k[: -len('_scales')]}_blocks entry beside it"
+            used.add(k)
     other = {n: (f, str(_dtype(f, n)), _shape(f, n)) for n, f in files.items() if n not in used}
-    return GptOssCheckpoint(d, weights, list(qc.get("modules_to_not_convert") or []), other, qc)
+    return GptOssCheckpoint(d, weights, list(qc.get("modules_to_not_convert") or []), other, qc, broken)
 
 
-def _rule_bytes(x2, rule):
-    """(codes in fp4sim's packing, E8M0 bytes) of x2 (rows, K) under one of :data:`MX_RULES`."""
+def rule_bytes(x2, rule):
+    """(codes in fp4sim's packing, E8M0 bytes) of ``x2`` (rows, K) under one of :data:`MX_RULES`: fp4sim's
+    ``mxfp4`` in that scale mode, or ggml's quantizer (:func:`fp4sim.gguf.ggml_mxfp4_quantize`)."""
     if rule == "ggml":
         from .gguf import ggml_mxfp4_quantize
         return ggml_mxfp4_quantize(x2)
@@ -151,32 +174,55 @@ def _rule_bytes(x2, rule):
     return np.asarray(q.codes).reshape(x2.shape[0], -1), np.asarray(q.scales).reshape(x2.shape[0], -1)
 
 
-def reference_rows(w, reference) -> np.ndarray:
-    """The reference of a weight or FP4 tensor ``w`` as float32 (rows, K) in the stored order: given in that order
-    or, for an [experts, rows, K] weight, in transformers' [experts, K, rows]. ValueError naming the shapes, or
-    for NaN / Inf."""
+STORED, TRANSPOSED = "the stored order [experts, rows, K]", "transformers' order [experts, K, rows]"
+
+
+def reference_orientations(w, reference) -> list:
+    """The readings of the reference of a weight or FP4 tensor ``w`` as float32 (rows, K) in the stored order:
+    ``[(orientation, x2)]`` — one where the shape decides (the stored order, or, for an [experts, rows, K]
+    weight, transformers' [experts, K, rows] transposed), both for a square weight (rows = K, such as
+    gpt-oss-20b's and 120b's ``down_proj``: hidden = intermediate = 2880), the stored order first, where only the
+    data can tell (:data:`STORED`, :data:`TRANSPOSED`). ValueError naming the shapes, or for NaN / Inf."""
     x = np.asarray(reference, np.float32)
     shape = tuple(w.shape)
     alt = shape[:-2] + (shape[-1], shape[-2])
-    if len(shape) == 3 and x.shape == alt and x.shape != shape:
-        x = np.swapaxes(x, -1, -2)
-    if x.shape != shape:
+    if x.shape != shape and not (len(shape) == 3 and x.shape == alt):
         also = f" (or {alt} as transformers lays it out)" if len(shape) == 3 else ""
         raise ValueError(f"reference: shape {x.shape}; {w.name} holds {shape}{also}")
     if not np.isfinite(x).all():
         raise ValueError(f"reference: {w.name}'s reference holds NaN or Inf")
-    return np.ascontiguousarray(x.reshape(-1, shape[-1]))
+    out = []
+    if x.shape == shape:
+        out.append((STORED, np.ascontiguousarray(x.reshape(-1, shape[-1]))))
+    if len(shape) == 3 and x.shape == alt:
+        out.append((TRANSPOSED, np.ascontiguousarray(np.swapaxes(x, -1, -2).reshape(-1, shape[-1]))))
+    return out
+
+
+def reference_rows(w, reference) -> np.ndarray:
+    """The reference of ``w`` as float32 (rows, K) in the stored order: the first of
+    :func:`reference_orientations` (for a square weight the stored order; :func:`matching_orientation` lets the
+    bytes decide)."""
+    return reference_orientations(w, reference)[0][1]
+
+
+def matching_orientation(w, reference) -> tuple:
+    """``(rules, orientation, x2)``: the :data:`MX_RULES` that give ``w``'s stored codes and scale bytes, byte for
+    byte, from the reference read in ``orientation`` (x2: that reading, float32 (rows, K)) — the first reading
+    of :func:`reference_orientations` that some rule reproduces, else ``([], STORED or the only reading, its
+    x2)``."""
+    codes, scales = w.codes, w.scales
+    readings = reference_orientations(w, reference)
+    for orientation, x2 in readings:
+        rules = [r for r in MX_RULES if all(np.array_equal(a, b) for a, b in zip(rule_bytes(x2, r), (codes, scales)))]
+        if rules:
+            return rules, orientation, x2
+    return [], readings[0][0], readings[0][1]
 
 
 def reproducing_rules(w: MXFP4Weight, reference) -> list:
     """The MXFP4 rules (:data:`MX_RULES`: fp4sim's scale modes with round-to-nearest-even elements, and ggml's
     quantizer) that give ``w``'s stored codes and scale bytes, byte for byte, from ``reference``: the weight's
-    high-precision values, in the stored order (experts, rows, K) or transformers' (experts, K, rows)."""
-    x2 = reference_rows(w, reference)
-    codes, scales = w.codes, w.scales
-    out = []
-    for rule in MX_RULES:
-        c, s = _rule_bytes(x2, rule)
-        if np.array_equal(c, codes) and np.array_equal(s, scales):
-            out.append(rule)
-    return out
+    high-precision values, in the stored order (experts, rows, K) or transformers' (experts, K, rows) — for a
+    square weight, whichever reading the bytes match (:func:`matching_orientation`)."""
+    return matching_orientation(w, reference)[0]

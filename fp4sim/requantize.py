@@ -18,15 +18,20 @@ import numpy as np
 __all__ = ["fp4_tensors", "requantize_study", "requantize_table"]
 
 
-def fp4_tensors(paths) -> list:
+def fp4_tensors(paths, broken: list | None = None) -> list:
     """(file, tensor) for every FP4 tensor under ``paths``: GGUF files (given, or inside a folder) and gpt-oss
-    MXFP4 folders; ValueError naming a file that cannot be read."""
+    MXFP4 folders; ValueError naming a file that cannot be read. A gpt-oss weight whose entries do not make one
+    (:attr:`fp4sim.gpt_oss.GptOssCheckpoint.broken`) is left out, and listed as [name, why] in ``broken`` where
+    a list is given (else the folder is a ValueError)."""
     from .gguf import read_gguf
     from .gpt_oss import is_gpt_oss, read_gpt_oss
     out = []
     for p in map(Path, paths):
         if p.is_dir() and is_gpt_oss(p):
-            out += [(p, w) for w in read_gpt_oss(p).weights.values()]
+            ck = read_gpt_oss(p, strict=broken is None)
+            out += [(p, w) for w in ck.weights.values()]
+            if broken is not None:
+                broken += [[name, f"its entries do not make an MXFP4 weight: {why}"] for name, why in ck.broken.items()]
             continue
         files = sorted(p.rglob("*.gguf")) if p.is_dir() else [p] if p.suffix.lower() == ".gguf" else []
         for f in files:
@@ -34,23 +39,20 @@ def fp4_tensors(paths) -> list:
     return out
 
 
-def _oriented(t, x) -> np.ndarray:
-    """The reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order
-    (:func:`fp4sim.gpt_oss.reference_rows`); ValueError saying why the rules cannot be compared on it."""
-    from .gpt_oss import reference_rows
-    x2 = reference_rows(t, x)
+def _oriented(t, x) -> tuple:
+    """``(x2, rules)``: the reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order
+    (:func:`fp4sim.gpt_oss.reference_orientations`; a square gpt-oss weight's reference in the reading its bytes
+    match) and the rules that reproduce the tensor's bytes from it; ValueError saying why the rules cannot be
+    compared on it."""
+    from .gpt_oss import matching_orientation, reference_rows
+    from .validate.checkpoint_mx import _gguf_rules, _rule_name
     if t.shape[-1] % 64:
         raise ValueError(f"K = {t.shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
-    return x2
-
-
-def _file_rules(t, x2) -> list:
-    """The rules that reproduce the tensor's bytes from x2."""
-    from .validate.checkpoint_mx import _gguf_rules, _rule_name
     if getattr(t, "type", None) in ("MXFP4", "NVFP4"):
-        return _gguf_rules(t, x2)
-    from .gpt_oss import reproducing_rules
-    return [_rule_name(r) for r in reproducing_rules(t, x2.reshape(t.shape))]
+        x2 = reference_rows(t, x)
+        return x2, _gguf_rules(t, x2)
+    rules, _, x2 = matching_orientation(t, x)
+    return x2, [_rule_name(r) for r in rules]
 
 
 def _stored_clipped(t, x2) -> float:
@@ -75,18 +77,19 @@ def requantize_study(paths, reference) -> dict:
     ``bits_per_value``. ValueError when ``paths`` hold no FP4 tensor or the reference no tensor."""
     from .gguf import rule_costs
     from .validate.checkpoint_ref import _reference_sources, reference_weight
-    found = fp4_tensors(paths)
+    skipped = []
+    found = fp4_tensors(paths, skipped)
     if not found:
         raise ValueError("--requantize: none of the paths holds an FP4 tensor of a GGUF file (MXFP4, NVFP4) or a "
                          "gpt-oss MXFP4 folder")
     refs = _reference_sources(reference)
-    rows, skipped = [], []
+    rows = []
     for f, t in found:
         x, why = reference_weight(t, refs)
         try:
             if x is None:
                 raise ValueError(why)
-            x2 = _oriented(t, x)
+            x2, file_rules = _oriented(t, x)
             stored = np.asarray(t.values(), np.float64).reshape(x2.shape)
         except ValueError as e:
             skipped.append([t.name, str(e)])
@@ -95,7 +98,7 @@ def requantize_study(paths, reference) -> dict:
         ref = float((a * a).sum())
         c = rule_costs(x2)
         rows.append({"tensor": t.name, "file": str(f), "type": getattr(t, "type", None) or "MXFP4",
-                     "shape": list(t.shape), "file_rule": _file_rules(t, x2),
+                     "shape": list(t.shape), "file_rule": file_rules,
                      "stored": float(((stored - a) ** 2).sum() / ref) if ref else 0.0, "rel_mse": c["rel_mse"],
                      "clipped_stored": _stored_clipped(t, x2), "clipped_ggml_mxfp4": c["clipped_blocks"],
                      "bits_per_value": c["bits_per_value"]})

@@ -250,6 +250,7 @@ def _write(path, tensors: dict):
 
 
 GQ, GF = "blk.0.attn_q.weight", "blk.0.ffn_up.weight"
+_BLOCK_BYTES = {"MXFP4": 17, "NVFP4": 36}
 
 
 def _clean(tmp_path):
@@ -299,15 +300,24 @@ def _scale_plus(rows, kind, step):
 
 
 @pytest.mark.parametrize("kind", ["MXFP4", "NVFP4"])
-@pytest.mark.parametrize("fault", ["pairs", "binade"])
+@pytest.mark.parametrize("fault", ["pairs", "binade", "binade low"])
 def test_each_gguf_fault_is_named(tmp_path, kind, fault):
     from fp4sim.validate.checkpoint import check_checkpoint
     mx, nv, ref, w = _clean(tmp_path)
     rows, name = (mx, GQ) if kind == "MXFP4" else (nv, GF)
-    bad = _pairs(rows, kind) if fault == "pairs" else _scale_plus(rows, kind, 1 if kind == "MXFP4" else 8)
+    step = (1 if kind == "MXFP4" else 8) * (-1 if fault == "binade low" else 1)
+    if fault == "binade low":
+        # one binade off is the exponent field off by one: ggml's UE4M3 bytes of these weights reach into the
+        # subnormal range (bytes 3 to 7), where it is not, so the weights are scaled by 2^4 for this case
+        from fp4sim.gguf import ggml_nvfp4_quantize, to_gguf_blocks
+        x = w["query" if kind == "MXFP4" else "ffn"] * np.float32(16)
+        rows = _gguf_bytes(x) if kind == "MXFP4" else to_gguf_blocks(*ggml_nvfp4_quantize(x), "NVFP4")
+        ref = _write(tmp_path / "ref16.gguf", {name: x})
+        assert rows.reshape(rows.shape[0], -1, _BLOCK_BYTES[kind])[:, :, 0].min() >= (1 if kind == "MXFP4" else 16)
+    bad = _pairs(rows, kind) if fault == "pairs" else _scale_plus(rows, kind, step)
     f = _write(tmp_path / "bad.gguf", {name: (bad, kind)})
     rep = check_checkpoint(f, ref)
-    phrase = "gpt-oss's pair order" if fault == "pairs" else "one binade high"
+    phrase = {"pairs": "gpt-oss's pair order", "binade": "one binade high", "binade low": "one binade low"}[fault]
     rule = "ggml's MXFP4 quantizer" if kind == "MXFP4" else "ggml's NVFP4 quantizer"
     assert not rep.ok and any(phrase in x and rule in x for x in rep.tensors[name]["faults"]), rep.summary()
 
@@ -525,3 +535,142 @@ def test_nvfp4_scales_per_32_follow_te_s_rule():
         assert np.array_equal(s, np.asarray(q.scales).reshape(s.shape))
     c32, s32, _ = te_nvfp4_blocks(_weights()["ffn"], 32)
     assert s32.shape == (1536, 12)
+
+
+# --------------------------------------------------------------------- what users holding GGUF files hit
+def _with_f32_last(tmp_path):
+    """A GGUF file written by gguf-py's writer: an MXFP4 tensor, then an F32 tensor (the file's last)."""
+    mx, nv, ref, w = _clean(tmp_path)
+    f32 = w["ffn"][:256]
+    return _write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: f32}), ref, f32
+
+
+@pytest.mark.parametrize("cut", [1000, "whole"])
+def test_a_file_cut_inside_a_tensor_that_is_not_fp4_is_a_fault(tmp_path, cut):
+    """Cut 1,000 bytes off a GGUF file whose last tensor is F32 (or cut it off whole): gguf-py's own reader refuses
+    the file; validate names the F32 tensor as truncated (with or without a reference), exit 1, and still checks
+    the FP4 tensor; analyze skips it with the reason (exit 1) and never reads zeros in place of the missing
+    bytes."""
+    import subprocess
+    import sys
+    from fp4sim.validate.checkpoint import check_checkpoint
+    gg = import_or_missing("gguf")
+    f, ref, f32 = _with_f32_last(tmp_path)
+    data = f.read_bytes()
+    n = 1000 if cut == 1000 else f32.nbytes             # (its size is a multiple of 32: no padding after it)
+    short = tmp_path / "cut.gguf"
+    short.write_bytes(data[:-n])
+    with pytest.raises(Exception):                                   # the oracle: gguf-py refuses the file
+        gg.GGUFReader(str(short))
+    t = read_gguf(short).tensors[GF]
+    assert t.missing == min(n, f32.nbytes) and t.truncation
+    with pytest.raises(ValueError, match=f"{GF}: truncated"):
+        t.stored()
+    for reference in (None, ref):
+        rep = check_checkpoint(short, reference)
+        assert not rep.ok and any(x.startswith(f"{GF} (F32, not quantized to FP4): truncated") for x in rep.faults), \
+            rep.summary()
+        assert rep.tensors[GQ]["ok"] and (reference is None or rep.tensors[GQ]["exact"]), rep.summary()
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "checkpoint", str(short)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and "CONSISTENT" not in r.stdout and "truncated" in r.stdout, r.stdout + r.stderr
+    from fp4sim.analyze import analyze
+    import json
+    ds = analyze([str(short)], schemes=["nvfp4"], hadamard=False, quiet=True)
+    skipped = {k["tensor"]: k for k in json.loads(ds.attrs["skipped"])}
+    assert list(ds.tensor.values) == [GQ] and "truncated" in skipped[GF]["reason"], skipped
+    if cut == "whole":
+        assert "none of its" in skipped[GF]["reason"]
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(short), "--quiet", "--schemes", "nvfp4",
+                        "--no-hadamard"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and "truncated" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("fault", ["truncated", "mislabelled"])
+def test_an_fp4_tensor_whose_bytes_are_not_its_own_is_not_compared(tmp_path, fault):
+    """A truncated FP4 tensor, or one under the other FP4 type, is not counted as compared with the reference:
+    the headline does not count it among the tensors compared, and the checkpoint's 'not compared' fault names
+    it."""
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    f = _write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), GF: (nv, "NVFP4")})
+    if fault == "truncated":
+        cut = tmp_path / "cut.gguf"
+        cut.write_bytes(f.read_bytes()[:-1000])
+        f = cut
+    else:
+        _retype(f, GF, "MXFP4")
+    rep = check_checkpoint(f, ref)
+    assert not rep.tensors[GF]["compared"] and rep.tensors[GQ]["exact"], rep.summary()
+    assert any(x.startswith(f"1 of 2 quantized weights were not compared with the reference (first: {GF}")
+               for x in rep.faults), rep.summary()
+    assert "1 of 2 equal to the reference" in rep.summary()
+
+
+def test_a_tensor_missing_from_the_reference_is_named_once(tmp_path):
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    f = _write(tmp_path / "m.gguf", {GQ: (mx, "MXFP4"), "blk.1.attn_q.weight": (mx, "MXFP4")})
+    rep = check_checkpoint(f, ref)
+    notes = rep.tensors["blk.1.attn_q.weight"]["notes"]
+    assert notes == ["no reference tensor blk.1.attn_q.weight: not compared"], notes
+
+
+@pytest.mark.parametrize("kind", ["MXFP4", "NVFP4"])
+def test_a_fault_in_some_blocks_is_counted_and_located(tmp_path, kind):
+    """One block's code nibbles swapped and another block's scale byte one off: no rule and no whole-tensor fault
+    reproduces the bytes; the fault says how many scale blocks differ from the rule's bytes and where the first
+    is."""
+    from fp4sim.gguf import block_layout
+    from fp4sim.validate.checkpoint import check_checkpoint
+    mx, nv, ref, w = _clean(tmp_path)
+    rows, name = (mx, GQ) if kind == "MXFP4" else (nv, GF)
+    n, nbytes, ns, sub = block_layout(kind)
+    b = rows.reshape(rows.shape[0], -1, nbytes).copy()
+    b[3, 1, ns + 2] = (b[3, 1, ns + 2] >> 4) | (b[3, 1, ns + 2] << 4)     # row 3, GGUF block 1: two codes
+    assert b[3, 1, ns + 2] != rows.reshape(b.shape)[3, 1, ns + 2]
+    b[7, 0, 0] += 1                                                        # row 7, first scale of block 0
+    rep = check_checkpoint(_write(tmp_path / "b.gguf", {name: (b.reshape(rows.shape), kind)}), ref)
+    f = " ".join(rep.tensors[name]["faults"])
+    rule = "ggml's MXFP4 quantizer" if kind == "MXFP4" else "ggml's NVFP4 quantizer"
+    total = rows.shape[0] * w["query" if kind == "MXFP4" else "ffn"].shape[1] // sub
+    assert f"2 of {total} scale blocks differ from the bytes of {rule}" in f, f
+    # the swapped byte of row 3 holds elements of the sub-block that byte index ns + 2 falls in
+    first = 1 * n + (2 // (sub // 2)) * sub
+    assert f"first at row 3, elements {first} to {first + sub - 1}" in f, f
+
+
+def test_reading_scale_byte_255_warns_of_nothing():
+    """E8M0 byte 255 is NaN: values() gives NaN for its block without NumPy's overflow warning."""
+    import warnings
+    from fp4sim.gguf import GGUFTensor, to_gguf_blocks
+    x = _weights()["query"][:2, :64]
+    c, s = ggml_mxfp4_quantize(x)
+    s = s.copy()
+    s[1, 1] = 255
+    t = GGUFTensor("t", "MXFP4", (2, 64), to_gguf_blocks(c, s, "MXFP4"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v = t.values()
+    assert np.isnan(v[1, 32:]).all() and np.isfinite(v[0]).all() and np.isfinite(v[1, :32]).all()
+
+
+def test_nvfp4_scale_bytes_with_the_sign_bit_read_as_ggml_reads_them():
+    """ggml's UE4M3 scales are unsigned: a byte with its sign bit set reads as the byte without it, in gguf-py's
+    own dequantizer, in values() and in fs.dequantize of quantized() (which had negated the 16 values); the
+    stored bytes (scales) keep the bit, for validate to name."""
+    from fp4sim.gguf import GGUFTensor, ggml_nvfp4_quantize, to_gguf_blocks
+    gq, gg = import_or_missing("gguf.quants"), import_or_missing("gguf")
+    x = _weights()["ffn"][:4, :128]
+    c, s = ggml_nvfp4_quantize(x)
+    s = s.copy()
+    s[0, 1] |= 0x80
+    s[2, 5] |= 0x80
+    rows = to_gguf_blocks(c, s, "NVFP4")
+    t = GGUFTensor("t", "NVFP4", (4, 128), rows)
+    theirs = gq.dequantize(rows, gg.GGMLQuantizationType.NVFP4).astype(np.float32).reshape(4, 128)
+    ours = np.asarray(fs.dequantize(t.quantized()), np.float32)
+    code8 = unpack_fp4(c) == 8                                           # -0 in fp4sim, +0 in ggml: equal values
+    assert np.array_equal(t.values(), theirs) and np.array_equal(ours, theirs)
+    assert np.array_equal(ours[~code8].view(np.uint32), theirs[~code8].view(np.uint32))
+    assert t.scales[0, 1] & 0x80 and t.scales[2, 5] & 0x80

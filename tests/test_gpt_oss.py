@@ -124,6 +124,7 @@ FAULTS = {   # fault -> (how the stored bytes are changed, a phrase of the messa
     "nibbles swapped": (lambda b, s: (((b >> 4) | (b << 4)).astype(np.uint8), s), "nibbles are swapped"),
     "ggml order": (lambda b, s: (_ggml(b), s), "ggml's order"),
     "bias 128": (lambda b, s: (b, (s + 1).astype(np.uint8)), "one binade high"),
+    "bias 126": (lambda b, s: (b, (s - 1).astype(np.uint8)), "one binade low"),
     "transposed": (lambda b, s: (np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(b.shape),
                                  np.ascontiguousarray(s.transpose(0, 2, 1)).reshape(s.shape)), "transposed"),
 }
@@ -266,3 +267,139 @@ def test_analyze_requantize_on_a_gpt_oss_folder(folder, tmp_path):
         # transformers' values are bfloat16: exact for these E2M1 x 2^k values, so the error is the stored one
         assert t["stored"] == pytest.approx(want, rel=1e-12)
         assert t["rel_mse"][f"MXFP4 {mode}"] == pytest.approx(t["stored"], rel=1e-12)
+
+
+# ------------------------------------------------------------------------ what users holding gpt-oss files hit
+SQ = "model.layers.0.mlp.experts.down_proj"
+
+
+def _square():
+    """Square experts (rows = K = 384, as gpt-oss-20b's and 120b's down_proj have hidden = intermediate = 2880),
+    from real MiniLM weights."""
+    z = np.load(SAMPLE)
+    return np.stack([z["minilm.encoder.layer.0.attention.self.query.weight"],
+                     z["minilm.encoder.layer.5.intermediate.dense.weight"][:384]])
+
+
+@pytest.mark.parametrize("layout", ["stored", "transformers"])
+def test_square_experts_match_in_either_reference_layout(tmp_path, layout):
+    """Where rows = K the shape cannot tell the reference's layout: the bytes decide, and the report says which
+    reading matched. The weight's rule is found, and analyze --requantize names it too."""
+    import subprocess
+    import sys
+    from fp4sim.gpt_oss import TRANSPOSED, STORED
+    from fp4sim.validate.checkpoint import check_checkpoint
+    x = _square()
+    b, s = _pack(x, "rceil")
+    d = write_gpt_oss(tmp_path / "sq", {SQ + "_blocks": b, SQ + "_scales": s})
+    ref = _reference(tmp_path / "ref", {SQ: x}, transformers_layout=layout == "transformers")
+    rep = check_checkpoint(d, ref)
+    t = rep.tensors[SQ]
+    assert rep.ok and t["exact"] and t["rule"] == "MXFP4, scale mode rceil", rep.summary()
+    want = TRANSPOSED if layout == "transformers" else STORED
+    assert any(f"square: its bytes match it read in {want}" in n for n in t["notes"]), rep.summary()
+    assert reproducing_rules(read_gpt_oss(d).weights[SQ], np.swapaxes(x, -1, -2) if layout == "transformers"
+                             else x) == ["rceil"]
+    js = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(d), "--requantize", str(ref), "--json", str(js),
+                        "--quiet", "--schemes", "mxfp4_rceil", "--no-hadamard"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(js.read_text())["requantize"]["tensors"][0]
+    assert row["file_rule"] == ["MXFP4, scale mode rceil"] and row["rel_mse"]["MXFP4 rceil"] == row["stored"], row
+
+
+def test_one_inconsistent_weight_is_a_fault_and_the_others_are_checked(folder, tmp_path):
+    """A _blocks entry with fewer experts than its _scales (1 beside 2): a fault of that weight (not 'bad input' for the
+    folder); the other weight is checked against the reference and exact; analyze skips the broken weight with
+    its reason and analyses the other."""
+    import subprocess
+    import sys
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    b, s = _pack(x[GU], "floor")
+    b3 = np.ascontiguousarray(b[:1])                                    # 1 expert of blocks, 2 of scales
+    db, ds = _pack(x[DN], "rceil")
+    bad = write_gpt_oss(tmp_path / "bad", {GU + "_blocks": b3, GU + "_scales": s, DN + "_blocks": db,
+                                           DN + "_scales": ds})
+    rep = check_checkpoint(bad, _reference(tmp_path / "ref", x))
+    assert not rep.ok and rep.tensors[DN]["ok"] and rep.tensors[DN]["exact"], rep.summary()
+    assert any("do not make an MXFP4 weight" in f and "gpt-oss stores blocks" in f for f in rep.tensors[GU]["faults"])
+    head = rep.summary().splitlines()[0]
+    assert "1 of 2 with faults" in head, head
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "checkpoint", str(bad)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and "FAULT " + GU in r.stdout, r.stdout + r.stderr
+    from fp4sim.analyze import analyze
+    ds = analyze([str(bad)], schemes=["mxfp4_rceil"], hadamard=False, quiet=True)
+    skipped = json.loads(ds.attrs["skipped"])
+    assert any(GU in k["tensor"] and "do not make an MXFP4 weight" in k["reason"] and not k.get("ignored")
+               for k in skipped), skipped
+    assert list(ds.tensor.values) == [DN + ".weight"], skipped
+    r = subprocess.run([sys.executable, "-m", "fp4sim.analyze", str(bad), "--quiet", "--schemes", "mxfp4_rceil",
+                        "--no-hadamard"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and "do not make an MXFP4 weight" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_the_headline_counts_tensors_and_checkpoint_faults_apart(folder, tmp_path):
+    """One reference problem on one tensor (its reference has another shape): that tensor's fault, and the
+    checkpoint's fault that it was not compared — '1 of 2 with faults; 1 fault of the checkpoint as a whole', not
+    '2 with faults'. A reference that leaves a weight out: the 'N of M not compared' fault."""
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    rep = check_checkpoint(d, _reference(tmp_path / "ref", {GU: x[GU], DN: x[DN][:, :10]}))
+    head = rep.summary().splitlines()[0]
+    assert "1 of 2 with faults; 1 fault of the checkpoint as a whole" in head, rep.summary()
+    assert "reference: shape" in " ".join(rep.tensors[DN]["faults"]) and rep.tensors[GU]["exact"], rep.summary()
+    rep = check_checkpoint(d, _reference(tmp_path / "part", {GU: x[GU]}))
+    assert not rep.ok and any(f.startswith("1 of 2 quantized weights were not compared") for f in rep.faults), \
+        rep.summary()
+    assert any(f"no reference tensor {DN}.weight or {DN}: not compared" == n for n in rep.tensors[DN]["notes"])
+
+
+def test_a_fault_confined_to_some_blocks_says_how_many_and_where(folder, tmp_path):
+    """One block's nibbles swapped and another block's scale byte one off: no rule and no whole-tensor fault
+    reproduces the bytes; the fault counts the scale blocks that differ from the closest rule's and names the
+    first (expert, row, block)."""
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    b, s = _pack(x[GU], "floor")
+    b, s = b.copy(), s.copy()
+    b[1, 5, 3] = (b[1, 5, 3] >> 4) | (b[1, 5, 3] << 4)
+    assert not np.array_equal(b, _pack(x[GU], "floor")[0])               # the block is no palindrome
+    s[0, 700, 2] += 1
+    bad = write_gpt_oss(tmp_path / "bad", {GU + "_blocks": b, GU + "_scales": s})
+    rep = check_checkpoint(bad, _reference(tmp_path / "ref", {GU: x[GU]}))
+    f = " ".join(rep.tensors[GU]["faults"])
+    assert "2 of 18432 scale blocks differ from the bytes of MXFP4, scale mode floor" in f, f
+    assert "first at expert 0, row 700, block 2" in f, f
+
+
+def test_without_a_reference_the_report_says_what_it_could_not_see(folder):
+    """A checkpoint with its nibbles swapped is CONSISTENT without a reference (nothing in its bytes alone shows
+    it), and the report says so and names --reference."""
+    from fp4sim.validate.checkpoint import check_checkpoint
+    d, x = folder
+    text = check_checkpoint(d).summary()
+    assert "CONSISTENT" in text and "--reference checks the bytes" in text, text
+
+
+def test_gpt_oss_sinks_and_expert_biases_are_parameters_not_activations(tmp_path):
+    """gpt-oss's attention sinks (1-D) and per-expert biases (2-D) are parameters no GEMM takes: listed as not
+    analysed, and analysed under the weight role with --include-vectors (not as activations)."""
+    from fp4sim.analyze import analyze
+    x = _experts()
+    b, s = _pack(x[GU], "floor")
+    sinks, bias = "model.layers.0.self_attn.sinks", GU + "_bias"
+    rng = np.random.default_rng(0)
+    d = write_gpt_oss(tmp_path / "ck", {GU + "_blocks": b, GU + "_scales": s,
+                                        sinks: rng.standard_normal(64).astype(np.float32),
+                                        bias: rng.standard_normal((2, 768)).astype(np.float32)})
+    kw = dict(schemes=["mxfp4_rceil"], hadamard=False, quiet=True)
+    ds = analyze([str(d)], **kw)
+    ignored = {k["tensor"]: k for k in json.loads(ds.attrs["skipped"])}
+    assert {sinks, bias} <= set(ignored) and all(ignored[n].get("ignored") for n in (sinks, bias)), ignored
+    assert list(ds.tensor.values) == [GU + ".weight"]
+    ds = analyze([str(d)], include_vectors=True, **kw)
+    roles = dict(zip(ds.tensor.values, ds.role.values))
+    assert roles[sinks] == "weight" and roles[bias] == "weight" and roles[GU + ".weight"] == "weight", roles

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
                     help=f"set the role of tensors matching a name or glob ({', '.join(ROLES)}); repeatable")
     ap.add_argument("--no-hadamard", action="store_true", help="skip the Hadamard-transform study")
     ap.add_argument("--include-vectors", action="store_true",
-                    help="also analyse 1-D biases and normalization weights (skipped by default: no GEMM takes them)")
+                    help="also analyse biases, attention sinks and normalization weights (1-D; gpt-oss's per-expert "
+                         "biases, 2-D), skipped by default: no GEMM takes them")
     ap.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding (Philox), 0 <= N < 2**64")
     ap.add_argument("--threads", type=int, help="Numba threads (default: the idle cores, from the load average)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -43,12 +43,16 @@ class NotATarget(TensorError):
     but not counted as a failure (the exit status stays 0)."""
 
 
-_VECTOR = re.compile(r"(^|[._])(bias|norm|layernorm|rmsnorm|ln(_?\d+|_f)?)([._]|$)|norm[._]?weight$|_norm$")
+_VECTOR = re.compile(r"(^|[._])(bias|sinks|norm|layernorm|rmsnorm|ln(_?\d+|_f)?)([._]|$)|norm[._]?weight$|_norm$")
+_PARAM = re.compile(r"(^|[._])(\w+_)?(bias|sinks)$")          # parameters not named "weight": biases, attention sinks
 
 
 def is_vector_param(name: str, ndim: int) -> bool:
-    """A 1-D bias or normalization weight (``*.bias``, ``*norm*.weight``, ``ln_1.weight``, ...), by its name."""
-    return ndim == 1 and bool(_VECTOR.search(name.lower()))
+    """A 1-D bias, attention-sink or normalization weight (``*.bias``, ``*.sinks``, ``*norm*.weight``,
+    ``ln_1.weight``, ...), by its name, or a 2-D stack of per-expert biases (gpt-oss's ``*_proj_bias``
+    [experts, n]): vectors that no GEMM takes."""
+    low = name.lower()
+    return ndim == 1 and bool(_VECTOR.search(low)) or ndim == 2 and bool(_PARAM.search(low))
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,12 @@ class Source:
 
 
 def infer_role(name: str) -> str:
+    """The role a tensor's name gives: ``grad`` -> gradient; ``weight``, or a parameter named for what it is
+    (a bias, gpt-oss's attention ``sinks`` and per-expert ``*_proj_bias``) -> weight; else activation."""
     low = name.lower()
     if re.search(r"grad", low):
         return "gradient"
-    if re.search(r"weight", low):
+    if re.search(r"weight", low) or _PARAM.search(low):
         return "weight"
     return "activation"
 
@@ -249,7 +255,7 @@ def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: li
     if is_checkpoint(d):
         read, prefix = read_checkpoint, CKPT
     elif is_gpt_oss(d):
-        read, prefix = read_gpt_oss, GPT_OSS
+        read, prefix = (lambda p: read_gpt_oss(p, strict=False)), GPT_OSS
     else:
         return False
     try:
@@ -257,6 +263,8 @@ def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: li
     except ValueError as e:
         problems.append((str(d), str(e)))
         return True
+    for m, why in getattr(ck, "broken", {}).items():         # a gpt-oss weight whose entries make none: skipped
+        problems.append((f"{d}: {m}", f"its entries do not make an MXFP4 weight: {why}"))
     side = _sidecar(d)
     for m, w in ck.weights.items():
         found.append((m if m.endswith("weight") else f"{m}.weight", d, None, f"{prefix}{m}", side, {}))
@@ -282,7 +290,7 @@ def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
     try:
         if src.key and src.key.startswith(GPT_OSS):
             from ..gpt_oss import read_gpt_oss
-            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_gpt_oss(src.path))
+            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_gpt_oss(src.path, strict=False))
             w = ck.weights[src.key[len(GPT_OSS):]]
             a = w.values().reshape(-1, w.shape[-1])
         elif src.key and src.key.startswith(CKPT):
@@ -344,18 +352,20 @@ def _load_gguf(path: Path, key):
     """A GGUF tensor's values: ggml's FP4 types (MXFP4, NVFP4) as ggml reads them (fp4sim.gguf), float types as
     stored, other quantized types as gguf-py dequantizes them; ggml's 2-D order (rows, K)."""
     t = _gguf_file(path).tensors[key]
+    if t.truncation:                                   # the reader zero-fills what a cut file lacks: never analysed
+        raise TensorError(t.truncation)
     if t.fp4:
         return t.values()
     if t.type in ("F32", "F16", "F64"):
-        return np.asarray(t.raw).reshape(t.shape)
+        return t.stored().reshape(t.shape)
     if t.type == "BF16":
-        return np.asarray(t.raw).view(ml_dtypes.bfloat16).reshape(t.shape)
+        return t.stored().view(ml_dtypes.bfloat16).reshape(t.shape)
     if t.type.startswith(("I", "U")) and t.type[1:].isdigit():
         raise NotATarget(f"has the integer type {t.type}: not a tensor to quantize")
     try:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        return dequantize(np.asarray(t.raw), GGMLQuantizationType[t.type]).reshape(t.shape).astype(np.float32)
+        return dequantize(t.stored(), GGMLQuantizationType[t.type]).reshape(t.shape).astype(np.float32)
     except (NotImplementedError, KeyError, ValueError) as e:
         raise TensorError(f"is a {t.type} GGUF tensor, which gguf-py does not dequantize ({_first_line(e)})") \
             from None

@@ -92,12 +92,23 @@ def _rules(x, fmt: str, amax=None) -> list:
     return rules
 
 
+def _reference_names(w) -> list:
+    """The names the reference of ``w`` may have: ``NAME.weight`` and ``NAME`` for a module's name, the name
+    itself where it names a weight already (a GGUF tensor's ``blk.0.attn_q.weight``)."""
+    return [w.name] if w.name.endswith(".weight") else [f"{w.name}.weight", w.name]
+
+
+def _reference_source(w, refs: dict):
+    return next((refs[n] for n in _reference_names(w) if n in refs), None)
+
+
 def reference_weight(w, refs: dict):
     """(the reference weight of ``w`` as float32, None) or (None, why it cannot be compared)."""
     from ..analyze.inputs import TensorError, load
-    src = refs.get(f"{w.name}.weight") or refs.get(w.name)
+    src = _reference_source(w, refs)
     if src is None:
-        return None, f"no reference tensor {w.name}.weight"
+        names = _reference_names(w)
+        return None, "no reference tensor " + " or ".join(names)
     try:
         return load(src), None
     except TensorError as e:
@@ -115,7 +126,7 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict, x=None, amax=None, gr
         if x is None:
             t["notes"].append(f"{why}: not compared")
             return
-    src = refs.get(f"{w.name}.weight") or refs.get(w.name)
+    src = _reference_source(w, refs)
     if x.shape != tuple(w.shape):
         _fail(t, f"the reference {src.name} has shape {x.shape}; the checkpoint's codes hold {tuple(w.shape)}")
         return
@@ -241,8 +252,11 @@ class CheckpointReport:
     def summary(self) -> str:
         bad = [n for n, t in self.tensors.items() if not t["ok"]]
         exact = sum(1 for t in self.tensors.values() if t.get("exact"))
+        parts = ([f"{len(bad)} of {len(self.tensors)} with faults"] if bad else []) + (
+            [f"{len(self.faults)} fault{'s' if len(self.faults) > 1 else ''} of the checkpoint as a whole"]
+            if self.faults else [])
         head = (f"fp4sim.validate checkpoint: {self.path} ({self.format}), {len(self.tensors)} quantized linears: "
-                + ("CONSISTENT" if self.ok else f"{len(bad) + bool(self.faults)} with faults"))
+                + ("CONSISTENT" if self.ok else "; ".join(parts)))
         if self.reference:
             head += f"; {exact} of {len(self.tensors)} equal to the reference re-quantized, byte for byte"
         lines = [head]
@@ -262,6 +276,10 @@ class CheckpointReport:
                 lines.append(f"  note {n}: {f}")
         for f in self.notes:
             lines.append(f"  note: {f}")
+        if not self.reference and self.tensors:
+            lines.append("  note: checked without a reference: the structure, shapes and scale bytes each tensor holds "
+                         "on its own. A byte-level fault (nibbles swapped, scales one binade off, another rule's "
+                         "rounding) shows only against the high-precision weights: --reference checks the bytes")
         return "\n".join(lines)
 
 
