@@ -114,14 +114,29 @@ def _world():
     return 0, 1
 
 
+def _launch_command(argv, nproc: int) -> list:
+    """The torchrun command that runs this script's ``run`` as ``nproc`` processes: the script's arguments without
+    ``--nproc`` (torchrun's own parser would read it as an abbreviation of its ``--nproc-per-node`` and stop; the
+    processes learn their number from torchrun's group)."""
+    args, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            args.append(a)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(Path(__file__).resolve()), *args]
+
+
 def _launch(argv, nproc: int) -> int:
     """This script's ``run`` as ``nproc`` processes under torchrun (each joins a gloo group in :func:`main`)."""
     import subprocess
     env = {**os.environ, "FP4SIM_FINETUNE_DP": str(nproc),
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # gloo processes may abort at exit while OpenMP workers spin
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={nproc}", str(Path(__file__).resolve()), *argv], env=env)
+    return subprocess.call(_launch_command(argv, nproc), env=env)
 
 
 def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_every: int, quiet=False):

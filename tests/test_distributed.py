@@ -323,6 +323,23 @@ def test_the_finetune_script_trains_data_parallel(tmp_path, monkeypatch):
     assert r.returncode == 2 and "--nproc 3: a number of processes that divides --batch 4" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("form", [["--nproc", "2"], ["--nproc=2"]])
+def test_the_finetune_launcher_passes_torchruns_own_parser(form):
+    """`run --nproc 2` starts torchrun with the script's arguments: torchrun's own parser reads a `--nproc` among
+    them as an abbreviation of its options and stops (exit 2, 'ambiguous option'), so the launcher leaves it out
+    (the processes learn their number from the group); every other argument reaches the script."""
+    from torch.distributed.run import get_args_parser
+    fm = _finetune_module(ROOT)
+    argv = ["run", *form, "--steps", "3", "--seq-len", "16"]
+    cmd = fm._launch_command(argv, 2)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    a = get_args_parser().parse_args(cmd[3:])
+    assert a.nproc_per_node == "2" and a.training_script.endswith("finetune_smollm2.py")
+    assert a.training_script_args == ["run", "--steps", "3", "--seq-len", "16"]
+    with pytest.raises(SystemExit):                   # what the launcher passed before: torchrun refuses it
+        get_args_parser().parse_args([*cmd[3:6], *argv])
+
+
 # ------------------------------------------------------------------------- the ranks' shared state, pinned
 def _edge_worker(rank, world, path):
     """Each property below is one plausible one-line bug away from breaking, and none changes what a rank that

@@ -102,3 +102,37 @@ def test_the_documentation_builds_with_warnings_as_errors(tmp_path):
     for name in ("fp4sim.quantize", "fp4sim.gemm", "fp4sim.training.Recipe", "fp4sim.torch.linear.QuantLinear",
                  "fp4sim.validate.compare", "fp4sim.analyze.analyze"):
         assert f'id="{name}"' in api, f"the API reference lost {name}"
+
+
+PROBE = '''import json as _json, os as _os
+import torch.distributed as _dist
+_destroy = _dist.destroy_process_group
+
+
+def _probe(*a, **k):                  # what the page's processes were, read before the page ends its group
+    with open(f"probe{_os.environ.get('RANK', 'alone')}.json", "w") as f:
+        _json.dump({"world": _dist.get_world_size(), "rank": _dist.get_rank()}, f)
+    return _destroy(*a, **k)
+
+
+_dist.destroy_process_group = _probe
+'''
+
+
+@pytest.mark.slow
+def test_the_scale_pages_examples_run_data_parallel_under_torchrun(tmp_path):
+    """docs/scale.md's examples, as one script under `torchrun --nproc_per_node 2` (gloo): the two processes are
+    ranks 0 and 1 of one world of 2 (not two groups of one), and the distributed checkpoint holds both ranks'
+    shards."""
+    blocks = [t for k, t in _examples(DOCS / "scale.md") if k == "python"]
+    script = tmp_path / "train.py"
+    script.write_text(PROBE + "\n".join(blocks))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    import json
+    got = {r_: json.loads((tmp_path / f"probe{r_}.json").read_text()) for r_ in ("0", "1")}
+    assert got == {"0": {"world": 2, "rank": 0}, "1": {"world": 2, "rank": 1}}, got
+    shards = sorted(p.name for p in (tmp_path / "ckpt" / "step-1").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards

@@ -46,8 +46,9 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     stage("load")
     x = load(src, keep_bf16=device is not None)
     if not include_vectors and is_vector_param(src.name, x.ndim):
-        raise NotATarget(f"a {'1-D' if x.ndim == 1 else 'per-expert'} bias, attention-sink or normalization "
-                         "weight: no GEMM operand, so no quantization target (--include-vectors analyses it)")
+        what = "a 1-D bias or normalization weight (or attention sinks)" if x.ndim == 1 else \
+            "a stack of per-expert biases"
+        raise NotATarget(f"{what}: no GEMM operand, so no quantization target (--include-vectors analyses it)")
     ch = chunk_size(x.size) if chunk_elems is None else chunk_elems
     # NumPy's BLAS on one thread: the studies' float64 dot products then give the same bits on any machine and
     # in any Dask worker, and no BLAS worker spins on the cores the next Numba kernel needs; in a Dask worker,
