@@ -6,17 +6,65 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_array", "check_writable"]
+__all__ = ["load_array", "check_writable", "input_paths"]
 
 
 class _Clear(ValueError):
     """An error whose message already says what is wrong (not re-wrapped)."""
 
 
-def check_writable(path, what: str, directory: bool = False) -> None:
+def input_paths(ns, outputs=()) -> list:
+    """The existing files and folders that the options of an argparse namespace ``ns`` name (a value ``PATH:KEY``
+    names PATH; lists are looked into), leaving out the output options named in ``outputs``."""
+    found = []
+    for k, v in vars(ns).items():
+        if k in outputs:
+            continue
+        for item in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(item, (str, os.PathLike)) and str(item):
+                s = str(item)
+                for cand in (s, s.rpartition(":")[0]):
+                    if cand and os.path.exists(cand):
+                        found.append(cand)
+                        break
+    return found
+
+
+# the files fp4sim's commands read inside a folder they are given: tensors, checkpoints and their metadata
+READ_IN_FOLDERS = ("*.npy", "*.npz", "*.safetensors", "*.pt", "*.pth", "*.gguf", "*.nc", "config.json",
+                   "*.index.json", "*roles.json", "hf_quant_config.json", "tokenizer*", "generation_config.json")
+
+
+def _is_input(p: Path, inputs) -> str | None:
+    """The input that writing ``p`` would overwrite — ``p`` itself, or a file inside an input folder of a kind
+    the commands read there (:data:`READ_IN_FOLDERS`) — or None."""
+    import fnmatch
+    if not p.exists():
+        return None
+    rp = p.resolve()
+    for i in inputs:
+        ip = Path(i)
+        if not ip.exists():
+            continue
+        ri = ip.resolve()
+        if rp == ri or (ip.is_dir() and ri in rp.parents
+                        and any(fnmatch.fnmatch(rp.name.lower(), pat) for pat in READ_IN_FOLDERS)):
+            return str(i)
+    return None
+
+
+def check_writable(path, what: str, directory: bool = False, inputs=()) -> None:
     """Raise ValueError (naming the option ``what``) unless ``path`` can be written: checked before any work
-    starts, so a long run never ends in an unwritable output. ``directory``: the path is a folder to create."""
+    starts, so a long run never ends in an unwritable output. ``directory``: the path is a folder to create.
+    ``inputs``: the files and folders the command reads (:func:`input_paths`): an output that is one of them, or
+    a file inside one, is refused — writing it would destroy what the command reads (a folder to write into may
+    be an input folder: the files written there are new)."""
     p = Path(path)
+    hit = None if directory else _is_input(p, inputs)
+    if hit is not None:
+        inside = "" if Path(hit).resolve() == p.resolve() else f" (inside the input {hit})"
+        raise ValueError(f"{what} {path}: is an input of this command{inside}; writing it would overwrite it: give "
+                         "another name")
     if directory:
         if p.exists() and not p.is_dir():
             raise ValueError(f"{what} {path}: is a file, not a directory")

@@ -617,9 +617,9 @@ def main(argv=None) -> int:
 
     out = Path(a.out)
     try:
-        from .arrays_io import check_writable
+        from .arrays_io import check_writable, input_paths
         try:
-            check_writable(out, "--out", directory=True)
+            check_writable(out, "--out", directory=True, inputs=input_paths(a, outputs=("out",)))
         except ValueError as e:
             raise BadInput(str(e)) from None
         ds, summary = inspect_model(a.model_dir, a.text, a.recipe, a.batches, a.batch_size, a.seq_len, a.fraction,

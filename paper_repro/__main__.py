@@ -22,18 +22,23 @@ from fp4sim._tool import say
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "figures"
 
 
+def _runs(fig: str, quick: bool, seeds: int, short: bool, nproc: int) -> list:
+    """The training runs of a generic figure, as data-parallel runs of ``nproc`` processes where ``nproc > 1``
+    (other runs, with their own keys, trained by torchrun); ValueError for a configuration a run refuses."""
+    runs = figures.runs_for(fig, quick, seeds, short)
+    return [(lab, x, replace(c, nproc=nproc)) for lab, x, c in runs] if nproc > 1 else runs
+
+
 def make(fig: str, quick: bool, out: Path, seeds: int | None, quiet: bool = False, threads: int | None = None,
          scheduler: str | None = None, short: bool = False, nproc: int = 1) -> dict:
     from .runner import run_all, set_threads
-    out.mkdir(parents=True, exist_ok=True)
     given = seeds
     seeds = seeds or (figures.QUICK_SEEDS if quick else figures.FULL_SEEDS)
     t0 = time.perf_counter()
-    if FIGURES[fig].generic:
+    runs = _runs(fig, quick, seeds, short, nproc) if FIGURES[fig].generic else None   # (a bad run: before the mkdir)
+    out.mkdir(parents=True, exist_ok=True)
+    if runs is not None:
         set_threads(threads)
-        runs = figures.runs_for(fig, quick, seeds, short)
-        if nproc > 1:               # data-parallel runs: other runs (their own keys), trained by torchrun
-            runs = [(lab, x, replace(c, nproc=nproc)) for lab, x, c in runs]
         logs = run_all([c for _, _, c in runs], out, quiet=quiet)
         if fig in ablations.ABLATIONS:
             summary = ablations.make(fig, runs, logs, out, {c.key(): out / "runs" / c.key() for _, _, c in runs})
@@ -154,6 +159,10 @@ def main(argv=None) -> int:
     from fp4sim.arrays_io import check_writable
     try:
         check_writable(a.out, "--out", directory=True)       # before any run: a long run never ends unwritable
+        for n in names:                                      # every run's configuration, before --out is made
+            if FIGURES[n].generic:
+                _runs(n, a.quick, a.seeds or (figures.QUICK_SEEDS if a.quick else figures.FULL_SEEDS), a.short,
+                      a.nproc)
     except ValueError as e:
         print(f"paper_repro: bad input: {e}", file=sys.stderr)
         return 2

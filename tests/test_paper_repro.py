@@ -839,3 +839,11 @@ def test_a_data_parallel_run_trains_resumes_and_keeps_its_own_key(tmp_path):
     assert r.returncode == 2 and "--nproc 0" in r.stderr
     r = _run(["gpt_snr", "--quick", "--nproc", "2", "--out", str(tmp_path / "o")])
     assert r.returncode == 2 and "--nproc applies to the training figures" in r.stderr
+
+
+def test_a_refused_nproc_leaves_no_output_folder(tmp_path):
+    """--nproc 3 does not divide the quick runs' batch of 4: refused (exit 2, one line) before --out is made."""
+    out = tmp_path / "o3"
+    r = _run(["fig2", "--quick", "--nproc", "3", "--out", str(out)])
+    assert r.returncode == 2 and "divides the batch" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .. import threads
-from ..arrays_io import check_writable
+from ..arrays_io import check_writable, input_paths
 from .._tool import say
 from .core import analyze
 from .figures import write_figures
@@ -98,14 +98,14 @@ def _run(a) -> int:
                            "'.[gpu]' from the repository root, or leave out --device)")
     try:
         threads.configure(a.threads)
-        if a.out:
-            check_writable(a.out, "--out")
-        if a.json:
-            check_writable(a.json, "--json")
-        if a.blocks:
-            check_writable(a.blocks, "--blocks")
-        if a.figures:
-            check_writable(a.figures, "--figures", directory=True)
+        outs = {"out": a.out, "json": a.json, "blocks": a.blocks, "figures": a.figures}
+        ins = input_paths(a, outputs=tuple(outs))
+        given = [(k, v) for k, v in outs.items() if v]
+        for i, (k, v) in enumerate(given):
+            same = next((k2 for k2, v2 in given[:i] if Path(v2).resolve() == Path(v).resolve()), None)
+            if same:
+                raise ValueError(f"--{k} {v}: --{same} names the same path; give each output its own")
+            check_writable(v, f"--{k}", directory=k == "figures", inputs=ins)
     except ValueError as e:
         raise BadInput(str(e)) from None
     if a.requantize:

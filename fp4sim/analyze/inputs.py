@@ -142,8 +142,10 @@ def _first_line(e) -> str:
 
 
 def _sidecar(path: Path) -> dict:
-    for cand in (path.with_name(path.name + ".roles.json"), path.with_suffix(".roles.json"),
-                 path / "roles.json" if path.is_dir() else None):
+    if not path.name:                  # "." or "/": a folder named by no name of its own
+        path = path.resolve()
+    named = [path.with_name(path.name + ".roles.json"), path.with_suffix(".roles.json")] if path.name else []
+    for cand in (*named, path / "roles.json" if path.is_dir() else None):
         if cand is not None and cand.exists():
             try:
                 d = json.loads(cand.read_text())

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..arrays_io import check_writable, load_array, number_or_array
+from ..arrays_io import check_writable, input_paths, load_array, number_or_array
 from .._tool import say
 from ..schemes import SCHEMES, get_scheme
 from .core import CLI_NAMES, compare
@@ -33,7 +33,7 @@ def checkpoint_main(argv) -> int:
     a = ap.parse_args(argv)
     try:
         if a.json:
-            check_writable(a.json, "--json")
+            check_writable(a.json, "--json", inputs=input_paths(a, outputs=("json",)))
         rep = check_checkpoint(a.dir, a.reference)
     except (ValueError, OSError) as e:
         print(f"fp4sim.validate checkpoint: bad input: {' '.join(str(e).split())}", file=sys.stderr)
@@ -154,7 +154,7 @@ def _check_options(a):
         if path and not Path(path).exists() and not Path(path.rpartition(":")[0] or path).exists():
             raise ValueError(f"{opt} {path}: no such file")
     if a.json:
-        check_writable(a.json, "--json")
+        check_writable(a.json, "--json", inputs=input_paths(a, outputs=("json",)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..arrays_io import check_writable, load_array, number_or_array
+from ..arrays_io import check_writable, input_paths, load_array, number_or_array
 from .._tool import say
 
 GEMM_DOC = """python -m fp4sim.validate gemm: which accumulation model reproduces a GEMM kernel's output, y = A . B^T.
@@ -82,7 +82,7 @@ def gemm_main(argv) -> int:
     a = ap.parse_args(argv)
     try:
         if a.json:
-            check_writable(a.json, "--json")
+            check_writable(a.json, "--json", inputs=input_paths(a, outputs=("json",)))
         from .matmul16 import MATMUL_CANDIDATES
         from .scaled_mm import SCALED_MM_CANDIDATES
         if a.expect and not any(a.expect in c for c in (CANDIDATES, SCALED_MM_CANDIDATES, MATMUL_CANDIDATES)):
