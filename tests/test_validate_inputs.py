@@ -151,3 +151,35 @@ def test_cli_bad_input_is_exit_2_naming_it(files, case):
 def test_cli_float8_npy_with_its_format_named(files):
     r = _cli(files, "--a-fp8", "a_ml.npy", "--a-format", "e4m3", *FP8[4:], "--out", "y.npy")
     assert r.returncode == 0 and "MATCHES hopper" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("scheme", ["fp8_e4m3", "fp8_blockwise"])
+def test_an_fp8_quantize_mismatch_reports_plain_indices_blocks_and_reciprocal_scales(tmp_path, scheme):
+    """An FP8 kernel output with one code off at (37, 229) and its scales written as 1 / scale: the text shows the
+    index as plain integers, the block and the element within it where the scheme has blocks (128 wide: block 1,
+    element 101) and nothing of the kind per tensor; the JSON index is integers; each scale shown with the expected
+    and the found value, named as the reciprocal it is."""
+    import json
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    q = fs.quantize(x, scheme)
+    codes = np.asarray(q.codes).copy()
+    codes[37, 229] ^= 1
+    s = np.asarray(q.scales, np.float32)
+    inv = (np.float32(1) / s).astype(np.float32)
+    for name, a in (("x", x), ("c", codes), ("inv", inv)):
+        np.save(tmp_path / f"{name}.npy", a)
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "--scheme", scheme, "--input", "x.npy", "--codes",
+                        "c.npy", "--scales", "inv.npy", "--json", "r.json"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=600)
+    assert r.returncode == 1, r.stderr
+    if scheme == "fp8_blockwise":
+        assert "(37, 229) blk 1 el 101: x=" in r.stdout, r.stdout
+    else:
+        assert "(37, 229): x=" in r.stdout and "blk" not in r.stdout, r.stdout
+    want = f"[0, 0]: {float(s.reshape(-1)[0]):.9g} -> {float(inv.reshape(-1)[0]):.9g} (its reciprocal)"
+    assert want in r.stdout and "the kernel wrote 1 / scale where the scale belongs" in r.stdout, r.stdout
+    rep = json.loads((tmp_path / "r.json").read_text())
+    m = rep["mismatches"][0]
+    assert m["index"] == [37, 229] and all(type(i) is int for i in m["index"]), m
+    assert rep["scale_mismatch_examples"][0]["reciprocal"] is True

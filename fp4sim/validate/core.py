@@ -206,13 +206,28 @@ def _compare_plain(q, x2, codes, scales, sch, gmis, notes, n):
     rep = Report(sch.name, None, "exact", int(exp_c.size), int(exp_s.size), int(c_bad.sum()), int(s_bad.sum()),
                  gmis, notes=notes)
     vals = sch.elem.values
+    bk = getattr(sch, "block", None)
+    bk = int(bk[1]) if bk and not isinstance(sch, BF16Cast) else None         # per-tensor FP8, BF16: no blocks
     for r, k in np.argwhere(c_bad)[:n]:
-        li = list(np.unravel_index(int(r), q.lead)) if q.lead else []
+        li = [int(i) for i in np.unravel_index(int(r), q.lead)] if q.lead else []
         li.insert(q.axis, int(k))
-        rep.mismatches.append(dict(index=li, row=int(r), block=int(k // max(getattr(sch, "block", (1, 1))[1], 1)),
-                                   element=int(k), x=float(x2[r, k]), expected_code=int(exp_c[r, k]),
-                                   actual_code=int(act_c[r, k]), expected_value=float(vals[exp_c[r, k]]),
-                                   actual_value=float(vals[act_c[r, k]])))
+        rep.mismatches.append(dict(index=li, row=int(r), block=None if bk is None else int(k // bk),
+                                   element=None if bk is None else int(k % bk), x=float(x2[r, k]),
+                                   expected_code=int(exp_c[r, k]), actual_code=int(act_c[r, k]),
+                                   expected_value=float(vals[exp_c[r, k]]), actual_value=float(vals[act_c[r, k]])))
+    if s_bad.any():
+        grid = np.asarray(q.scales).shape if np.asarray(q.scales).ndim == 2 else (1, exp_s.size)
+        for i in np.flatnonzero(s_bad)[:n]:
+            r, b = (int(v) for v in np.unravel_index(int(i), grid))
+            e, a = np.float32(exp_s[i]), np.float32(act_s[i])
+            with np.errstate(divide="ignore", over="ignore"):
+                recip = bool(e != 0 and np.float32(np.float32(1) / e) == a)
+            rep.scale_mismatch_examples.append(dict(row=r, block=b, expected=float(e), actual=float(a),
+                                                    reciprocal=recip))
+        n_recip = sum(m["reciprocal"] for m in rep.scale_mismatch_examples)
+        if n_recip == len(rep.scale_mismatch_examples):
+            rep.notes.append("every scale shown is the reciprocal of the expected one: the kernel wrote 1 / scale "
+                             "where the scale belongs (a multiplier for a divisor, or the reverse)")
     if c_bad.any() or s_bad.any() or gmis:
         rep.verdict = "mismatch"
     return rep

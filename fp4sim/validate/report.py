@@ -57,12 +57,18 @@ class Report:
         if self.scale_mismatch_examples:
             lines.append("  first scale mismatches (scale row, block: expected -> actual):")
             for m in self.scale_mismatch_examples:
-                lines.append(f"    [{m['row']}, {m['block']}]: {m['expected']} -> {m['actual']}")
+                e, a = m["expected"], m["actual"]
+                shown = (f"{e:.9g} -> {a:.9g}" if isinstance(e, float) else f"{e} -> {a}") + (
+                    " (its reciprocal)" if m.get("reciprocal") else "")
+                lines.append(f"    [{m['row']}, {m['block']}]: {shown}")
         if self.mismatches:
-            lines.append("  first code mismatches (index in input, block, element: x, expected -> actual code "
-                         "(value)):")
+            blocks = self.mismatches[0].get("block") is not None
+            lines.append(f"  first code mismatches (index in input{', block, element' if blocks else ''}: x, "
+                         "expected -> actual code (value)):")
             for m in self.mismatches:
-                lines.append(f"    {tuple(m['index'])} blk {m['block']} el {m['element']}: x={m['x']:.9g} "
+                at = f"({', '.join(str(int(i)) for i in m['index'])})" + (
+                    f" blk {m['block']} el {m['element']}" if m.get("block") is not None else "")
+                lines.append(f"    {at}: x={m['x']:.9g} "
                              f"{m['expected_code']:#x} ({m['expected_value']:.6g}) -> {m['actual_code']:#x} "
                              f"({m['actual_value']:.6g})")
         if self.sr:
