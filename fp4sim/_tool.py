@@ -28,6 +28,16 @@ def run_tool(main, prog: str, argv=None) -> int:
     """``main(argv)`` under the one rule of every fp4sim command: Ctrl-C prints one line (``PROG: interrupted``)
     and exits 130, as a shell reports SIGINT; a pipe closed under a print that did not go through :func:`say`
     ends the command quietly with 141 (SIGPIPE's status) — no traceback either way."""
+    import warnings
+    shown = warnings.showwarning
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        # a command's user reads what the warning says, not the library's source line it came from
+        try:
+            (file or sys.stderr).write(f"{prog}: warning: {' '.join(str(message).split())}\n")
+        except OSError:
+            pass
+    warnings.showwarning = one_line
     try:
         rc = main(argv)
         sys.stdout.flush()
@@ -42,3 +52,5 @@ def run_tool(main, prog: str, argv=None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 141
+    finally:
+        warnings.showwarning = shown

@@ -47,6 +47,13 @@ def _dispatch(argv=None) -> int:
     if cmd == "inspect":
         from .inspect_model import main as run
         return run(rest)
+    if cmd in ("recipes", "spec") and rest and rest[0] in ("-h", "--help"):     # their own page, not formats'
+        print(f"usage: fp4sim {cmd}\n\n{COMMANDS[cmd][0].upper()}{COMMANDS[cmd][1:]} (the table of "
+              f"{'docs/training.md' if cmd == 'recipes' else 'docs/formats.md'}); it takes no options.")
+        return 0
+    if cmd in ("recipes", "spec") and rest:
+        print(f"fp4sim {cmd}: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
+        return 2
     if cmd in ("recipes", "spec", "formats"):
         from .__main__ import main as run
         return run({"recipes": ["--recipes"], "spec": ["--spec"], "formats": []}[cmd] + rest)

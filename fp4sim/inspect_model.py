@@ -42,8 +42,9 @@ class BadInput(Exception):
     pass
 
 
-def _load(model_dir: Path):
-    """(model, tokenizer, kind) from a local folder; BadInput naming what is missing."""
+def _load(model_dir: Path, seq_len: int | None = None):
+    """(model, tokenizer, kind) from a local folder; BadInput naming what is missing, or a ``seq_len`` longer than
+    the configuration's context (checked before the weights load)."""
     try:
         import torch
         import transformers
@@ -80,6 +81,9 @@ def _load(model_dir: Path):
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{model_dir}: transformers cannot read its configuration ({str(e).splitlines()[0]})") \
             from None
+    ctx = _context_of(cfg)
+    if seq_len is not None and ctx is not None and seq_len > ctx:
+        raise BadInput(f"--seq-len {seq_len}: longer than the model's context ({ctx} positions)")
     archs = " ".join(getattr(cfg, "architectures", None) or [])
     tq = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"           # transformers' GGUF conversion bar (a tqdm of its own)
@@ -106,8 +110,30 @@ def _load(model_dir: Path):
     return model.eval(), tok, kind
 
 
+def _gguf_quantized_types(model_dir: Path) -> dict:
+    """{ggml type: number of tensors} of the tensors stored in a quantized type (Q4_1, MXFP4, ...) in the GGUF
+    file a folder without config.json is read from ({} for any other folder): weights that were low-precision
+    before fp4sim quantizes their dequantized values again."""
+    from .gguf import read_gguf
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    if (model_dir / "config.json").is_file() or len(ggufs) != 1:
+        return {}
+    try:
+        f = read_gguf(ggufs[0])
+    except (ValueError, ImportError):
+        return {}
+    out = {}
+    for t in f.tensors.values():
+        if t.type not in ("F32", "F16", "BF16", "F64") and not (t.type[:1] in "IU" and t.type[1:].isdigit()):
+            out[t.type] = out.get(t.type, 0) + 1
+    return out
+
+
 def _context(model) -> int | None:
-    c = model.config
+    return _context_of(model.config)
+
+
+def _context_of(c) -> int | None:
     for k in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         v = getattr(c, k, None)
         if isinstance(v, int) and v > 0:
@@ -177,11 +203,19 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
         raise BadInput(f"--text {text_file}: cannot read it as UTF-8 text ({e})") from None
     if not text.strip():
         raise BadInput(f"--text {text_file}: the file is empty")
-    try:
-        rec = Recipe.preset(recipe, seed=seed, accumulate=accumulate) if isinstance(recipe, str) else recipe
-    except ValueError as e:
-        raise BadInput(f"--recipe: {e}") from None
-    model, tok, kind = _load(model_dir)
+    if isinstance(recipe, str):
+        try:
+            Recipe.preset(recipe, seed=seed)
+        except ValueError as e:
+            raise BadInput(f"--recipe: {e}") from None
+        try:
+            rec = Recipe.preset(recipe, seed=seed, accumulate=accumulate)
+        except ValueError as e:
+            raise BadInput(f"--accumulate {accumulate}: {e}") from None
+    else:
+        rec = recipe
+    model, tok, kind = _load(model_dir, seq_len)
+    source = _gguf_quantized_types(model_dir)
     progress("model loaded")
     ctx = _context(model)
     if ctx is not None and seq_len > ctx:
@@ -307,6 +341,10 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
         "model": str(model_dir), "kind": kind, "loss": ds.attrs["loss"], "recipe": rec.name,
         "arguments": {"text": str(text_file), "batches": batches, "batch_size": batch_size, "seq_len": seq_len,
                       "fraction": fraction, "seed": seed, "accumulate": rec.accumulate},
+        "already_quantized": ({"types": source, "note": "the GGUF file stores these weights in quantized types ("
+                               + ", ".join(f"{n} x {t}" for t, n in sorted(source.items())) + "): the model's "
+                               "weights were already low-precision, and the recipe quantizes their dequantized "
+                               "values again; the numbers measure that second quantization"} if source else None),
         "text_repeated": reps, "losses": losses, "losses_float32": losses_ref, "versions": _versions(),
         "unused_layers": unused,
         "layers": [{"name": n, "block": blocks[n], "kind": _kind_of(n), "snr": _num(ds.snr_mean.values[j]),
@@ -491,6 +529,8 @@ def report_html(ds, summary) -> str:
     v = s.get("verdict")
     verdict_html = _verdict_html(v, s) if v else ""
     rec_table = _recommendation_table(s) if v else f"<p>{e(names(s['recommendation']))}</p>"
+    already = (f"\n<p><b>Already quantized:</b> {e(s['already_quantized']['note'])}.</p>"
+               if s.get("already_quantized") else "")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fp4sim inspect: {e(s['model'])}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;font-size:12px}}
@@ -502,7 +542,7 @@ th{{cursor:pointer;background:#eee}}figure{{display:inline-block;margin:0 1em 1e
 <p>Model <code>{e(s['model'])}</code> ({e(s['kind'])}; loss: {e(s['loss'])}) under recipe <code>{e(s['recipe'])}</code>,
 {s['arguments']['batches']} batches of {s['arguments']['batch_size']} x {s['arguments']['seq_len']} tokens from
 <code>{e(s['arguments']['text'])}</code>{' (the text repeated ' + str(s['text_repeated']) + ' times)'
-if s['text_repeated'] > 1 else ''}.</p>
+if s['text_repeated'] > 1 else ''}.</p>{already}
 {verdict_html}
 <h2>Recommendation</h2>
 <p>The worst {s['arguments']['fraction']:.0%} by Wgrad GEMM error (pooled over the batches; sd: its spread over

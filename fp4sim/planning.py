@@ -191,7 +191,7 @@ def check_global_amax(global_amax):
         raise ValueError(f"global_amax must be one number (the tensor's |x| max), not an array of {arr.size}")
     g = f32(arr.reshape(-1)[0])
     if np.isnan(g) or g < 0:
-        raise ValueError(f"global_amax={global_amax!r} must be a non-negative number (the tensor's |x| max)")
+        raise ValueError(f"global_amax={float(g)!r} must be a non-negative number (the tensor's |x| max)")
     return g
 
 

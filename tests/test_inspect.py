@@ -216,3 +216,50 @@ def test_the_committed_reports_regenerate_from_their_data(folder):
     summary = json.loads((d / "summary.json").read_text())      # the layer table and the recommendation's
     assert p.rows == xr.load_dataset(d / "layers.nc").sizes["layer"] + len(summary["recommendation"])
     assert page.index("<h2>Verdict</h2>") < page.index("<h2>Recommendation</h2>")
+
+
+def test_options_are_checked_before_the_model_loads_and_name_themselves(models, tmp_path):
+    """--accumulate names itself (not --recipe); --seq-len beyond the configuration's context is refused before the
+    weights load: a folder whose weights are corrupt still gets the --seq-len message."""
+    base, text, llama, bert = models
+    r = _cli("inspect", llama, "--text", text, "--accumulate", "slow", "--out", tmp_path / "x", "--quiet")
+    ours = [ln for ln in r.stderr.splitlines() if ln.startswith("fp4sim inspect:")]
+    assert r.returncode == 2 and len(ours) == 1 and "--accumulate slow" in ours[0] and "--recipe" not in ours[0], \
+        r.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in llama.iterdir():
+        (broken / f.name).write_bytes(b"not safetensors" if f.suffix == ".safetensors" else f.read_bytes())
+    r = _cli("inspect", broken, "--text", text, "--seq-len", 100000, "--out", tmp_path / "y", "--quiet")
+    assert r.returncode == 2 and "--seq-len 100000: longer than the model's context (64 positions)" in r.stderr, \
+        r.stderr
+    r = _cli("inspect", broken, "--text", text, "--seq-len", 32, "--out", tmp_path / "z", "--quiet")
+    assert r.returncode == 2 and "does not load" in r.stderr, r.stderr                     # the weights are broken
+
+
+def test_a_gguf_source_with_quantized_weights_is_named(tmp_path):
+    """A folder read from one .gguf file (no config.json) whose tensors are stored in a quantized type: inspect's
+    summary says they were low-precision already; a float GGUF, or a folder with a config.json, says nothing."""
+    gg = import_or_missing("gguf")
+    from fp4sim.inspect_model import _gguf_quantized_types
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    for name, tensors in (("q", {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q8_0", "norm": None}),
+                          ("f", {"blk.0.attn_q.weight": None})):
+        d = tmp_path / name
+        d.mkdir()
+        wr = gg.GGUFWriter(str(d / "m.gguf"), "llama")
+        for n, kind in tensors.items():
+            if kind:
+                t = gg.GGMLQuantizationType[kind]
+                wr.add_tensor(n, gg.quants.quantize(w, t), raw_dtype=t)
+            else:
+                wr.add_tensor(n, w)
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
+    assert _gguf_quantized_types(tmp_path / "q") == {"Q8_0": 2}
+    assert _gguf_quantized_types(tmp_path / "f") == {}
+    (tmp_path / "q" / "config.json").write_text("{}")
+    assert _gguf_quantized_types(tmp_path / "q") == {}

@@ -406,3 +406,48 @@ def test_dump_linear_tensors_saves_a_shared_input_once(tmp_path):
     assert set(ds.pair.values) == {"q", "k", "v", "o"}
     g = out["k.grad_output"].astype(np.float64).T @ out["q.input"].astype(np.float64)
     np.testing.assert_allclose(g, model.k.weight.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_messages_name_the_option_and_what_the_file_is(tmp_path):
+    """What a user typed gets named back: a text file under a .npy name is no NumPy file (not 'pickled objects'),
+    `analyze .` reads the current folder, `--threads 0` and `--schemes ""` name their flag, `--global-amax nan`
+    shows nan (not NumPy's repr), `fp4sim spec --help` and `fp4sim recipes --help` describe themselves, and a
+    library warning reaches a command's user as one line, without a source line."""
+    import numpy as np
+    (tmp_path / "notes.npy").write_text("hello\n")
+    x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=600)
+    r = run("fp4sim.analyze", "notes.npy", "--quiet")
+    assert r.returncode == 2 and "is not a NumPy .npy file" in r.stdout + r.stderr and "pickled" not in r.stdout, \
+        r.stdout + r.stderr
+    r = run("fp4sim.analyze", ".", "--quiet", "--schemes", "nvfp4", "--no-hadamard")
+    assert r.returncode == 1 and "empty name" not in r.stderr and "x " in r.stdout, r.stdout + r.stderr
+    r = run("fp4sim.analyze", "x.npy", "--threads", "0")
+    assert r.returncode == 2 and "bad input: --threads 0" in r.stderr, r.stderr
+    r = run("fp4sim.analyze", "x.npy", "--schemes", "")
+    assert r.returncode == 2 and "--schemes '': names no scheme" in r.stderr, r.stderr
+    import fp4sim as fs
+    q = fs.quantize(x, "nvfp4")
+    np.save(tmp_path / "c.npy", np.asarray(q.codes))
+    np.save(tmp_path / "s.npy", np.asarray(q.scales))
+    r = run("fp4sim.validate", "--scheme", "nvfp4", "--input", "x.npy", "--codes", "c.npy", "--scales", "s.npy",
+            "--global-amax", "nan")
+    assert r.returncode == 2 and "--global-amax nan: give a number, not NaN" in r.stderr and "np.float32" not in \
+        r.stderr, r.stderr
+    xn = x.copy()
+    xn[0, 0] = np.nan
+    np.save(tmp_path / "xn.npy", xn)
+    r = run("fp4sim.validate", "--scheme", "nvfp4", "--input", "xn.npy", "--codes", "c.npy", "--scales", "s.npy")
+    warn = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert warn and all(ln.startswith("fp4sim.validate: warning: NaN in the input") for ln in warn), r.stderr
+    pages = {}
+    for cmd in ("spec", "recipes"):
+        r = subprocess.run([str(Path(sys.executable).parent / "fp4sim"), cmd, "--help"], capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: fp4sim {cmd}"), r.stdout
+        pages[cmd] = r.stdout
+    assert pages["spec"] != pages["recipes"]

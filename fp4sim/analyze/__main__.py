@@ -82,10 +82,13 @@ def _run(a) -> int:
             raise BadInput(f"--role {r!r}: write it as PATTERN=ROLE with ROLE one of {', '.join(ROLES)}")
         roles[pat] = role
     schemes = None
-    if a.schemes:
+    if a.schemes is not None:
         schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
         bad = [s for s in schemes if s not in SCHEMES_BY_LABEL]
-        if bad or not schemes:
+        if not schemes:
+            raise BadInput(f"--schemes {a.schemes!r}: names no scheme; give one or more of "
+                           f"{', '.join(SCHEMES_BY_LABEL)}, separated by commas (or leave --schemes out for all)")
+        if bad:
             raise BadInput(f"--schemes: unknown {bad}; choose from {', '.join(SCHEMES_BY_LABEL)}")
     if not 0 <= a.seed < 1 << 64:
         raise BadInput(f"--seed {a.seed}: give an integer in [0, 2**64)")
@@ -97,6 +100,9 @@ def _run(a) -> int:
             raise BadInput("--device cuda: no CUDA device with CuPy was found (install CuPy with pip install "
                            "'.[gpu]' from the repository root, or leave out --device)")
     try:
+        if a.threads is not None and a.threads < 1:
+            raise ValueError(f"--threads {a.threads}: give a positive number of threads (or leave it out: the idle "
+                             "cores)")
         threads.configure(a.threads)
         outs = {"out": a.out, "json": a.json, "blocks": a.blocks, "figures": a.figures}
         ins = input_paths(a, outputs=tuple(outs))

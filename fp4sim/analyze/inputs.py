@@ -90,6 +90,7 @@ def _keys(path: Path) -> list[str | None]:
         from .._safetensors import safetensors_keys
         return safetensors_keys(path)
     if suf == ".npy":
+        _check_npy(path)
         return [None]
     if suf == ".gguf":
         return list(_gguf_file(path).tensors)
@@ -102,6 +103,21 @@ def _keys(path: Path) -> list[str | None]:
             return list(flat)
         raise TensorError("holds a dict without tensors")
     raise TensorError(f"holds a {type(obj).__name__}, not a tensor or a dict of tensors")
+
+
+def _check_npy(path: Path) -> None:
+    """TensorError saying what a ``.npy`` file holds when it is no .npy file: NumPy would try it as a pickle and
+    call any such file "pickled"."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head == b"\x93NUMPY":
+        return
+    if head[:2] == b"PK":
+        raise TensorError("is a zip archive under a .npy name (an .npz file? rename it to .npz)")
+    if head[:1] == b"\x80":
+        raise TensorError("holds pickled objects, which are refused")
+    raise TensorError("is not a NumPy .npy file: it does not begin with the format's magic bytes (\\x93NUMPY)"
+                      + (" — it is empty" if not head else " — a text file, or another format under a .npy name?"))
 
 
 def _is_tensor(obj) -> bool:
