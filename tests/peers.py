@@ -24,6 +24,23 @@ def import_or_missing(name: str):
         oracle_missing(f"{name} is a test oracle: pip install '.[test]' ({e})")
 
 
+def write_gguf(path, tensors: dict):
+    """A GGUF file written by gguf-py's own writer: {name: float array} (stored as F32) or {name: (raw rows, ggml
+    type name)} (stored as given)."""
+    gg = import_or_missing("gguf")
+    wr = gg.GGUFWriter(str(path), "llama")
+    for n, v in tensors.items():
+        if isinstance(v, tuple):
+            wr.add_tensor(n, v[0], raw_dtype=gg.GGMLQuantizationType[v[1]])
+        else:
+            wr.add_tensor(n, v)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
 def torch_or_skip():
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -12,7 +12,7 @@ import pytest
 import fp4sim as fs
 from fp4sim.gguf import from_ggml_order, ggml_mxfp4_quantize, read_gguf, to_ggml_order
 from fp4sim.layout import pack_fp4, unpack_fp4
-from peers import import_or_missing
+from peers import import_or_missing, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "fp4sim" / "data" / "sample_dump.npz"
@@ -233,20 +233,7 @@ def test_ggml_nvfp4_rule_against_gguf_pys_pieces_and_its_decoder():
     assert scales[0, 0] == 0x39 and scales[1, 1] == 0x7E
 
 
-def _write(path, tensors: dict):
-    """A GGUF file of {name: (raw rows, type name)} or {name: float array}."""
-    gg = import_or_missing("gguf")
-    wr = gg.GGUFWriter(str(path), "llama")
-    for n, v in tensors.items():
-        if isinstance(v, tuple):
-            wr.add_tensor(n, v[0], raw_dtype=gg.GGMLQuantizationType[v[1]])
-        else:
-            wr.add_tensor(n, v)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    return path
+_write = write_gguf
 
 
 GQ, GF = "blk.0.attn_q.weight", "blk.0.ffn_up.weight"

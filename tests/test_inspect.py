@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from peers import import_or_missing, torch_or_skip
+from peers import import_or_missing, torch_or_skip, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat near the door. " * 3 +
@@ -248,17 +248,8 @@ def test_a_gguf_source_with_quantized_weights_is_named(tmp_path):
                           ("f", {"blk.0.attn_q.weight": None})):
         d = tmp_path / name
         d.mkdir()
-        wr = gg.GGUFWriter(str(d / "m.gguf"), "llama")
-        for n, kind in tensors.items():
-            if kind:
-                t = gg.GGMLQuantizationType[kind]
-                wr.add_tensor(n, gg.quants.quantize(w, t), raw_dtype=t)
-            else:
-                wr.add_tensor(n, w)
-        wr.write_header_to_file()
-        wr.write_kv_data_to_file()
-        wr.write_tensors_to_file()
-        wr.close()
+        write_gguf(d / "m.gguf", {n: (gg.quants.quantize(w, gg.GGMLQuantizationType[k]), k) if k else w
+                                  for n, k in tensors.items()})
     assert _gguf_quantized_types(tmp_path / "q") == {"Q8_0": 2}
     assert _gguf_quantized_types(tmp_path / "f") == {}
     (tmp_path / "q" / "config.json").write_text("{}")
