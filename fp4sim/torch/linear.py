@@ -168,14 +168,22 @@ atexit.register(_flush_at_exit)
 
 @contextlib.contextmanager
 def _kernel_threads():
-    """For the duration of one pass: Numba's thread count as :func:`fp4sim.threads.bridge_threads` says, the
-    GEMMs through ``torch.matmul`` (torch's threads, which Numba's kernels share: :mod:`fp4sim.threads`), and
-    fs.quantize's NaN warning left to the layer's own (:func:`_check_finite`, which names the layer and comes
-    once)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=re.escape(NAN_E2M1[:60]), category=RuntimeWarning)
-        with threads.numba_threads(threads.bridge_threads()), matmul_by(_torch_matmul):
-            yield
+    """For the duration of one pass: Numba's thread count as :func:`fp4sim.threads.bridge_threads` says (by
+    default torch's own thread count: under torchrun, which sets OMP_NUM_THREADS=1 per process, one thread, not
+    Numba's count of every core), the GEMMs through ``torch.matmul`` (torch's threads, which Numba's kernels share:
+    :mod:`fp4sim.threads`), and fs.quantize's NaN warning left to the layer's own (:func:`_check_finite`, which
+    names the layer and comes once). torch's thread count is as it was after the pass: Numba's OpenMP layer
+    sets the runtime's count when it runs a kernel, and torch.compile guards on that count (a change makes
+    every compiled frame compile again)."""
+    before = torch.get_num_threads()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(NAN_E2M1[:60]), category=RuntimeWarning)
+            with threads.numba_threads(threads.bridge_threads() or before), matmul_by(_torch_matmul):
+                yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _torch_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -348,7 +356,7 @@ class _Fn(torch.autograd.Function):
 # for the backward besides x and the weight (the quantized operands that the recipe reuses, the call index, the
 # rank) waits in the layer's ``_pending`` under the call index, which the forward returns as a tensor: the count
 # that keys stochastic rounding never becomes a guard, so a compiled step does not recompile from call to call.
-_LAYERS = weakref.WeakValueDictionary()     # id(layer) -> the QuantLinear (the operators take an int)
+_LAYERS = weakref.WeakValueDictionary()     # a layer's key -> the QuantLinear (the operators take the key)
 _PENDING_MAX = 16                    # forwards kept for a backward per layer (more: the oldest are dropped)
 
 
@@ -362,7 +370,19 @@ class _Ctx:
         self.saved_tensors = t
 
 
-def _layer_of(key: int):
+def _register(layer):
+    """Give ``layer`` a key of its own for the operators: a CPU int64 scalar tensor attribute (not a buffer: no
+    state_dict entry, and ``.to(device)`` leaves it on the host, so reading it costs no device round trip).
+    torch.compile lifts it as a graph input and guards on its shape and dtype, not on its value or on the
+    layer's identity, so the decoder blocks of a deep model share one compiled graph (a Python int here
+    would be a constant of the graph, guarded per layer: one recompile per block, up to dynamo's limit)."""
+    key = id(layer)
+    layer.__dict__["_fp4sim_key"] = torch.tensor(key, dtype=torch.int64)
+    _LAYERS[key] = layer
+
+
+def _layer_of(key):
+    key = int(key)
     layer = _LAYERS.get(key)
     if layer is None:
         raise RuntimeError(f"fp4sim::qlinear: no QuantLinear with key {key} (the module was deleted)")
@@ -372,7 +392,7 @@ def _layer_of(key: int):
 def _register_ops():
     """Define fp4sim::qlinear and fp4sim::qlinear_backward (torch.library.custom_op, torch >= 2.4)."""
     @torch.library.custom_op("fp4sim::qlinear", mutates_args=())
-    def _qlinear_op(x: torch.Tensor, weight: torch.Tensor, key: int, grad: bool
+    def _qlinear_op(x: torch.Tensor, weight: torch.Tensor, key: torch.Tensor, grad: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = _layer_of(key)
         ctx = _Ctx((True, True, False, False))
@@ -389,12 +409,12 @@ def _register_ops():
         return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
 
     @torch.library.custom_op("fp4sim::qlinear_backward", mutates_args=())
-    def _qlinear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, call: torch.Tensor, key: int,
-                             need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qlinear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, call: torch.Tensor,
+                             key: torch.Tensor, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
         layer = _layer_of(key)
         ctx = layer._pending.pop(int(call), None)
         if ctx is None:
-            raise RuntimeError(f"fp4sim::qlinear_backward: layer {getattr(layer, '_fp4sim_name', key)!r} holds no "
+            raise RuntimeError(f"fp4sim::qlinear_backward: layer {getattr(layer, '_fp4sim_name', int(key))!r} holds no "
                                f"forward call {int(call)} (a second backward through one graph is not supported, "
                                f"or more than {_PENDING_MAX} forwards waited for theirs: the oldest are dropped)")
         ctx.saved_tensors = (x, weight)
@@ -464,7 +484,7 @@ class QuantLinear(torch.nn.Linear):
         self._sr_rank = None                   # set_data_parallel_rank; None: torch.distributed's rank
         self._ranks_checked = False
         self._pending = {}                     # torch.compile: forward calls waiting for their backward
-        _LAYERS[id(self)] = self
+        _register(self)
 
     def __getstate__(self):                    # forwards waiting for a backward stay with this process's layer
         state = self.__dict__.copy()
@@ -474,7 +494,7 @@ class QuantLinear(torch.nn.Linear):
     def __setstate__(self, state):             # a copy (copy.deepcopy, pickle) is a layer of its own
         super().__setstate__(state)
         self._pending = {}
-        _LAYERS[id(self)] = self
+        _register(self)
 
     @property
     def recipe(self) -> Recipe:
@@ -622,9 +642,8 @@ class QuantLinear(torch.nn.Linear):
         if not _HAVE_OPS:
             raise RuntimeError(f"torch.compile of a QuantLinear needs torch.library.custom_op (torch >= 2.4; this is "
                                f"torch {torch.__version__})")
-        key = id(self)                          # a constant of the graph; _setup / __setstate__ registered it
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        y, _ = torch.ops.fp4sim.qlinear(x, self.weight, key, grad)
+        y, _ = torch.ops.fp4sim.qlinear(x, self.weight, self._fp4sim_key, grad)     # (_register: a graph input)
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
         return y.to(x.dtype)
