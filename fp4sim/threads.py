@@ -17,7 +17,7 @@ slower beside torch's (about 1.5x the step time on two cores).
 
 :func:`configure` sets the thread count of fp4sim's kernels: a number you give, or the idle cores — the cores
 this process may use minus the one-minute load average, at least one; :func:`bridge_threads` one for the
-bridge's passes only.
+bridge's passes only (by default torch's own thread count).
 """
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ _BRIDGE_THREADS = None
 
 
 def bridge_threads(threads: int | None = None) -> int | None:
-    """The Numba thread count the torch bridge runs its kernels with, or None (the default: the process's
-    setting). ``bridge_threads(n)`` sets it (``n = 0``: back to the default); returns the value in force."""
+    """The Numba thread count the torch bridge runs its kernels with, or None (the default: torch's thread count
+    at the pass, ``torch.get_num_threads()`` — one per process under torchrun, which sets OMP_NUM_THREADS=1).
+    ``bridge_threads(n)`` sets it (``n = 0``: back to the default); returns the value in force. Either way a pass
+    leaves torch's thread count as it found it."""
     global _BRIDGE_THREADS
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
