@@ -451,3 +451,25 @@ def test_messages_name_the_option_and_what_the_file_is(tmp_path):
         assert r.returncode == 0 and r.stdout.startswith(f"usage: fp4sim {cmd}"), r.stdout
         pages[cmd] = r.stdout
     assert pages["spec"] != pages["recipes"]
+
+
+def test_a_folder_that_cannot_be_listed_is_reported_not_a_traceback(tmp_path, monkeypatch):
+    """`analyze DIR` where a folder under DIR cannot be listed (permission denied; `analyze /` meets /proc): that
+    folder is reported among the problems and the readable files are found."""
+    import os
+    import numpy as np
+    from fp4sim.analyze.inputs import discover
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "ok").mkdir()
+    np.save(tmp_path / "ok" / "x.npy", np.ones((4, 32), np.float32))
+    real = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    sources, problems, _ = discover([str(tmp_path)])
+    assert [s.name for s in sources] == ["x"]
+    assert problems == [(str(tmp_path / "locked"), "a folder that cannot be listed (permission denied): its files "
+                                                   "were not read")], problems

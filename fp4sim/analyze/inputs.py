@@ -20,6 +20,7 @@ Roles (the recipe treatment): from the name, first match wins — ``grad`` -> ``
 from __future__ import annotations
 
 import fnmatch
+import os
 import json
 import re
 from dataclasses import dataclass
@@ -157,6 +158,22 @@ def _first_line(e) -> str:
     return t.splitlines()[0][:200] if t else ""
 
 
+def _walk(root: Path) -> tuple:
+    """(the files under ``root`` with a suffix fp4sim reads, sorted; the folders under it that cannot be listed):
+    a folder the process may not read is reported, not a traceback. Symbolic links to folders are not followed
+    (no cycles)."""
+    found, unreadable = [], []
+
+    def err(e):
+        unreadable.append(str(getattr(e, "filename", None) or e))
+    for d, _, names in os.walk(root, onerror=err):
+        for n in names:
+            f = Path(d) / n
+            if Path(n).suffix.lower() in SUFFIXES and f.is_file():
+                found.append(f)
+    return sorted(found), sorted(unreadable)
+
+
 def _sidecar(path: Path) -> dict:
     if not path.name:                  # "." or "/": a folder named by no name of its own
         path = path.resolve()
@@ -196,7 +213,10 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
             continue
         if p.is_dir():
             side = _sidecar(p)
-            files += [(f, p, side) for f in sorted(p.rglob("*")) if f.is_file() and f.suffix.lower() in SUFFIXES]
+            found_files, unreadable = _walk(p)
+            files += [(f, p, side) for f in found_files]
+            problems += [(d, "a folder that cannot be listed (permission denied): its files were not read")
+                         for d in unreadable]
         elif p.exists() and p.suffix.lower() not in SUFFIXES:
             problems.append((str(p), f"unsupported file type {p.suffix or '(no suffix)'!r}: fp4sim reads "
                                      f"{', '.join(SUFFIXES)} files"))
