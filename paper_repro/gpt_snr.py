@@ -51,7 +51,7 @@ def make(out: Path, quick: bool = False, seeds: int | None = None, quiet: bool =
     from .runner import run_all
     from .stats import snr_claim
     from .train import is_done, read_log
-    from fp4sim.torch.linear import SNR_THRESHOLD
+    from fp4sim.torch.stats import SNR_THRESHOLD
     out = Path(out)
     seeds = seeds or (QUICK_SEEDS if quick else FULL_SEEDS)
     cfgs = configs(quick, seeds)

@@ -91,7 +91,7 @@ def snr_claim(rows_q, rows_ref, seeds):
     more than 2 s.e.; 'contradicts' when slower by more than 2 s.e. Also, over the evaluation intervals that start
     and end below sqrt(3), the share in which the quantized run's own held-out MSE still fell (``fell_below``) and
     the factor it fell by there (geometric mean over seeds): training that keeps helping below the threshold."""
-    from fp4sim.torch.linear import SNR_THRESHOLD
+    from fp4sim.torch.stats import SNR_THRESHOLD
     diffs, crossings, kinds = [], {}, {"from the first evaluation": 0, "never": 0, "only at the last evaluation": 0}
     fell, n_below, factors = 0, 0, []
     for s in seeds:

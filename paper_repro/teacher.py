@@ -488,7 +488,7 @@ CSV_COLUMNS = ("figure", "variant", "seed", "step", "train_mse", "val_mse", "snr
 
 
 def _plot(fig, runs, res, summary, out, seeds):
-    from fp4sim.torch.linear import SNR_THRESHOLD
+    from fp4sim.torch.stats import SNR_THRESHOLD
     from . import plotting
     plt = plotting.pyplot()
     title, variants = FIGS[fig]

@@ -99,7 +99,7 @@ def test_the_documentation_builds_with_warnings_as_errors(tmp_path):
                        env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
     assert r.returncode == 0, r.stderr[-4000:]
     api = (tmp_path / "html" / "api.html").read_text()
-    for name in ("fp4sim.quantize", "fp4sim.gemm", "fp4sim.training.Recipe", "fp4sim.torch.linear.QuantLinear",
+    for name in ("fp4sim.quantize", "fp4sim.gemm", "fp4sim.training.Recipe", "fp4sim.torch.module.QuantLinear",
                  "fp4sim.validate.compare", "fp4sim.analyze.analyze"):
         assert f'id="{name}"' in api, f"the API reference lost {name}"
 

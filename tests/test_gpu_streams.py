@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fp4sim as fs  # noqa: E402
-from fp4sim.torch import linear  # noqa: E402
+from fp4sim.torch import function  # noqa: E402
 
 
 def test_cuda_passes_use_torchs_current_stream(monkeypatch):
@@ -40,14 +40,14 @@ def test_cuda_passes_use_torchs_current_stream(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda idx: types.SimpleNamespace(cuda_stream=0xBEEF + idx))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    with linear._device_stream(torch.device("cuda", 1)):
+    with function._device_stream(torch.device("cuda", 1)):
         assert seen == [("Device", "enter", (1,)), ("ExternalStream", "enter", (0xBEEF + 1, 1))]
     assert [s[1] for s in seen[2:]] == ["exit", "exit"]
     seen.clear()
-    with linear._device_stream(torch.device("cuda")):          # no index: torch's current device
+    with function._device_stream(torch.device("cuda")):          # no index: torch's current device
         assert seen[1] == ("ExternalStream", "enter", (0xBEEF + 3, 3))
     seen.clear()
-    with linear._device_stream(torch.device("cpu")):
+    with function._device_stream(torch.device("cpu")):
         assert seen == []
 
 

@@ -99,8 +99,8 @@ def test_a_deferred_nan_check_warns_once_later(where, monkeypatch):
     """On a CUDA device the NaN check does not wait for the device: its flag is read by a later check once it has
     arrived, or by fp4sim.torch.flush_warnings(). Here the CPU takes that path (``_defers`` patched): the check
     itself warns nothing, the flush warns once, naming the layer and operand, and further calls stay quiet."""
-    from fp4sim.torch import linear
-    monkeypatch.setattr(linear, "_defers", lambda t: True)
+    from fp4sim.torch import nonfinite
+    monkeypatch.setattr(nonfinite, "_defers", lambda t: True)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     convert(model, "nvfp4_paper")
     lin = model[0]
@@ -114,23 +114,23 @@ def test_a_deferred_nan_check_warns_once_later(where, monkeypatch):
             "dy": ((bw, "dgrad_dy"), (bw, "wgrad_dy"))}
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        linear._check_finite(lin, "warn", where, t, uses[where])
+        nonfinite._check_finite(lin, "warn", where, t, uses[where])
     assert not [w for w in got if "holds NaN" in str(w.message)]
-    assert len(linear._NAN_CHECKS) == 1
+    assert len(nonfinite._NAN_CHECKS) == 1
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        linear.flush_warnings()
+        nonfinite.flush_warnings()
         for _ in range(2):
             y = model(x.clone().requires_grad_(True))
             y.backward(dy if where == "dy" else torch.ones_like(y))
-        linear.flush_warnings()
+        nonfinite.flush_warnings()
     msgs = [str(w.message) for w in got if "holds NaN" in str(w.message)]
     assert len(msgs) == 1 and msgs[0].startswith("layer '0': "), msgs
-    assert not linear._NAN_CHECKS
+    assert not nonfinite._NAN_CHECKS
     with warnings.catch_warnings(record=True) as got:     # a finite tensor: nothing, after the flush too
         warnings.simplefilter("always")
-        linear._check_finite(lin, "warn", "x", torch.ones(4, 64), ((linear.Recipe.preset("nvfp4_paper"), "fprop_x"),))
-        linear.flush_warnings()
+        nonfinite._check_finite(lin, "warn", "x", torch.ones(4, 64), ((Recipe.preset("nvfp4_paper"), "fprop_x"),))
+        nonfinite.flush_warnings()
     assert not [w for w in got if "holds NaN" in str(w.message)]
 
 
@@ -497,7 +497,7 @@ def test_the_bridge_multiplies_with_torch_and_equals_the_numpy_rule_under_it(mon
     output and gradients equal fp4sim.emulate's with matmul_by(torch) bit for bit; with exact accumulation
     (sums independent of the BLAS) they equal the plain NumPy rule too; outside a pass NumPy multiplies."""
     from fp4sim import _xp
-    from fp4sim.torch.linear import _torch_matmul
+    from fp4sim.torch.function import _torch_matmul
     calls = []
     real = torch.matmul
     monkeypatch.setattr(torch, "matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -736,7 +736,7 @@ def test_more_pending_compiled_forwards_than_kept_drop_the_oldest():
     """The compiled path's operators keep at most 16 forwards per layer waiting for their backward: the 17th
     forward drops the oldest, whose backward then says why it has no forward; the others' backwards run, and
     give the eager layer's gradient for the same call."""
-    from fp4sim.torch.linear import _PENDING_MAX
+    from fp4sim.torch.compile_ops import _PENDING_MAX
     torch.manual_seed(0)
     m = convert(torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False)), Recipe.preset("nvfp4_paper", seed=1),
                 quantize_head=True)
