@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from ..arrays_io import check_writable, input_paths, load_array, number_or_array
 from .._tool import say
 from ..schemes import SCHEMES, get_scheme
@@ -106,6 +108,9 @@ def main(argv=None) -> int:
         if scales is None and a.scheme != "bf16":
             raise ValueError(f"--scales is required for scheme {a.scheme}")
         g = number_or_array(a.global_amax, a.row_scaled, "--global-amax") if a.global_amax else None
+        if g is not None and np.isnan(np.asarray(g)).any():
+            raise ValueError(f"--global-amax {a.global_amax}: give the tensor's |x| max the kernel used, a number "
+                             "(not NaN)")
         ts = number_or_array(a.tensor_scale, False, "--tensor-scale") if a.tensor_scale else None
         rbits = load_array(a.rbits) if a.rbits else None
         block = None
