@@ -56,7 +56,7 @@ def _load(model_dir: Path, seq_len: int | None = None):
     transformers.utils.logging.disable_progress_bar()
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a folder (give a Hugging Face model folder: config.json and weights)")
-    from .checkpoint import is_checkpoint
+    from .checkpoints.nvfp4 import is_checkpoint
     if is_checkpoint(model_dir):
         raise BadInput(f"{model_dir}: an NVFP4 checkpoint (ModelOpt or compressed-tensors export); fp4sim inspect "
                        "takes the high-precision model it was made from and quantizes it itself. Check the "
@@ -114,7 +114,7 @@ def _gguf_quantized_types(model_dir: Path) -> dict:
     """{ggml type: number of tensors} of the tensors stored in a quantized type (Q4_1, MXFP4, ...) in the GGUF
     file a folder without config.json is read from ({} for any other folder): weights that were low-precision
     before fp4sim quantizes their dequantized values again."""
-    from .gguf import read_gguf
+    from .checkpoints.gguf import read_gguf
     ggufs = sorted(model_dir.glob("*.gguf"))
     if (model_dir / "config.json").is_file() or len(ggufs) != 1:
         return {}

@@ -4,7 +4,7 @@ its high-precision weights, beside what fp4sim's other FP4 rules would have cost
 
 Per tensor: the rule that reproduces its bytes (ggml's quantizers, fp4sim's MXFP4 scale modes; "none" where none
 does), the relative error of its stored values, ``sum (stored - x)^2 / sum x^2``, and the same for every rule of
-:data:`fp4sim.gguf.COST_RULES` re-quantizing ``x`` — among them the round-up (rceil) scale mode against ggml's
+:data:`fp4sim.checkpoints.rules.COST_RULES` re-quantizing ``x`` — among them the round-up (rceil) scale mode against ggml's
 floor, and NVFP4's E4M3 scales at MXFP4's 4.25 bits per value (one per 32 elements) — and the share of blocks
 whose largest values clip: under the file's own scales (the reference's block amax above 6 x the stored scale)
 and under ggml's MXFP4 rule.
@@ -15,16 +15,20 @@ from pathlib import Path
 
 import numpy as np
 
+from .analyze.inputs import reference_sources, reference_weight
+from .checkpoints.gguf import read_gguf
+from .checkpoints.gpt_oss import is_gpt_oss, match_readings, read_gpt_oss, reference_orientations, reference_rows
+from .checkpoints.rules import BITS_PER_VALUE, COST_RULES, rule_costs, rules_for
+from .formats import E4M3
+
 __all__ = ["fp4_tensors", "requantize_study", "requantize_table"]
 
 
 def fp4_tensors(paths, broken: list | None = None) -> list:
     """(file, tensor) for every FP4 tensor under ``paths``: GGUF files (given, or inside a folder) and gpt-oss
     MXFP4 folders; ValueError naming a file that cannot be read. A gpt-oss weight whose entries do not make one
-    (:attr:`fp4sim.gpt_oss.GptOssCheckpoint.broken`) is left out, and listed as [name, why] in ``broken`` where
+    (:attr:`fp4sim.checkpoints.gpt_oss.GptOssCheckpoint.broken`) is left out, and listed as [name, why] in ``broken`` where
     a list is given (else the folder is a ValueError)."""
-    from .gguf import read_gguf
-    from .gpt_oss import is_gpt_oss, read_gpt_oss
     out = []
     for p in map(Path, paths):
         if p.is_dir() and is_gpt_oss(p):
@@ -40,24 +44,22 @@ def fp4_tensors(paths, broken: list | None = None) -> list:
 
 
 def _oriented(t, x) -> tuple:
-    """``(x2, rules)``: the reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order
-    (:func:`fp4sim.gpt_oss.reference_orientations`; a square gpt-oss weight's reference in the reading its bytes
-    match) and the rules that reproduce the tensor's bytes from it; ValueError saying why the rules cannot be
-    compared on it."""
-    from .gpt_oss import matching_orientation, reference_rows
-    from .validate.checkpoint_mx import _gguf_rules, _rule_name
+    """``(x2, rules, requantized)``: the reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order
+    (:func:`fp4sim.checkpoints.gpt_oss.reference_orientations`; a square gpt-oss weight's reference in the reading
+    its bytes match), the titles of the registry's rules that reproduce the tensor's bytes from it, and its
+    :class:`~fp4sim.checkpoints.rules.Requantized` (each rule computed once: the costs reuse it); ValueError
+    saying why the rules cannot be compared on it."""
     if t.shape[-1] % 64:
         raise ValueError(f"K = {t.shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
-    if getattr(t, "type", None) in ("MXFP4", "NVFP4"):
-        x2 = reference_rows(t, x)
-        return x2, _gguf_rules(t, x2)
-    rules, _, x2 = matching_orientation(t, x)
-    return x2, [_rule_name(r) for r in rules]
+    gguf = getattr(t, "type", None) in ("MXFP4", "NVFP4")
+    readings = [(None, reference_rows(t, x))] if gguf else reference_orientations(t, x)
+    rules, i, rq = match_readings(t.codes, t.scales, readings, rules_for("gguf" if gguf else "gpt-oss",
+                                                                          getattr(t, "type", "MXFP4")))
+    return readings[i][1], rules, rq
 
 
 def _stored_clipped(t, x2) -> float:
     """Share of the file's blocks whose reference amax exceeds 6 x the stored scale."""
-    from .formats import E4M3
     s = t.scales
     n = x2.shape[1] // s.shape[1]
     amax = np.abs(x2).reshape(s.shape[0], s.shape[1], n).max(-1).astype(np.float64)
@@ -75,28 +77,26 @@ def requantize_study(paths, reference) -> dict:
     that reproduce its bytes, [] for none), ``stored`` (its stored values' relative error), ``rel_mse``
     ({rule: relative error}), ``clipped_stored`` and ``clipped_ggml_mxfp4`` (shares of blocks), and
     ``bits_per_value``. ValueError when ``paths`` hold no FP4 tensor or the reference no tensor."""
-    from .gguf import rule_costs
-    from .validate.checkpoint_ref import _reference_sources, reference_weight
     skipped = []
     found = fp4_tensors(paths, skipped)
     if not found:
         raise ValueError("--requantize: none of the paths holds an FP4 tensor of a GGUF file (MXFP4, NVFP4) or a "
                          "gpt-oss MXFP4 folder")
-    refs = _reference_sources(reference)
+    refs = reference_sources(reference)
     rows = []
     for f, t in found:
         x, why = reference_weight(t, refs)
         try:
             if x is None:
                 raise ValueError(why)
-            x2, file_rules = _oriented(t, x)
+            x2, file_rules, rq = _oriented(t, x)
             stored = np.asarray(t.values(), np.float64).reshape(x2.shape)
         except ValueError as e:
             skipped.append([t.name, str(e)])
             continue
         a = x2.astype(np.float64)
         ref = float((a * a).sum())
-        c = rule_costs(x2)
+        c = rule_costs(x2, rq)
         rows.append({"tensor": t.name, "file": str(f), "type": getattr(t, "type", None) or "MXFP4",
                      "shape": list(t.shape), "file_rule": file_rules,
                      "stored": float(((stored - a) ** 2).sum() / ref) if ref else 0.0, "rel_mse": c["rel_mse"],
@@ -116,7 +116,6 @@ SHORT = {"ggml MXFP4": "ggml MX", "MXFP4 floor": "MX floor", "MXFP4 rceil": "MX 
 def requantize_table(study: dict) -> str:
     """The study as text: one line per tensor (the file's rule, its stored error, each rule's error as a ratio to
     the stored one, the clipped shares), the median ratios, and the tensors not compared with the reason."""
-    from .gguf import BITS_PER_VALUE, COST_RULES
     rows = study["tensors"]
     out = [f"What each FP4 rule costs on the reference weights ({study['reference']}): the relative error "
            "sum (y - x)^2 / sum x^2 of the stored values, and each rule's re-quantizing x as a ratio to it (below 1: "

@@ -269,7 +269,7 @@ def test_validate_checkpoint_on_a_gguf_file(tmp_path):
 
 def _pairs(rows, kind):
     """GGUF rows with each block's code bytes in fp4sim / gpt-oss pair order instead of ggml's halves."""
-    from fp4sim.gguf import _BLOCK, _SUB
+    from fp4sim.checkpoints.gguf import _BLOCK, _SUB
     n, nbytes, ns = _BLOCK[kind]
     b = rows.reshape(rows.shape[0], -1, nbytes).copy()
     from fp4sim.gguf import from_ggml_order
@@ -279,7 +279,7 @@ def _pairs(rows, kind):
 
 
 def _scale_plus(rows, kind, step):
-    from fp4sim.gguf import _BLOCK
+    from fp4sim.checkpoints.gguf import _BLOCK
     n, nbytes, ns = _BLOCK[kind]
     b = rows.reshape(rows.shape[0], -1, nbytes).copy()
     b[:, :, :ns] = (b[:, :, :ns].astype(np.int16) + step).clip(0, 254).astype(np.uint8)
@@ -452,7 +452,7 @@ def test_a_truncated_file_names_the_tensor_and_checks_the_others(tmp_path):
 
 @pytest.mark.parametrize("kind", ["MXFP4", "NVFP4"])
 def test_transposed_gguf_blocks_are_named(tmp_path, kind):
-    from fp4sim.gguf import _BLOCK
+    from fp4sim.checkpoints.gguf import _BLOCK
     from fp4sim.validate.checkpoint import check_checkpoint
     mx, nv, ref, w = _clean(tmp_path)
     rows, name = (mx, GQ) if kind == "MXFP4" else (nv, GF)

@@ -288,8 +288,8 @@ def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: li
     tensor, ``MODULE.weight`` (its dequantized values; key ``nvfp4-checkpoint:MODULE`` or ``gpt-oss-mxfp4:NAME``,
     a gpt-oss weight as experts x rows by K); the other entries of its files are read as usual. False for any
     other folder."""
-    from ..checkpoint import is_checkpoint, read_checkpoint
-    from ..gpt_oss import is_gpt_oss, read_gpt_oss
+    from ..checkpoints.nvfp4 import is_checkpoint, read_checkpoint
+    from ..checkpoints.gpt_oss import is_gpt_oss, read_gpt_oss
     if is_checkpoint(d):
         read, prefix = read_checkpoint, CKPT
     elif is_gpt_oss(d):
@@ -327,12 +327,12 @@ def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
     suf = path.suffix.lower()
     try:
         if src.key and src.key.startswith(GPT_OSS):
-            from ..gpt_oss import read_gpt_oss
+            from ..checkpoints.gpt_oss import read_gpt_oss
             ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_gpt_oss(src.path, strict=False))
             w = ck.weights[src.key[len(GPT_OSS):]]
             a = w.values().reshape(-1, w.shape[-1])
         elif src.key and src.key.startswith(CKPT):
-            from ..checkpoint import dequantize_weight, read_checkpoint
+            from ..checkpoints.nvfp4 import dequantize_weight, read_checkpoint
             ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_checkpoint(src.path))
             a = dequantize_weight(ck.weights[src.key[len(CKPT):]], ck.format)
         elif suf == ".npz":
@@ -376,7 +376,7 @@ _GGUFS: dict = {}                   # GGUF files read in this process (headers; 
 
 
 def _gguf_file(path: Path):
-    from ..gguf import read_gguf
+    from ..checkpoints.gguf import read_gguf
     key = (str(path), path.stat().st_mtime_ns)
     if key not in _GGUFS:
         try:
@@ -426,3 +426,36 @@ def _load_pt(path: Path, key):
     if not t.is_floating_point():
         raise TensorError(f"has dtype {t.dtype}; fp4sim analyses float32, float16, bfloat16 (or float64) tensors")
     return t.numpy()
+
+
+# ------------------------------------------------------------------ the high-precision weights a checkpoint came from
+def reference_sources(reference) -> dict:
+    """{tensor name: Source} of the reference weights at ``reference`` (any layout analyze reads); ValueError
+    naming ``--reference`` where it holds no tensor."""
+    sources, problems, _ = discover([str(reference)])
+    if not sources:
+        why = "; ".join(f"{p}: {r}" for p, r in problems[:3])
+        raise ValueError(f"--reference {reference}: no tensors found" + (f" ({why})" if why else ""))
+    return {s.name: s for s in sources}
+
+
+def reference_names(w) -> list:
+    """The names the reference of a checkpoint weight ``w`` may have: ``NAME.weight`` and ``NAME`` for a module's
+    name, the name itself where it names a weight already (a GGUF tensor's ``blk.0.attn_q.weight``)."""
+    return [w.name] if w.name.endswith(".weight") else [f"{w.name}.weight", w.name]
+
+
+def reference_source(w, refs: dict):
+    """The Source of ``w``'s reference among ``refs`` (:func:`reference_sources`), or None."""
+    return next((refs[n] for n in reference_names(w) if n in refs), None)
+
+
+def reference_weight(w, refs: dict):
+    """(the reference weight of ``w`` as float32, None) or (None, why it cannot be compared)."""
+    src = reference_source(w, refs)
+    if src is None:
+        return None, "no reference tensor " + " or ".join(reference_names(w))
+    try:
+        return load(src), None
+    except TensorError as e:
+        return None, f"the reference {src.name} {e}"

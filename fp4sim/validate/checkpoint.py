@@ -1,5 +1,5 @@
 """``python -m fp4sim.validate checkpoint DIR [--reference REF] [--json F]``: an NVFP4 checkpoint (ModelOpt or
-compressed-tensors export, :mod:`fp4sim.checkpoint`), a gpt-oss MXFP4 folder or a GGUF file's MXFP4 / NVFP4
+compressed-tensors export, :mod:`fp4sim.checkpoints.nvfp4`), a gpt-oss MXFP4 folder or a GGUF file's MXFP4 / NVFP4
 tensors (:mod:`.checkpoint_mx`), checked tensor by tensor.
 
 Without a reference, every quantized linear's internal consistency: the shapes of its codes, block scales and
@@ -9,7 +9,7 @@ from the weight's own amax), a tensor scale whose implied weight amax is implaus
 (a tensor scale stored in the other format's direction), and the excluded modules (each present in high
 precision, none quantized). With ``--reference`` (the high-precision weights the checkpoint was made from: a
 folder or file analyze reads), each weight is quantized again by each exporter's rule (ModelOpt's: fp4sim's
-``modelopt`` flavour; compressed-tensors': :func:`fp4sim.checkpoint.compressed_tensors_quantize`, in each dtype
+``modelopt`` flavour; compressed-tensors': :func:`fp4sim.checkpoints.rules.compressed_tensors_quantize`, in each dtype
 the reference is exact in) and compared byte for byte, the rule that reproduces it named; a difference is named
 where a known fault reproduces the checkpoint's bytes (the tensor scale not inverted, a mixed export, nibbles
 swapped, scales swizzled or transposed, scale bytes one binade off, another rule's rounding order).
@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checkpoint import KEYS, Checkpoint, QuantWeight, excluded_by, read_checkpoint
+from ..analyze.inputs import reference_sources, reference_weight
+from ..checkpoints.gpt_oss import is_gpt_oss
+from ..checkpoints.nvfp4 import KEYS, Checkpoint, QuantWeight, excluded_by, read_checkpoint
 from ..formats import E4M3
 from ..layout import swizzled_size
-from .checkpoint_ref import CheckpointReport, _count_compared, _reference_sources
+from .checkpoint_ref import CheckpointReport, compare_to_reference, count_compared
 
 __all__ = ["check_checkpoint", "CheckpointReport"]
 
@@ -193,7 +195,6 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
     (:mod:`.checkpoint_mx`); ``reference``: the high-precision
     weights it was made from (each weight is then compared byte for byte, :mod:`.checkpoint_ref`; the weights of
     a shared tensor scale (:func:`shared_scale_groups`) against the group's largest amax)."""
-    from ..gpt_oss import is_gpt_oss
     if str(path).lower().endswith(".gguf"):
         from .checkpoint_mx import check_gguf
         return check_gguf(path, reference)
@@ -203,7 +204,7 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
     ck = read_checkpoint(path)
     kg = KEYS[ck.format][2]
     rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)
-    refs = _reference_sources(reference) if reference else None
+    refs = reference_sources(reference) if reference else None
     groups = shared_scale_groups(ck)
     group_of = {n: g for g in groups for n in g}
     tops = {}
@@ -229,7 +230,7 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
         if refs is not None:
             _compare_unit(ck, unit, refs, rep)
     if refs is not None:
-        _count_compared(ck, rep)
+        count_compared(rep)
     _excluded(ck, rep)
     return rep
 
@@ -249,7 +250,6 @@ def _units(ck: Checkpoint, groups):
 def _compare_unit(ck: Checkpoint, unit, refs, rep: CheckpointReport):
     """Each weight of ``unit`` against its reference; a shared group's weights with the group's largest amax
     (their references read once, held while the group is compared)."""
-    from .checkpoint_ref import compare_to_reference, reference_weight
     xs = {}
     for n in unit:
         xs[n], why = reference_weight(ck.weights[n], refs)

@@ -1,7 +1,7 @@
 """A checkpoint's quantized weight against the high-precision weight it was made from, byte for byte, with the
 known export faults named (see :mod:`fp4sim.validate.checkpoint`).
 
-The reference is quantized again by each exporter's rule (:mod:`fp4sim.checkpoint`): ModelOpt's (fp4sim's
+The reference is quantized again by each exporter's rule (the registry, :mod:`fp4sim.checkpoints.rules`): ModelOpt's (fp4sim's
 ``modelopt`` flavour, float32 whatever the weight's dtype, as ModelOpt computes) and compressed-tensors' (in each
 dtype the reference's values are exact in: bfloat16, float16, float32). Each rule's tensor scale is expected in
 the checkpoint's own direction, either as the rule writes it or converted from the other format (``1 / x`` in
@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..analyze.inputs import reference_source, reference_sources, reference_weight
+from ..checkpoints.nvfp4 import KEYS
+from ..checkpoints.rules import Requantized, rule
 from ..layout import swizzle_scales, swizzled_size
+
+__all__ = ["CheckpointReport", "compare_to_reference", "count_compared", "reference_sources", "reference_weight"]
 
 C2688 = np.float32(2688.0)
 F32 = np.float32
@@ -27,21 +31,10 @@ def _fail(t: dict, msg: str):
     t["ok"] = False
 
 
-def _quantize(x, flavor, amax):
-    from ..quantize import quantize
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return quantize(x, "nvfp4", flavor=flavor, global_amax=amax)
-
-
-def _flavour_bytes(x, flavor, amax):
-    q = _quantize(x, flavor, amax)
-    return np.asarray(q.codes), np.asarray(q.scales)
-
-
 @dataclasses.dataclass
 class Rule:
-    """One exporter's bytes for the reference: ``codes``, ``scales`` (rows x blocks) and the tensor scale as the
+    """One exporter's bytes for the reference (the registry's :class:`~fp4sim.checkpoints.rules.RuleBytes`, as the
+    checkpoint's format holds them): ``codes``, ``scales`` (rows x blocks) and the tensor scale as the
     checkpoint's format stores it (``ts``) and as the other direction would hold it (``inverse``: the value a
     checkpoint that did not invert it stores); ``native``: the rule is the format's own (not converted)."""
     name: str
@@ -52,10 +45,12 @@ class Rule:
     native: bool
 
 
-def _rule(name, codes, scales, own, native):
-    """A rule whose own tensor-scale value is ``own``, in the checkpoint's direction when ``native``."""
+def _rule(name, b, native):
+    """A rule whose bytes are ``b`` (its own tensor-scale value ``b.tensor_scale``), in the checkpoint's direction
+    when ``native``."""
+    own = b.tensor_scale
     conv = F32(F32(1.0) / own)
-    return Rule(name, codes, scales, own if native else conv, conv if native else own, native)
+    return Rule(name, b.codes, b.scales, own if native else conv, conv if native else own, native)
 
 
 def _exact_in(x, dtype) -> bool:
@@ -65,22 +60,24 @@ def _exact_in(x, dtype) -> bool:
         return bool(np.array_equal(x.astype(dt).astype(np.float32), x))
 
 
-def _rules(x, fmt: str, amax=None) -> list:
-    """The exporters' rules for the reference ``x`` (float32), the checkpoint format's own first; ``amax``: the
-    amax the tensor scale comes from (default: the weight's own; a shared group's largest, see
-    :func:`fp4sim.validate.checkpoint.shared_scale_groups`)."""
-    from ..checkpoint import compressed_tensors_quantize
-    amax = F32(np.nanmax(np.abs(x))) if amax is None else F32(amax)
+def _rules(rq: Requantized, fmt: str, amax=None) -> list:
+    """The exporters' rules of the registry for the reference of ``rq`` (float32), the checkpoint format's own
+    first: ModelOpt's, and compressed-tensors' in each dtype the reference is exact in; ``amax``: the amax a
+    fused group's shared tensor scale comes from (its largest, see
+    :func:`fp4sim.validate.checkpoint.shared_scale_groups`; the rules' ``-fused`` entries), else the weight's own."""
+    x = rq.x
+    fused = {} if amax is None else {"amax": F32(amax)}
+    suffix = "-fused" if fused else ""
     with np.errstate(divide="ignore", over="ignore"):
-        ws2 = F32(amax / C2688)
-        mc, ms = _flavour_bytes(x, "modelopt", amax)
-        mo = _rule("ModelOpt's rule", mc, ms, ws2, fmt == "modelopt")
+        mo = _rule(rule(f"modelopt-nvfp4{suffix}").title, rq.bytes(f"modelopt-nvfp4{suffix}", **fused),
+                   fmt == "modelopt")
         cts = []
         if x.shape[1] % 16 == 0:
+            key = f"compressed-tensors-nvfp4{suffix}"
             for dt in ("bfloat16", "float16", "float32"):
                 if dt == "float32" or _exact_in(x, dt):
-                    cc, cs, gs = compressed_tensors_quantize(x, dt, amax=amax)
-                    cts.append(_rule(f"compressed-tensors' rule (in {dt})", cc, cs, gs, fmt != "modelopt"))
+                    cts.append(_rule(f"{rule(key).title} (in {dt})", rq.bytes(key, dtype=dt, **fused),
+                                     fmt != "modelopt"))
     if fmt == "modelopt":
         rules = [mo] + cts
     else:
@@ -92,41 +89,17 @@ def _rules(x, fmt: str, amax=None) -> list:
     return rules
 
 
-def _reference_names(w) -> list:
-    """The names the reference of ``w`` may have: ``NAME.weight`` and ``NAME`` for a module's name, the name
-    itself where it names a weight already (a GGUF tensor's ``blk.0.attn_q.weight``)."""
-    return [w.name] if w.name.endswith(".weight") else [f"{w.name}.weight", w.name]
-
-
-def _reference_source(w, refs: dict):
-    return next((refs[n] for n in _reference_names(w) if n in refs), None)
-
-
-def reference_weight(w, refs: dict):
-    """(the reference weight of ``w`` as float32, None) or (None, why it cannot be compared)."""
-    from ..analyze.inputs import TensorError, load
-    src = _reference_source(w, refs)
-    if src is None:
-        names = _reference_names(w)
-        return None, "no reference tensor " + " or ".join(names)
-    try:
-        return load(src), None
-    except TensorError as e:
-        return None, f"the reference {src.name} {e}"
-
-
 def compare_to_reference(w, fmt: str, refs: dict, t: dict, x=None, amax=None, group=None):
     """Fill ``t`` (a tensor entry of the report) with the comparison of ``w`` against its reference weight ``x``
     (default: read from ``refs``); ``amax``: the amax the tensor scale comes from when ``w`` shares it with the
     weights of ``group`` (their largest), else the weight's own. Sets ``t["compared"]``."""
-    from ..checkpoint import KEYS
     t["compared"] = False
     if x is None:
         x, why = reference_weight(w, refs)
         if x is None:
             t["notes"].append(f"{why}: not compared")
             return
-    src = _reference_source(w, refs)
+    src = reference_source(w, refs)
     if x.shape != tuple(w.shape):
         _fail(t, f"the reference {src.name} has shape {x.shape}; the checkpoint's codes hold {tuple(w.shape)}")
         return
@@ -135,7 +108,8 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict, x=None, amax=None, gr
         return
     kg = KEYS[fmt][2]
     t["compared"] = True
-    rules = _rules(x, fmt, amax)
+    rq = Requantized(x)
+    rules = _rules(rq, fmt, amax)
     got_c = np.asarray(w.codes)
     got_s = w.scales
     got_s = None if got_s is None else np.asarray(got_s).reshape(-1)
@@ -190,10 +164,10 @@ def compare_to_reference(w, fmt: str, refs: dict, t: dict, x=None, amax=None, gr
         return
     if got_s is None or got_c.shape != main.codes.shape:
         return
-    _layout_fault(t, x, main, rules, got_c, got_s.reshape(scales.shape))
+    _layout_fault(t, rq, main, rules, got_c, got_s.reshape(scales.shape))
 
 
-def _layout_fault(t, x, main: Rule, rules: list, got_c, got_s):
+def _layout_fault(t, rq: Requantized, main: Rule, rules: list, got_c, got_s):
     """Codes or scale bytes of the reference's shape that differ: the layout faults fp4sim.validate names in a
     kernel's output (locate.layout_findings: swapped nibbles, scales one binade off or transposed, rows, blocks
     or columns permuted, another row stride), else another rule's or flavour's rounding order, else where they
@@ -207,8 +181,7 @@ def _layout_fault(t, x, main: Rule, rules: list, got_c, got_s):
         if np.array_equal(got_c, main.codes):
             return
         got_s = main.scales
-    amax = F32(np.nanmax(np.abs(x)))
-    q = dataclasses.replace(_quantize(x, "modelopt", amax), codes=main.codes, scales=main.scales)
+    q = dataclasses.replace(rq.bytes("modelopt-nvfp4").qt, codes=main.codes, scales=main.scales)
     found = layout_findings(q, got_c, got_s, "linear", unpack_fp4(main.codes), unpack_fp4(got_c), main.scales,
                             got_s)
     for f in found:
@@ -216,7 +189,7 @@ def _layout_fault(t, x, main: Rule, rules: list, got_c, got_s):
     if found:
         return
     others = [(r.name, r.codes, r.scales) for r in rules if r is not main]
-    others += [(f"the {fl} flavour's rule", *_flavour_bytes(x, fl, amax)) for fl in ("te", "torchao")]
+    others += [(rule(k).title, rq.bytes(k).codes, rq.bytes(k).scales) for k in ("te-nvfp4", "torchao-nvfp4")]
     for name, oc, os_ in others:
         if np.array_equal(os_, got_s) and np.array_equal(oc, got_c):
             _fail(t, f"the codes and scales are those of {name}, not {main.name} (they differ where a block scale "
@@ -283,7 +256,7 @@ class CheckpointReport:
         return "\n".join(lines)
 
 
-def _count_compared(ck, rep: CheckpointReport):
+def count_compared(rep: CheckpointReport):
     """A reference that leaves quantized weights uncompared is a fault: nothing is passed unseen."""
     missing = [n for n, t in rep.tensors.items() if not t.get("compared")]
     if not missing:
@@ -296,13 +269,3 @@ def _count_compared(ck, rep: CheckpointReport):
     else:
         rep.faults.append(f"{len(missing)} of {n} quantized weights were not compared with the reference (first: "
                           f"{', '.join(missing[:3])}; the per-tensor notes say why)")
-
-
-def _reference_sources(reference) -> dict:
-    """{tensor name: Source} of the reference weights (any layout analyze reads)."""
-    from ..analyze.inputs import discover
-    sources, problems, _ = discover([str(reference)])
-    if not sources:
-        why = "; ".join(f"{p}: {r}" for p, r in problems[:3])
-        raise ValueError(f"--reference {reference}: no tensors found" + (f" ({why})" if why else ""))
-    return {s.name: s for s in sources}
