@@ -1,4 +1,6 @@
 """The house's structure: no import circles in fp4sim/ or paper_repro/ (imports inside functions included),
+every module of fp4sim/ on one floor of :data:`FLOORS` and importing only from its own floor and the floors below
+(docs/layout.md shows the same floors; a test keeps them equal), no private name imported across packages,
 neither backend imports the other and the planning layer imports neither, backends import no private names from
 the public modules, importing any module of the package in a fresh interpreter works, and the kernel ids live
 in one place."""
@@ -104,6 +106,116 @@ def circles(graph):
         if v not in index:
             visit(v)
     return out
+
+
+# The floors of the package, top to bottom: a module imports from its own floor and those below it, never from a
+# floor above (imports inside functions included). A module belongs to the floor of its longest listed prefix.
+FLOORS = [
+    ("commands", ["fp4sim.cli", "fp4sim.__main__", "fp4sim.validate.__main__", "fp4sim.analyze.__main__"]),
+    ("checkers", ["fp4sim.validate", "fp4sim.inspect_model"]),
+    ("studies", ["fp4sim.analyze", "fp4sim.requantize"]),
+    ("torch bridge", ["fp4sim.torch"]),
+    ("checkpoints", ["fp4sim.checkpoints", "fp4sim.checkpoint", "fp4sim.gguf", "fp4sim.gpt_oss"]),
+    ("entry points", ["fp4sim", "fp4sim.quantize", "fp4sim.elements", "fp4sim.gemm", "fp4sim.tensorcore",
+                      "fp4sim.training", "fp4sim.emulate", "fp4sim.fastpath", "fp4sim.ue5m3", "fp4sim.threads",
+                      "fp4sim.arrays_io", "fp4sim._f32"]),
+    ("backends", ["fp4sim.cpu", "fp4sim.gpu"]),
+    ("planning", ["fp4sim.planning"]),
+    ("oracle", ["fp4sim.reference"]),
+    ("shared math", ["fp4sim.formats", "fp4sim.schemes", "fp4sim.qtensor", "fp4sim.layout", "fp4sim.hadamard",
+                     "fp4sim.four_over_six", "fp4sim.rng", "fp4sim.ids", "fp4sim._inputs", "fp4sim._xp",
+                     "fp4sim._safetensors", "fp4sim._tool"]),
+]
+
+
+def floor_of(mod, floors=FLOORS):
+    """The index of ``mod``'s floor (its longest listed prefix; the package ``fp4sim`` itself only by name)."""
+    best = None
+    for i, (_, prefixes) in enumerate(floors):
+        for p in prefixes:
+            if mod == p or (p != "fp4sim" and mod.startswith(p + ".")):
+                if best is None or len(p) > best[1]:
+                    best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def upward_imports(graph, floors=FLOORS):
+    """[(module, imported module)] where a module imports from a floor above its own."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if floor_of(m, floors) is not None and floor_of(d, floors) is not None
+                  and floor_of(d, floors) < floor_of(m, floors))
+
+
+def private_imports(modules=MODULES):
+    """[(module, what it imports)] of private names imported across packages: ``from X import _name`` where X's
+    package is not the importer's, or ``from P import _module`` of a private module of another package. A
+    package's private modules (``fp4sim._xp``) are its own and its subpackages'."""
+    out = []
+    for mod, path in modules.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for a in node.names:
+                if not a.name.startswith("_") or a.name.startswith("__"):
+                    continue
+                sub = f"{base}.{a.name}"
+                if sub in modules:                 # a private module: its package's own, and its subpackages'
+                    owner = base
+                    if not (pkg == owner or pkg.startswith(owner + ".")):
+                        out.append((mod, sub))
+                    continue
+                target = _module_of(base, modules)
+                if target is None:
+                    continue
+                tpkg = target if modules[target].name == "__init__.py" else target.rpartition(".")[0]
+                if tpkg != pkg:
+                    out.append((mod, f"{target}.{a.name}"))
+    return sorted(out)
+
+
+def test_the_floor_and_privacy_checks_find_what_they_look_for(tmp_path):
+    """The checkers themselves, on a made-up package: p.low imports p.high (up a floor), p.sub.a imports p.b's
+    private name (across packages) and p.sub's own private module (allowed), p.c imports p.sub's private module."""
+    (tmp_path / "p" / "sub").mkdir(parents=True)
+    files = {"p/__init__.py": "", "p/high.py": "from . import low\n", "p/low.py": "def f():\n    from . import high\n",
+             "p/b.py": "_x = 1\n", "p/sub/__init__.py": "", "p/sub/_own.py": "",
+             "p/sub/a.py": "from ..b import _x\nfrom . import _own\n", "p/c.py": "from .sub import _own\n"}
+    for f, text in files.items():
+        (tmp_path / f).write_text(text)
+    mods = {"p": tmp_path / "p/__init__.py", "p.high": tmp_path / "p/high.py", "p.low": tmp_path / "p/low.py",
+            "p.b": tmp_path / "p/b.py", "p.sub": tmp_path / "p/sub/__init__.py",
+            "p.sub._own": tmp_path / "p/sub/_own.py", "p.sub.a": tmp_path / "p/sub/a.py", "p.c": tmp_path / "p/c.py"}
+    floors = [("top", ["p.high", "p.sub", "p.c"]), ("bottom", ["p.low", "p.b"])]
+    assert upward_imports(import_graph(mods), floors) == [("p.low", "p.high")]
+    assert private_imports(mods) == [("p.c", "p.sub._own"), ("p.sub.a", "p.b._x")]
+
+
+def test_every_module_is_on_a_floor_and_imports_none_above_it():
+    g = import_graph()
+    lost = sorted(m for m in g if m.startswith("fp4sim") and floor_of(m) is None)
+    assert not lost, f"modules on no floor of FLOORS (add them where their imports put them): {lost}"
+    up = upward_imports({m: d for m, d in g.items() if m.startswith("fp4sim")})
+    assert not up, "imports up the floors: " + "; ".join(f"{m} -> {d} ({FLOORS[floor_of(d)][0]} is above "
+                                                         f"{FLOORS[floor_of(m)][0]})" for m, d in up)
+
+
+def test_no_private_name_is_imported_across_packages():
+    found = private_imports({m: p for m, p in MODULES.items() if m.startswith("fp4sim")})
+    assert not found, "private names imported across packages: " + "; ".join(f"{m} imports {n}" for m, n in found)
+
+
+def test_the_docs_show_the_floors_of_the_test():
+    """docs/layout.md's table of floors lists the floors of :data:`FLOORS`, in order, each with its modules."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| floor") and "`fp4sim" in r]
+    got = [(r.split("|")[1].strip(), re.findall(r"`(fp4sim[\w.]*)`", r.split("|")[2])) for r in rows]
+    got = [(name, mods) for name, mods in got if mods]
+    assert got == [(name, mods) for name, mods in FLOORS]
 
 
 def test_the_circle_finder_finds_a_circle_and_follows_imports_inside_functions(tmp_path):

@@ -49,7 +49,7 @@ FAULTS: dict = {f.key: f for f in [
     LayoutFault("half-size-scales", "a scale tensor half the size the codes need (one scale per 32 elements, or "
                 "half of them dropped)", ("modelopt", "compressed-tensors"), "from the shapes alone"),
     LayoutFault("codes-not-u8", "packed codes labelled I8 (or another dtype) in the header",
-                ("modelopt", "compressed-tensors", "gpt-oss"), "from the header alone"),
+                ("modelopt", "compressed-tensors"), "from the header alone"),
     LayoutFault("nan-scales", "scale bytes that are NaN (E8M0 255, E4M3 0x7F / 0xFF) or, for ggml's UE4M3, 0x7F "
                 "or a set sign bit", ("modelopt", "compressed-tensors", "gpt-oss", "gguf"), "from the bytes alone"),
     LayoutFault("truncated-data", "the file ends before a tensor's data does (any tensor type)", ("gguf",),

@@ -239,7 +239,7 @@ class ExporterRule:
     (elements per scale byte), ``scale`` (the scale bytes' format), ``tensor_scale`` (what the exporter stores for
     the whole tensor, or None), ``writes`` (the checkpoint formats whose bytes it may have made; empty for a rule
     that is a study's what-if, not an exporter's), ``provenance`` (what it was checked against, and how),
-    ``options`` (the keyword options ``fn`` takes), ``fn`` (x, **options) -> :class:`RuleBytes` and ``decode``
+    ``options`` (the keyword options ``fn`` takes), ``fn(x, **options)`` -> :class:`RuleBytes` and ``decode``
     (RuleBytes) -> the values it stands for, float64."""
     key: str
     title: str
