@@ -56,6 +56,10 @@ class Device:
     def rht(self, x, d, signs, axis=-1, out="fp32"):
         return self.ops.rht(self.be, x, d, signs, axis, out)
 
+    def host(self, a) -> np.ndarray:
+        """A device array as a NumPy array on the host."""
+        return _host(a)
+
     def f64(self, a):
         """float64 of a float32 array, exactly (subnormals kept)."""
         return self.k.f64(a)
@@ -235,70 +239,13 @@ def hadamard_effect(dv: Device, x, seed: int = 0, kurt0: float | None = None, ch
 
 
 def gradient_bias(dv: Device, g, seed: int = 0, sample: int = 1 << 16, chunk_elems: int = 1 << 20) -> dict:
-    """:func:`fp4sim.analyze.studies.gradient_bias` of the device tensor ``g``: the whole-tensor sums on the device,
-    the sample's 256 passes there too (their mean in float64), the sample's sums on the host."""
-    from .studies import _bias_rel, _bias_sums
-    xp = dv.xp
-    g2 = as_rows(g)
-    amax = dv.amax(g2)
-    rne = np.zeros(3)
-    sr = np.zeros(3)
-    for i, c in chunks(g2, chunk_elems):
-        s, _ = dv.sums(c, dv.fake(c, "nvfp4", global_amax=amax),
-                       dv.fake(c, "nvfp4", rounding="sr", seed=seed, stream=i, global_amax=amax))
-        rne += [s[EA], s[SABS], s[N]]
-        sr += [s[EB], s[SABS], s[N]]
-    rows = max(1, min(g2.shape[0], sample // max(g2.shape[1], 1)))
-    s = xp.ascontiguousarray(g2[:rows])
-    acc = xp.zeros(s.shape)
-    for r in range(256):
-        acc += dv.f64(dv.fake(s, "nvfp4", rounding="sr", rbits=xp.full(s.shape, r, np.uint8), global_amax=amax))
-    exp = _host(acc / 256)
-    sh = _host(s)
-    y_rne = _host(dv.fake(s, "nvfp4", global_amax=amax))
-    y_sr = _host(dv.fake(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax))
-    return dict(grad_bias_rne=_bias_rel(rne), grad_bias_sr=_bias_rel(sr), grad_bias_sr_expected=_bias_rel(
-        _bias_sums(exp, sh)), sample_elements=int(sh.size),
-        grad_shrink_rne=_bias_rel(_bias_sums(y_rne, sh, True)), grad_shrink_sr=_bias_rel(_bias_sums(y_sr, sh, True)),
-        grad_shrink_sr_expected=_bias_rel(_bias_sums(exp, sh, True)))
+    """:func:`fp4sim.analyze.studies.gradient_bias` of the device tensor ``g`` (one function with the CPU's)."""
+    from .studies import gradient_bias
+    return gradient_bias(g, seed, sample, chunk_elems, device=dv)
 
 
 def wgrad_gemm(dv: Device, x, g, seeds: int = 8) -> dict:
-    """:func:`fp4sim.analyze.studies.wgrad_gemm` of the device tensors ``x`` and ``g``: the same operands (RHT and
-    NVFP4 along tokens), the products in float64 on the device in one piece (device memory: about 8 float64 copies of
-    the weight gradient)."""
-    xp = dv.xp
-    X, G = as_rows(x), as_rows(g)
-    if X.shape[0] != G.shape[0]:
-        raise ValueError(f"activation has {X.shape[0]} tokens and gradient {G.shape[0]}")
-    T, Nx, Ng = X.shape[0], X.shape[1], G.shape[1]
-    use_rht = T % 16 == 0
-    Xr = dv.rht(X, 16, "te", axis=0, out="bf16") if use_rht else X
-    Xq = dv.fake(xp.ascontiguousarray(Xr), "nvfp4", axis=0, global_amax=dv.amax(Xr))
-    GrT = dv.rht(xp.ascontiguousarray(G.T), 16, "te", out="bf16") if use_rht else xp.ascontiguousarray(G.T)
-    Gq_rne = dv.fake(GrT, "nvfp4").T
-
-    def prod(A, Bm):
-        return dv.f64(A).T @ dv.f64(Bm)
-
-    W = prod(G, X)
-    d = prod(Gq_rne, Xq) - W
-    s1 = xp.zeros_like(W)
-    s2 = xp.zeros_like(W)
-    d2_one = 0.0
-    for s in range(seeds):
-        ws = prod(dv.fake(GrT, "nvfp4", rounding="sr", seed=s).T, Xq)
-        if s == 0:
-            d2_one = float(((ws - W) ** 2).sum())
-        s1 += ws
-        s2 += ws * ws
-    mean = s1 / seeds
-    n = Ng * Nx
-    abs_w, w2 = float(xp.abs(W).sum()), float((W * W).sum())
-    mW, nW = abs_w / n, np.sqrt(w2)
-    return dict(tokens=T, rht=use_rht, wgrad_bias_rne=float(d.sum()) / n / mW,
-                wgrad_bias_sr=float((mean - W).sum()) / n / mW,
-                wgrad_rel_err_rne=float(np.sqrt(float((d * d).sum())) / nW),
-                wgrad_rel_err_sr_one_seed=float(np.sqrt(d2_one) / nW),
-                wgrad_rel_err_sr_mean=float(np.sqrt(float(((mean - W) ** 2).sum())) / nW),
-                wgrad_rel_var_sr=float(float(xp.maximum(s2 / seeds - mean * mean, 0).sum()) / n / (w2 / n)))
+    """:func:`fp4sim.analyze.studies.wgrad_gemm` of the device tensors ``x`` and ``g`` (one function with the
+    CPU's: the products in float64 on the device in one piece)."""
+    from .studies import wgrad_gemm
+    return wgrad_gemm(x, g, seeds, device=dv)

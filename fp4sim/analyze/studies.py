@@ -324,32 +324,71 @@ def _pass2_err_sums(m, xr, amax, device=None) -> np.ndarray:
     return m.add2(xr, fq(xr, "nvfp4", global_amax=amax), fq(xr, "mxfp4"))
 
 
-def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_elems: int = 1 << 20) -> dict:
+class _Host:
+    """The array operations :func:`gradient_bias` and :func:`wgrad_gemm` run on, here NumPy and the CPU kernels; a
+    :class:`fp4sim.analyze.device.Device` has the same names on a GPU (``xp``, ``fake``, ``rht``, ``f64``, ``amax``,
+    and ``host``: an array to NumPy)."""
+    xp = np
+    fake = staticmethod(fake_quantize)
+    amax = staticmethod(lambda x: _amax(x))
+
+    @staticmethod
+    def rht(x, d, signs, axis=-1, out="bf16"):
+        return rht(x, d, signs, axis=axis, out=out)
+
+    @staticmethod
+    def f64(a):
+        return a.astype(np.float64)
+
+    @staticmethod
+    def host(a):
+        return a
+
+
+def _on(device):
+    """The operations of the CPU (:class:`_Host`) or of ``device``."""
+    return _Host if device is None else device
+
+
+def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_elems: int = 1 << 20,
+                  device=None) -> dict:
     """NVFP4 rounding bias of a gradient. On the whole tensor (row chunks; SR bits from Philox with the chunk
     index as the stream): the mean signed error relative to mean |g| under RNE and SR. On a sample (the first
     rows, up to ``sample`` elements; the tensor amax still sets the scale): the error along sign(g) (negative =
     toward zero) under RNE, SR with one seed, and SR's exact expectation (all 256 random bytes enumerated, the
-    same byte for every element of a pass)."""
+    same byte for every element of a pass). ``device``: a :class:`fp4sim.analyze.device.Device` holding ``g``
+    (the whole-tensor sums taken there by its sums kernel, the 256 passes there too, their mean in float64; the
+    sample's sums on the host)."""
+    ops = _on(device)
+    xp = ops.xp
     g2 = as_rows(g)
-    amax = _amax(g2)
+    amax = ops.amax(g2)
     sums, rel = _bias_sums, _bias_rel
     rne = np.zeros(3)
     sr = np.zeros(3)
     for i, c in chunks(g2, chunk_elems):
-        rne += sums(fake_quantize(c, "nvfp4", global_amax=amax), c)
-        sr += sums(fake_quantize(c, "nvfp4", rounding="sr", seed=seed, stream=i, global_amax=amax), c)
+        y_rne = ops.fake(c, "nvfp4", global_amax=amax)
+        y_sr = ops.fake(c, "nvfp4", rounding="sr", seed=seed, stream=i, global_amax=amax)
+        if device is None:
+            rne += sums(y_rne, c)
+            sr += sums(y_sr, c)
+        else:                               # both passes' columns in one launch of the device's sums kernel
+            from .device import EA, EB, N, SABS
+            t, _ = device.sums(c, y_rne, y_sr)
+            rne += [t[EA], t[SABS], t[N]]
+            sr += [t[EB], t[SABS], t[N]]
     rows = max(1, min(g2.shape[0], sample // max(g2.shape[1], 1)))
-    s = g2[:rows]
-    acc = np.zeros(s.shape)
+    s = xp.ascontiguousarray(g2[:rows])
+    acc = xp.zeros(s.shape)
     for r in range(256):
-        acc += fake_quantize(s, "nvfp4", rounding="sr", rbits=np.full(s.shape, r, np.uint8), global_amax=amax)
-    exp = acc / 256
-    return dict(grad_bias_rne=rel(rne), grad_bias_sr=rel(sr), grad_bias_sr_expected=rel(sums(exp, s)),
-                sample_elements=int(s.size),
-                grad_shrink_rne=rel(sums(fake_quantize(s, "nvfp4", global_amax=amax), s, True)),
-                grad_shrink_sr=rel(sums(fake_quantize(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax), s,
-                                        True)),
-                grad_shrink_sr_expected=rel(sums(exp, s, True)))
+        acc += ops.f64(ops.fake(s, "nvfp4", rounding="sr", rbits=xp.full(s.shape, r, np.uint8), global_amax=amax))
+    exp = ops.host(acc / 256)
+    sh = ops.host(s)
+    y_rne = ops.host(ops.fake(s, "nvfp4", global_amax=amax))
+    y_sr = ops.host(ops.fake(s, "nvfp4", rounding="sr", seed=seed, global_amax=amax))
+    return dict(grad_bias_rne=rel(rne), grad_bias_sr=rel(sr), grad_bias_sr_expected=rel(sums(exp, sh)),
+                sample_elements=int(sh.size), grad_shrink_rne=rel(sums(y_rne, sh, True)),
+                grad_shrink_sr=rel(sums(y_sr, sh, True)), grad_shrink_sr_expected=rel(sums(exp, sh, True)))
 
 
 def _bias_sums(y, x, along_sign=False):
@@ -366,20 +405,23 @@ def _bias_rel(t):
     return float((t[0] / t[2]) / ((t[1] / t[2]) or 1.0)) if t[2] else float("nan")
 
 
-def _rne_along_tokens(X, use_rht, cols):
+def _rne_along_tokens(X, use_rht, cols, ops=_Host):
     """fake_quantize(rht(X) along tokens, NVFP4, blocks along tokens) built ``cols`` columns at a time (the
     transform and the blocks never mix columns; the tensor amax of the transformed X comes from a first pass)."""
-    f = (lambda a: rht(a, 16, "te", axis=0)) if use_rht else (lambda a: a)  # noqa: E731
+    xp = ops.xp
+    f = (lambda a: ops.rht(a, 16, "te", axis=0, out="bf16")) if use_rht else (lambda a: a)  # noqa: E731
     amax = np.float32(0)
     for c0 in range(0, X.shape[1], cols):
-        amax = max(amax, _amax(np.ascontiguousarray(f(X[:, c0:c0 + cols]))))
-    out = np.empty(X.shape, np.float32)
+        amax = max(amax, ops.amax(xp.ascontiguousarray(f(X[:, c0:c0 + cols]))))
+    out = xp.empty(X.shape, np.float32)
     for c0 in range(0, X.shape[1], cols):
-        out[:, c0:c0 + cols] = fake_quantize(f(X[:, c0:c0 + cols]), "nvfp4", axis=0, global_amax=amax)
+        out[:, c0:c0 + cols] = ops.fake(xp.ascontiguousarray(f(X[:, c0:c0 + cols])), "nvfp4", axis=0,
+                                        global_amax=amax)
     return out
 
 
-def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8, budget_bytes: int | None = None) -> dict:
+def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8, budget_bytes: int | None = None,
+               device=None) -> dict:
     """The weight-gradient GEMM W = G^T X of a linear layer with both operands in NVFP4 as the paper's recipe:
     16-point RHT ('te' signs) along the token dimension, blocks along tokens, SR for the gradient (RNE for
     the activation), against the exact float64 product; also with RNE for both. Bias = mean(W_q - W)/mean|W|
@@ -388,44 +430,53 @@ def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8, budget_bytes: int |
     W is never held whole: it is computed in column tiles (and the products in token chunks) whose float64
     buffers fit in half of ``budget_bytes`` (default: the larger operand's size), and only running sums are
     kept; the quantized operands add about two operand sizes, so the study's extra memory stays near 3x the
-    larger operand."""
+    larger operand. ``device``: a :class:`fp4sim.analyze.device.Device` holding ``x`` and ``g``: the same
+    operands made by its kernels and the products in float64 there, in one piece (no budget: device memory
+    about 8 float64 copies of the weight gradient; the SR operands made per seed, not kept)."""
+    ops = _on(device)
+    xp = ops.xp
     X, G = as_rows(x), as_rows(g)
     if X.shape[0] != G.shape[0]:
         raise ValueError(f"activation has {X.shape[0]} tokens and gradient {G.shape[0]}")
     T, Nx, Ng = X.shape[0], X.shape[1], G.shape[1]
-    budget = max(X.nbytes, G.nbytes) if budget_bytes is None else budget_bytes
     use_rht = T % 16 == 0
-    Xq = _rne_along_tokens(X, use_rht, max(16, budget // max(1, 64 * T)))  # transients ~1/4 of the budget
+    if device is None:
+        budget = max(X.nbytes, G.nbytes) if budget_bytes is None else budget_bytes
+        cols = max(16, budget // max(1, 64 * T))                       # transients ~1/4 of the budget
+        bx = int(max(1, min(Nx, budget // 2 // max(1, Ng * 8 * 6))))   # six float64 tiles: W, d, s1, s2, ws, mean
+        bt = int(max(16, min(T, budget // max(1, 8 * (Ng + bx) * 4))))
+        cached = seeds * G.nbytes <= budget
+    else:
+        cols, bx, bt, cached = Nx, Nx, T, False
+    Xq = _rne_along_tokens(X, use_rht, cols, ops)
     # G transposed once (tokens last): quantized along tokens without a per-call transposed copy; the SR bits
     # then follow the flat index of Gᵀ
-    GrT = rht(G.T, 16, "te") if use_rht else np.ascontiguousarray(G.T)
-    Gq_rne = fake_quantize(GrT, "nvfp4").T
-    cached = seeds * G.nbytes <= budget
+    GT = xp.ascontiguousarray(G.T)
+    GrT = ops.rht(GT, 16, "te", out="bf16") if use_rht else GT
+    Gq_rne = ops.fake(GrT, "nvfp4").T
 
     def gq(s):
-        return fake_quantize(GrT, "nvfp4", rounding="sr", seed=s).T
+        return ops.fake(GrT, "nvfp4", rounding="sr", seed=s).T
 
     gqs = [gq(s) for s in range(seeds)] if cached else None
-    bx = int(max(1, min(Nx, budget // 2 // max(1, Ng * 8 * 6))))  # six float64 tiles: W, d, s1, s2, ws, mean
-    bt = int(max(16, min(T, budget // max(1, 8 * (Ng + bx) * 4))))
 
     def prod(A, B):  # A^T B in float64, summed over token chunks
-        acc = np.zeros((A.shape[1], B.shape[1]))
+        acc = xp.zeros((A.shape[1], B.shape[1]))
         for t0 in range(0, T, bt):
-            acc += A[t0:t0 + bt].astype(np.float64).T @ B[t0:t0 + bt].astype(np.float64)
+            acc += ops.f64(A[t0:t0 + bt]).T @ ops.f64(B[t0:t0 + bt])
         return acc
 
     tot = dict(abs_w=0.0, w2=0.0, d_rne=0.0, d2_rne=0.0, d_sr=0.0, d2_sr=0.0, d2_one=0.0, var=0.0)
     for c0 in range(0, Nx, bx):
         Xc, Xqc = X[:, c0:c0 + bx], Xq[:, c0:c0 + bx]
         W = prod(G, Xc)
-        tot["abs_w"] += float(np.abs(W).sum())
+        tot["abs_w"] += float(xp.abs(W).sum())
         tot["w2"] += float((W * W).sum())
         d = prod(Gq_rne, Xqc) - W
         tot["d_rne"] += float(d.sum())
         tot["d2_rne"] += float((d * d).sum())
-        s1 = np.zeros_like(W)
-        s2 = np.zeros_like(W)
+        s1 = xp.zeros_like(W)
+        s2 = xp.zeros_like(W)
         for s in range(seeds):
             ws = prod(gqs[s] if cached else gq(s), Xqc)
             if s == 0:
@@ -435,7 +486,7 @@ def wgrad_gemm(x: np.ndarray, g: np.ndarray, seeds: int = 8, budget_bytes: int |
         mean = s1 / seeds
         tot["d_sr"] += float((mean - W).sum())
         tot["d2_sr"] += float(((mean - W) ** 2).sum())
-        tot["var"] += float(np.maximum(s2 / seeds - mean * mean, 0).sum())
+        tot["var"] += float(xp.maximum(s2 / seeds - mean * mean, 0).sum())
     n = Ng * Nx
     mW, nW = tot["abs_w"] / n, np.sqrt(tot["w2"])
     return dict(tokens=T, rht=use_rht, wgrad_bias_rne=tot["d_rne"] / n / mW, wgrad_bias_sr=tot["d_sr"] / n / mW,
