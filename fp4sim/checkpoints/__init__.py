@@ -6,20 +6,19 @@
 - :mod:`.rules`: the registry of exporter rules (:data:`RULES`), each a function from a high-precision weight to
   the bytes an exporter writes, with its provenance;
 - :mod:`.faults`: the table of layout faults fp4sim names (:data:`FAULTS`) and the transforms that undo them;
-- :mod:`.folders`: what the safetensors formats share (a folder's entries, their headers, its JSON configs).
-
-Each reader gives its weights as records with ``codes`` (uint8, fp4sim's packing: element 2i in the low nibble
-of byte i), ``scales`` (the scale bytes as stored), ``shape``, ``name`` and the format's own value reading
-(``values()`` or :func:`dequantize_weight`). ``fp4sim.checkpoint``, ``fp4sim.gguf`` and ``fp4sim.gpt_oss``
+- :mod:`.folders`: what the safetensors formats share (a folder's entries, their headers, its JSON configs);
+- :mod:`.records`: the weight record every reader gives (``name``, ``shape``, ``codes`` in fp4sim's packing,
+  ``scales`` as stored, ``tensor_scale``, ``layout``, ``values()``) and each format's ``Layout``. ``fp4sim.checkpoint``, ``fp4sim.gguf`` and ``fp4sim.gpt_oss``
 re-export the public names of the modules they were before.
 """
 from .faults import FAULTS, LayoutFault, faults_table
 from .gguf import FP4_TYPES, GGUFFile, GGUFTensor, read_gguf
 from .gpt_oss import GptOssCheckpoint, MXFP4Weight, is_gpt_oss, read_gpt_oss
 from .nvfp4 import Checkpoint, QuantWeight, dequantize_weight, is_checkpoint, read_checkpoint
+from .records import LAYOUTS, Layout
 from .rules import RULES, ExporterRule, Requantized, RuleBytes, reproducing, rule, rule_costs, rules_table
 
 __all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "dequantize_weight", "is_checkpoint", "read_gpt_oss",
            "is_gpt_oss", "GptOssCheckpoint", "MXFP4Weight", "read_gguf", "GGUFFile", "GGUFTensor", "FP4_TYPES",
            "RULES", "ExporterRule", "RuleBytes", "Requantized", "rule", "reproducing", "rule_costs", "rules_table",
-           "FAULTS", "LayoutFault", "faults_table"]
+           "FAULTS", "LayoutFault", "faults_table", "Layout", "LAYOUTS"]

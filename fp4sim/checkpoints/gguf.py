@@ -103,6 +103,16 @@ class GGUFTensor:
     def fp4(self) -> bool:
         return self.type in _BLOCK
 
+    tensor_scale = None                     # ggml's FP4 types store no tensor scale
+
+    @property
+    def layout(self):
+        """The :class:`~fp4sim.checkpoints.records.Layout` of an FP4 tensor's type (ValueError for another type)."""
+        from .records import LAYOUTS
+        if not self.fp4:
+            raise ValueError(f"{self.name}: a {self.type} tensor, not one of ggml's FP4 types (MXFP4, NVFP4)")
+        return LAYOUTS[f"gguf {self.type}"]
+
     @property
     def truncation(self) -> str | None:
         """Why the tensor's data cannot be read whole ("truncated: the file ends ..."), or None: a GGUF file cut

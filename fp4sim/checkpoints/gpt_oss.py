@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .folders import entry_dtype, entry_files, entry_shape, read_json
+from .records import LAYOUTS
 from .rules import MX_RULES, Requantized, mx_rule_key, reproducing
 from .rules import rule as registry_rule
 
@@ -73,6 +74,9 @@ class MXFP4Weight:
     def scales(self) -> np.ndarray:
         s = self._read("scales")
         return s.reshape(-1, s.shape[-1])
+
+    tensor_scale = None                     # gpt-oss stores no tensor scale
+    layout = LAYOUTS["gpt-oss"]
 
     def quantized(self):
         """The weight as an fp4sim :class:`~fp4sim.QuantizedTensor` of scheme ``mxfp4``, (experts x rows, K) along

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .folders import entry_dtype, entry_files, entry_shape, read_json
+from .records import LAYOUTS
 
 __all__ = ["read_checkpoint", "Checkpoint", "QuantWeight", "FORMATS", "is_checkpoint", "dequantize_weight",
            "excluded_by", "detect", "KEYS"]
@@ -45,7 +46,8 @@ class QuantWeight:
     """One quantized linear of a checkpoint, as stored: ``codes`` (uint8, two E2M1 codes per byte), ``scales``
     (the E4M3 block-scale bytes as uint8, in the shape stored; None when missing), ``tensor_scale`` (the stored
     float32 value, None when the entry is missing) and its meaning in fp4sim's convention, ``global_amax`` (None
-    when missing or not finite and positive); ``files``: where each entry was read. The codes and scales are read
+    when missing or not finite and positive); ``files``: where each entry was read; ``layout`` and ``values()``
+    as every reader's record has them (:mod:`fp4sim.checkpoints.records`). The codes and scales are read
     from their files when asked for (not kept), so a checkpoint of any size is held as its headers and scalars."""
     name: str
     tensor_scale: np.float32 | None
@@ -53,6 +55,21 @@ class QuantWeight:
     input_scale: np.float32 | None
     entries: dict = field(default_factory=dict)          # role -> (file path, key, stored shape)
     dtypes: dict = field(default_factory=dict)           # role -> the dtype label of its header ("U8", "F8_E4M3")
+    format: str | None = None                            # "modelopt" or "compressed-tensors" (read_checkpoint's)
+
+    @property
+    def layout(self):
+        """The format's :class:`~fp4sim.checkpoints.records.Layout`."""
+        return LAYOUTS[self._format()]
+
+    def _format(self) -> str:
+        if self.format not in FORMATS:
+            raise ValueError(f"{self.name}: its format is not known (read it with read_checkpoint)")
+        return self.format
+
+    def values(self) -> np.ndarray:
+        """float32 (out, in): :func:`dequantize_weight` in the checkpoint's format."""
+        return dequantize_weight(self, self._format())
 
     @property
     def files(self) -> dict:
@@ -179,7 +196,7 @@ def read_checkpoint(path) -> Checkpoint:
                 amax = np.float32(np.float32(2688.0) * ts) if fmt == "modelopt" else np.float32(
                     np.float32(2688.0) / ts)
         inp = _scalar(got["input_scale"]) if "input_scale" in got else None
-        weights[m] = QuantWeight(m, ts, amax, inp, entries, dtypes)
+        weights[m] = QuantWeight(m, ts, amax, inp, entries, dtypes, fmt)
     other = {n: (f, str(entry_dtype(f, n)), entry_shape(f, n)) for n, f in files.items() if n not in used}
     return Checkpoint(d, fmt, group, weights, excluded, other, cfg)
 
