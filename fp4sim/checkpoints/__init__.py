@@ -8,8 +8,10 @@
 - :mod:`.faults`: the table of layout faults fp4sim names (:data:`FAULTS`) and the transforms that undo them;
 - :mod:`.folders`: what the safetensors formats share (a folder's entries, their headers, its JSON configs);
 - :mod:`.records`: the weight record every reader gives (``name``, ``shape``, ``codes`` in fp4sim's packing,
-  ``scales`` as stored, ``tensor_scale``, ``layout``, ``values()``) and each format's ``Layout``. ``fp4sim.checkpoint``, ``fp4sim.gguf`` and ``fp4sim.gpt_oss``
-re-export the public names of the modules they were before.
+  ``scales`` as stored, ``tensor_scale``, ``layout``, ``values()``) and each format's ``Layout``.
+
+``fp4sim.checkpoint``, ``fp4sim.gguf`` and ``fp4sim.gpt_oss`` re-export the public names of the modules they were
+before.
 """
 from .faults import FAULTS, LayoutFault, faults_table
 from .gguf import FP4_TYPES, GGUFFile, GGUFTensor, read_gguf
