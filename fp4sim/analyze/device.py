@@ -56,6 +56,12 @@ class Device:
     def rht(self, x, d, signs, axis=-1, out="fp32"):
         return self.ops.rht(self.be, x, d, signs, axis, out)
 
+    def bias_sums(self, x, ya, yb) -> tuple:
+        """:func:`fp4sim.analyze.studies.gradient_bias`'s sums of two passes in one launch: ([sum of ya - x, sum |x|,
+        count], the same for yb) over the finite x."""
+        t, _ = self.sums(x, ya, yb)
+        return [t[EA], t[SABS], t[N]], [t[EB], t[SABS], t[N]]
+
     def host(self, a) -> np.ndarray:
         """A device array as a NumPy array on the host."""
         return _host(a)

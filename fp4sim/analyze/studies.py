@@ -372,11 +372,10 @@ def gradient_bias(g: np.ndarray, seed: int = 0, sample: int = 1 << 16, chunk_ele
         if device is None:
             rne += sums(y_rne, c)
             sr += sums(y_sr, c)
-        else:                               # both passes' columns in one launch of the device's sums kernel
-            from .device import EA, EB, N, SABS
-            t, _ = device.sums(c, y_rne, y_sr)
-            rne += [t[EA], t[SABS], t[N]]
-            sr += [t[EB], t[SABS], t[N]]
+        else:                               # both passes' sums in one launch of the device's sums kernel
+            a, b = device.bias_sums(c, y_rne, y_sr)
+            rne += a
+            sr += b
     rows = max(1, min(g2.shape[0], sample // max(g2.shape[1], 1)))
     s = xp.ascontiguousarray(g2[:rows])
     acc = xp.zeros(s.shape)
