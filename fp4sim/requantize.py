@@ -1,5 +1,5 @@
-"""What an FP4 file's rule cost: each FP4 tensor of a GGUF file (MXFP4, NVFP4) or a gpt-oss MXFP4 folder against
-its high-precision weights, beside what fp4sim's other FP4 rules would have cost on the same weights
+"""What an FP4 file's rule cost: each FP4 tensor of a GGUF file (MXFP4, NVFP4), a gpt-oss or compressed-tensors
+MXFP4 folder against its high-precision weights, beside what fp4sim's other FP4 rules would have cost on the same weights
 (``python -m fp4sim.analyze FILE.gguf | DIR --requantize REF``).
 
 Per tensor: the rule that reproduces its bytes (ggml's quantizers, fp4sim's MXFP4 scale modes; "none" where none
@@ -18,21 +18,24 @@ import numpy as np
 from .analyze.inputs import reference_sources, reference_weight
 from .checkpoints.gguf import read_gguf
 from .checkpoints.gpt_oss import is_gpt_oss, match_readings, read_gpt_oss, reference_orientations, reference_rows
-from .checkpoints.rules import BITS_PER_VALUE, COST_RULES, rule_costs, rules_for
+from .checkpoints.compressed_tensors_mx import is_compressed_tensors_mx, read_compressed_tensors_mx
+from .checkpoints.rules import BITS_PER_VALUE, COST_RULES, candidates, rule_costs
 from .formats import E4M3
 
 __all__ = ["fp4_tensors", "requantize_study", "requantize_table"]
 
 
 def fp4_tensors(paths, broken: list | None = None) -> list:
-    """(file, tensor) for every FP4 tensor under ``paths``: GGUF files (given, or inside a folder) and gpt-oss
-    MXFP4 folders; ValueError naming a file that cannot be read. A gpt-oss weight whose entries do not make one
-    (:attr:`fp4sim.checkpoints.gpt_oss.GptOssCheckpoint.broken`) is left out, and listed as [name, why] in ``broken`` where
-    a list is given (else the folder is a ValueError)."""
+    """(file, tensor) for every FP4 tensor under ``paths``: GGUF files (given, or inside a folder), gpt-oss MXFP4
+    folders and compressed-tensors MXFP4 folders; ValueError naming a file that cannot be read. A weight whose
+    entries do not make one (:attr:`fp4sim.checkpoints.gpt_oss.GptOssCheckpoint.broken`) is left out, and listed
+    as [name, why] in ``broken`` where a list is given (else the folder is a ValueError)."""
     out = []
     for p in map(Path, paths):
-        if p.is_dir() and is_gpt_oss(p):
-            ck = read_gpt_oss(p, strict=broken is None)
+        mx = read_gpt_oss if p.is_dir() and is_gpt_oss(p) else read_compressed_tensors_mx if p.is_dir() and \
+            is_compressed_tensors_mx(p) else None
+        if mx is not None:
+            ck = mx(p, strict=broken is None)
             out += [(p, w) for w in ck.weights.values()]
             if broken is not None:
                 broken += [[name, f"its entries do not make an MXFP4 weight: {why}"] for name, why in ck.broken.items()]
@@ -53,8 +56,8 @@ def _oriented(t, x) -> tuple:
         raise ValueError(f"K = {t.shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
     gguf = getattr(t, "type", None) in ("MXFP4", "NVFP4")
     readings = [(None, reference_rows(t, x))] if gguf else reference_orientations(t, x)
-    rules, i, rq = match_readings(t.codes, t.scales, readings, rules_for("gguf" if gguf else "gpt-oss",
-                                                                          getattr(t, "type", "MXFP4")))
+    keys = candidates("gguf" if gguf else t.layout.format, t.layout.family, readings[0][1])
+    rules, i, rq = match_readings(t.codes, t.scales, readings, keys)
     return readings[i][1], rules, rq
 
 
@@ -80,8 +83,8 @@ def requantize_study(paths, reference) -> dict:
     skipped = []
     found = fp4_tensors(paths, skipped)
     if not found:
-        raise ValueError("--requantize: none of the paths holds an FP4 tensor of a GGUF file (MXFP4, NVFP4) or a "
-                         "gpt-oss MXFP4 folder")
+        raise ValueError("--requantize: none of the paths holds an FP4 tensor of a GGUF file (MXFP4, NVFP4), a "
+                         "gpt-oss MXFP4 folder or a compressed-tensors MXFP4 folder")
     refs = reference_sources(reference)
     rows = []
     for f, t in found:

@@ -33,20 +33,26 @@ def _e2m1(codes):
 
 def _oracle_values(key, b):
     """The values a rule's bytes stand for, by the formula its docs give, decoded with ml_dtypes."""
+    if key == "mlx-mxfp8":                             # E4M3 element bytes, not packed FP4
+        e4m3 = b.codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        s = b.scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+        return e4m3 * np.repeat(s, e4m3.shape[1] // s.shape[1], axis=1)
     e2m1 = _e2m1(b.codes)
     n = e2m1.shape[1] // b.scales.shape[1]
-    if key.startswith(("ocp-mxfp4", "ggml-mxfp4")):
+    mx = ("ocp-mxfp4-rceil", "ocp-mxfp4-floor", "ocp-mxfp4-ceil", "ocp-mxfp4-even", "ggml-mxfp4",
+          "compressed-tensors-mxfp4", "mlx-mxfp4")
+    if key in mx:
         s = b.scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
     else:
         s = (b.scales & 0x7F if key == "ggml-nvfp4" else b.scales).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    if key.startswith("modelopt"):
-        s = (s.astype(np.float32) * np.float32(b.tensor_scale)).astype(np.float64)
-    elif key.startswith("compressed-tensors"):
-        s = (s.astype(np.float32) / np.float32(b.tensor_scale)).astype(np.float64)
-    elif key == "te-nvfp4-32":
-        s = s * np.float64(b.tensor_scale)
-    elif key in ("te-nvfp4", "torchao-nvfp4"):
-        return None                                  # an fp4sim scheme: its dequantize is checked elsewhere
+        if key.startswith("modelopt"):
+            s = (s.astype(np.float32) * np.float32(b.tensor_scale)).astype(np.float64)
+        elif key.startswith("compressed-tensors"):
+            s = (s.astype(np.float32) / np.float32(b.tensor_scale)).astype(np.float64)
+        elif key == "te-nvfp4-32":
+            s = s * np.float64(b.tensor_scale)
+        elif key in ("te-nvfp4", "torchao-nvfp4"):
+            return None                              # an fp4sim scheme: its dequantize is checked elsewhere
     return e2m1 * np.repeat(s, n, axis=1)
 
 
@@ -55,7 +61,7 @@ def test_every_rules_values_are_its_bytes_read_independently(key):
     x = _query()[:64, :128]
     opts = {"amax": np.float32(np.abs(x).max() * 1.5)} if key.endswith("-fused") else {}
     b = R.rule(key)(x, **opts)
-    assert b.codes.dtype == np.uint8 and b.codes.shape == (64, 64)
+    assert b.codes.dtype == np.uint8 and b.codes.shape == ((64, 128) if key == "mlx-mxfp8" else (64, 64))
     assert b.scales.dtype == np.uint8 and b.scales.shape == (64, 128 // R.rule(key).block)
     want = _oracle_values(key, b)
     got = R.rule(key).decode(b)
@@ -134,7 +140,8 @@ def test_every_layout_fault_undone_is_in_the_table():
     c, s = R.ggml_mxfp4_quantize(w)
     t = GGUFTensor("t", "MXFP4", (32, 64), to_gguf_blocks(c, s, "MXFP4"))
     mx = dataclasses.make_dataclass("W", [("codes", object), ("scales", object), ("shape", tuple)])(c, s, (1, 32, 64))
-    for fmt, undone in (("gguf", undo_gguf(t, 32)), ("gpt-oss", undo_mxfp4(mx))):
+    for fmt, undone in (("gguf", undo_gguf(t, 32)), ("gpt-oss", undo_mxfp4(mx)),
+                        ("compressed-tensors mxfp4", undo_mxfp4(mx))):
         for key, _, codes, scales in undone:
             assert key in FAULTS and fmt in FAULTS[key].formats, (fmt, key)
             assert codes.shape == c.shape and scales.shape == s.shape

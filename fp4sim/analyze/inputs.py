@@ -280,20 +280,24 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
 
 CKPT = "nvfp4-checkpoint:"          # the key of an NVFP4 checkpoint's dequantized weight
 GPT_OSS = "gpt-oss-mxfp4:"           # the key of a gpt-oss MXFP4 weight's stored values
+CT_MX = "ct-mxfp4:"                  # the key of a compressed-tensors MXFP4 weight's stored values
 _CKPTS: dict = {}                   # checkpoints read in this process, by folder
 
 
 def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: list) -> bool:
-    """An NVFP4 export (ModelOpt, compressed-tensors) or a gpt-oss MXFP4 folder: each quantized weight becomes one
-    tensor, ``MODULE.weight`` (its dequantized values; key ``nvfp4-checkpoint:MODULE`` or ``gpt-oss-mxfp4:NAME``,
-    a gpt-oss weight as experts x rows by K); the other entries of its files are read as usual. False for any
-    other folder."""
-    from ..checkpoints.nvfp4 import is_checkpoint, read_checkpoint
+    """An NVFP4 export (ModelOpt, compressed-tensors), a gpt-oss MXFP4 folder or a compressed-tensors MXFP4 one:
+    each quantized weight becomes one tensor, ``MODULE.weight`` (its dequantized values; key
+    ``nvfp4-checkpoint:MODULE``, ``gpt-oss-mxfp4:NAME`` (a gpt-oss weight as experts x rows by K) or
+    ``ct-mxfp4:MODULE``); the other entries of its files are read as usual. False for any other folder."""
+    from ..checkpoints.compressed_tensors_mx import is_compressed_tensors_mx, read_compressed_tensors_mx
     from ..checkpoints.gpt_oss import is_gpt_oss, read_gpt_oss
+    from ..checkpoints.nvfp4 import is_checkpoint, read_checkpoint
     if is_checkpoint(d):
         read, prefix = read_checkpoint, CKPT
     elif is_gpt_oss(d):
         read, prefix = (lambda p: read_gpt_oss(p, strict=False)), GPT_OSS
+    elif is_compressed_tensors_mx(d):
+        read, prefix = (lambda p: read_compressed_tensors_mx(p, strict=False)), CT_MX
     else:
         return False
     try:
@@ -301,7 +305,7 @@ def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: li
     except ValueError as e:
         problems.append((str(d), str(e)))
         return True
-    for m, why in getattr(ck, "broken", {}).items():         # a gpt-oss weight whose entries make none: skipped
+    for m, why in getattr(ck, "broken", {}).items():         # an MXFP4 weight whose entries make none: skipped
         problems.append((f"{d}: {m}", f"its entries do not make an MXFP4 weight: {why}"))
     side = _sidecar(d)
     for m, w in ck.weights.items():
@@ -326,10 +330,14 @@ def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
     path = Path(src.path)
     suf = path.suffix.lower()
     try:
-        if src.key and src.key.startswith(GPT_OSS):
+        if src.key and src.key.startswith((GPT_OSS, CT_MX)):
+            from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
             from ..checkpoints.gpt_oss import read_gpt_oss
-            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_gpt_oss(src.path, strict=False))
-            w = ck.weights[src.key[len(GPT_OSS):]]
+            gpt = src.key.startswith(GPT_OSS)
+            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, (read_gpt_oss if gpt else
+                                                                      read_compressed_tensors_mx)(src.path,
+                                                                                                  strict=False))
+            w = ck.weights[src.key[len(GPT_OSS if gpt else CT_MX):]]
             a = w.values().reshape(-1, w.shape[-1])
         elif src.key and src.key.startswith(CKPT):
             from ..checkpoints.nvfp4 import dequantize_weight, read_checkpoint

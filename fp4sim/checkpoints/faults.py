@@ -26,17 +26,18 @@ class LayoutFault:
 _REF = "against the reference: undone, a rule reproduces the bytes"
 FAULTS: dict = {f.key: f for f in [
     LayoutFault("swapped-nibbles", "the nibbles are swapped (element 2j in the high nibble of byte j)",
-                ("modelopt", "compressed-tensors", "gpt-oss"), _REF),
+                ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4"), _REF),
     LayoutFault("ggml-halves", "the codes are in ggml's order (byte j holds elements j and j + 16 of a block: a "
-                "GGUF block copied as is) where pairs belong", ("gpt-oss",), _REF),
+                "GGUF block copied as is) where pairs belong", ("gpt-oss", "compressed-tensors mxfp4"), _REF),
     LayoutFault("pairs", "the codes are in gpt-oss's pair order (elements 2j and 2j + 1 in byte j) where ggml's "
                 "halves belong", ("gguf",), _REF),
     LayoutFault("scale-bias", "the scale bytes are one binade high or low (E8M0 with bias 128; an E4M3 exponent "
-                "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "gguf"), _REF),
+                "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "gguf"),
+                _REF),
     LayoutFault("half-factor", "ggml's UE4M3 0.5 factor left out or applied twice (NVFP4 scale bytes one binade "
                 "off)", ("gguf",), _REF),
     LayoutFault("transposed-blocks", "the blocks (or the block-scale matrix) written transposed",
-                ("modelopt", "compressed-tensors", "gpt-oss", "gguf"),
+                ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "gguf"),
                 "from the scale matrix's shape or structure alone; against the reference"),
     LayoutFault("swizzled-scales", "the block scales in cuBLAS's swizzled 128x4 layout where the linear rows x "
                 "blocks layout belongs", ("modelopt", "compressed-tensors"),
@@ -51,7 +52,11 @@ FAULTS: dict = {f.key: f for f in [
     LayoutFault("codes-not-u8", "packed codes labelled I8 (or another dtype) in the header",
                 ("modelopt", "compressed-tensors"), "from the header alone"),
     LayoutFault("nan-scales", "scale bytes that are NaN (E8M0 255, E4M3 0x7F / 0xFF) or, for ggml's UE4M3, 0x7F "
-                "or a set sign bit", ("modelopt", "compressed-tensors", "gpt-oss", "gguf"), "from the bytes alone"),
+                "or a set sign bit", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "gguf"),
+                "from the bytes alone"),
+    LayoutFault("another-format", "tensors of another format than the config names (NVFP4's global scale or E4M3 "
+                "scales under an MXFP4 config; MXFP4's E8M0 bytes under an NVFP4 one)",
+                ("compressed-tensors", "compressed-tensors mxfp4"), "from the tensors' names, dtypes and shapes"),
     LayoutFault("truncated-data", "the file ends before a tensor's data does (any tensor type)", ("gguf",),
                 "from the file's size alone"),
     LayoutFault("other-fp4-type", "the other FP4 type's blocks under this type (NVFP4 blocks labelled MXFP4, or "

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .folders import entry_dtype, entry_files, entry_shape, read_json
-from .records import LAYOUTS
+from .records import LAYOUTS, Layout
 from .rules import MX_RULES, Requantized, mx_rule_key, reproducing
 from .rules import rule as registry_rule
 
@@ -51,13 +51,16 @@ def is_gpt_oss(d) -> bool:
 
 @dataclass
 class MXFP4Weight:
-    """One quantized weight: ``name`` (the entry names without ``_blocks`` / ``_scales``), ``shape`` (experts,
-    rows, K), and where its two entries are (``entries``: role -> (file, key)). ``codes`` (uint8 (experts x rows,
-    K / 2), fp4sim's packing), ``scales`` (uint8 (experts x rows, K / 32), E8M0 bytes) and ``values()`` are read
-    from the files when asked for."""
+    """One quantized MXFP4 weight of a safetensors folder: ``name`` (gpt-oss: the entry names without ``_blocks``
+    / ``_scales``; compressed-tensors: the module's), ``shape`` ((experts,) rows, K), where its two entries are
+    (``entries``: "blocks" / "scales" -> (file, key)) and its ``layout`` (gpt-oss's, or compressed-tensors'
+    ``mxfp4-pack-quantized``: the same bytes, codes (out, in / 2) and scales (out, in / 32)). ``codes`` (uint8
+    (experts x rows, K / 2), fp4sim's packing), ``scales`` (uint8 (experts x rows, K / 32), E8M0 bytes) and
+    ``values()`` are read from the files when asked for."""
     name: str
     shape: tuple
     entries: dict = field(default_factory=dict)
+    layout: Layout = LAYOUTS["gpt-oss"]
 
     def _read(self, role):
         from .._safetensors import load_safetensors
@@ -65,18 +68,18 @@ class MXFP4Weight:
         a = load_safetensors(path, key)
         return np.ascontiguousarray(a).view(np.uint8) if a.dtype.itemsize == 1 else a
 
+    def _rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64))
+
     @property
     def codes(self) -> np.ndarray:
-        b = self._read("blocks")
-        return b.reshape(-1, b.shape[-2] * b.shape[-1])
+        return self._read("blocks").reshape(self._rows(), -1)
 
     @property
     def scales(self) -> np.ndarray:
-        s = self._read("scales")
-        return s.reshape(-1, s.shape[-1])
+        return self._read("scales").reshape(self._rows(), -1)
 
-    tensor_scale = None                     # gpt-oss stores no tensor scale
-    layout = LAYOUTS["gpt-oss"]
+    tensor_scale = None                     # MXFP4 stores no tensor scale
 
     def quantized(self):
         """The weight as an fp4sim :class:`~fp4sim.QuantizedTensor` of scheme ``mxfp4``, (experts x rows, K) along

@@ -31,6 +31,7 @@ LAYOUTS = {l.format: l for l in [
     Layout("compressed-tensors", "NVFP4", 16, "E4M3", "weight_global_scale = 2688 / amax, a divisor", "pairs",
            "e2m1 · fl(E4M3(s) / weight_global_scale)"),
     Layout("gpt-oss", "MXFP4", 32, "E8M0", None, "pairs", "e2m1 · 2^(e - 127)"),
+    Layout("compressed-tensors mxfp4", "MXFP4", 32, "E8M0", None, "pairs", "e2m1 · 2^(e - 127)"),
     Layout("gguf MXFP4", "MXFP4", 32, "E8M0", None, "halves", "e2m1 · 2^(e - 127)"),
     Layout("gguf NVFP4", "NVFP4", 16, "UE4M3 (0x7F reads as zero, the sign bit is not read)", None, "halves",
            "e2m1 · E4M3(s & 0x7F)"),

@@ -35,9 +35,11 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["RULES", "ExporterRule", "RuleBytes", "Requantized", "rule", "rules_for", "reproducing", "rule_costs", "rules_table",
+__all__ = ["RULES", "ExporterRule", "RuleBytes", "Requantized", "rule", "rules_for", "candidates", "title_of",
+           "exact_dtypes", "reproducing", "rule_costs", "rules_table",
            "COST_RULES", "BITS_PER_VALUE", "MX_RULES", "mx_rule_key", "compressed_tensors_quantize",
-           "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3", "te_nvfp4_blocks"]
+           "ggml_mxfp4_quantize", "ggml_nvfp4_quantize", "ggml_ue4m3", "te_nvfp4_blocks",
+           "compressed_tensors_mx_quantize", "mlx_quantize", "MLX_MODES"]
 
 F32 = np.float32
 C2688 = F32(2688.0)
@@ -220,6 +222,147 @@ def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
     return pack_fp4(codes), sb, gs
 
 
+
+_MX_OFFSET = {4: 2, 8: 8}          # floor(log2 of the element's largest value): E2M1 6 -> 2, E4M3 448 -> 8
+
+
+def _power_of_two_at_or_above_three_quarters(a, dt):
+    """compressed-tensors' ``round_to_power_2`` with E2M1's mantissa width, on the bits of ``a`` in dtype ``dt``:
+    1 << (mantissa - 2) added to the bit pattern, the mantissa masked off — the power of two of ``a``'s binade,
+    or the next one where ``a``'s significand is 1.75 or more (for a subnormal: 0, or the smallest normal)."""
+    import ml_dtypes
+    bits = {np.float32: (np.uint32, 23, 8), ml_dtypes.bfloat16: (np.uint16, 7, 8), np.float16: (np.uint16, 10, 5)}
+    ut, mant, expo = bits[dt]
+    x = np.asarray(a, dt).view(ut).astype(np.int64)
+    mask = ((1 << (expo + 1)) - 1) << mant
+    return ((x + (1 << (mant - 2))) & mask).astype(ut).view(dt)
+
+
+def compressed_tensors_mx_quantize(x, dtype: str | None = None) -> tuple:
+    """compressed-tensors' MXFP4 weight quantizer (``mxfp4-pack-quantized``: ``calculate_qparams`` with its MX
+    scales, then the packed compressor), byte for byte: ``(codes, scales)`` — packed E2M1 codes (uint8 (out,
+    in / 2), fp4sim's packing) and E8M0 exponent bytes (uint8 (out, in / 32)) for a 2-D weight ``x`` (in a
+    multiple of 32), each operation in the weight's dtype ``dtype`` (``"float32"``, ``"bfloat16"``,
+    ``"float16"``; default: the dtype of ``x``):
+
+    - the block's largest magnitude rounded to a power of two ``p``: its binade's, or the next binade's where
+      the significand is 1.75 or more (the bits of the dtype with 1 << (mantissa - 2) added, the mantissa masked
+      off; a subnormal amax gives 0 or the smallest normal);
+    - the exponent byte ``b = clamp(127 + floor(log2 p) - 2, 0, 255)`` (log2 0 = -inf gives 0), and the scale
+      ``s = 2^(b - 127)`` rounded to the dtype — in float16 a scale below 2^-24 is 0 and becomes 1 (its "eps"
+      for uint8 scales), so such a block stores byte 127 and all-zero codes;
+    - each element ``E2M1_rne(clamp(fl_dtype(x / s), -6, 6))``, an exact zero (of either sign) code 0 and a
+      negative value that rounds to zero code 8;
+    - the stored byte ``127 + floor(log2 s)``.
+
+    For a weight of bfloat16 or float32 values these are fp4sim's ``mxfp4`` with ``scale_mode="even"`` except
+    that -0 is code 0; a float16 weight differs where its scales leave float16's range. ValueError for NaN / Inf,
+    or a block whose scale overflows the dtype (the rule stores no defined byte for it)."""
+    import ml_dtypes
+
+    from ..elements import encode
+    from ..layout import pack_fp4
+    a = np.asarray(x)
+    if a.ndim != 2 or a.shape[1] % 32:
+        raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of 32 is needed, not shape {a.shape}")
+    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
+    if name not in _CT_DTYPES:
+        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
+    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+    with np.errstate(all="ignore"):
+        xd = np.asarray(a, np.float32).astype(dt)
+        if not np.isfinite(xd.astype(np.float32)).all():
+            raise ValueError(f"x holds NaN or Inf (in {name}): compressed-tensors' MX rule has no scale for them")
+        R, K = xd.shape
+        amax = np.abs(xd.astype(np.float32)).reshape(R, K // 32, 32).max(-1).astype(dt)
+        p = _power_of_two_at_or_above_three_quarters(amax, dt).astype(np.float32)
+        e = np.float32(127) + np.floor(np.log2(p)) - np.float32(_MX_OFFSET[4])
+        b = np.clip(e, 0, 255).astype(np.int64)
+        s = np.ldexp(np.float32(1), b - 127).astype(np.float32).astype(dt).astype(np.float32)
+        if not np.isfinite(s).all():
+            raise ValueError(f"x: a block amax of {float(amax.astype(np.float32).max())!r} gives a scale beyond "
+                             f"{name}'s range, for which compressed-tensors stores no defined byte")
+        s = np.where(s == 0, np.float32(1), s)
+        y = (xd.astype(np.float32).reshape(R, K // 32, 32) / s[:, :, None]).astype(dt).astype(np.float32)
+        codes = np.where(y == 0, np.uint8(0), encode(np.clip(y, -6, 6), "E2M1")).reshape(R, K).astype(np.uint8)
+        sb = (np.float32(127) + np.floor(np.log2(s))).astype(np.uint8)
+    return pack_fp4(codes), sb
+
+
+
+MLX_MODES = ("mxfp4", "nvfp4", "mxfp8")
+
+
+def mlx_quantize(x, mode: str = "mxfp4", dtype: str | None = None) -> tuple:
+    """MLX's ``mx.quantize(w, mode=...)`` on the CPU (MLX 0.32, no global scale), byte for byte: ``(codes,
+    scales)`` — for ``"mxfp4"`` / ``"nvfp4"`` packed E2M1 codes (uint8 (out, in / 2), fp4sim's packing: MLX packs
+    element 0 in the lowest bits of a uint32, which read as little-endian bytes is element 2i in the low nibble
+    of byte i) and scale bytes (E8M0 per 32 / E4M3 per 16); for ``"mxfp8"`` the E4M3 element bytes (uint8 (out,
+    in)) and E8M0 bytes per 32. The operations in the weight's dtype ``dtype`` (``"float32"``, ``"bfloat16"``,
+    ``"float16"``; default: the dtype of ``x``), as MLX's graph computes them:
+
+    - ``s = fl(amax / M)``, M = 6 (FP4) or 448 (FP8);
+    - E8M0 (MX modes): ``e = ceil(log2 s)`` (log2 of the dtype's ``s`` in float32; 0 for s = 0: the OCP rule that
+      rounds the scale up, fp4sim's ``rceil``), the element ``fl(x / fl(2^e))``, the byte ``e + 127`` as an
+      8-bit integer (a block whose e is below -127 wraps around, as MLX's cast does);
+    - E4M3 (nvfp4): the byte ``E4M3_rne(s)`` (saturating at 448), the element ``fl(x / E4M3(byte))`` in float32;
+    - an FP4 element: the first code in code order (+0, 0.5, ..., 6, -0, ..., -6) whose value is nearest —
+      ties go to the smaller magnitude, and a value that rounds to zero is +0 (code 0), whatever its sign; an
+      FP8 element ``E4M3_rne``, saturating at 448.
+
+    ValueError for NaN / Inf, another mode, or a shape MLX refuses."""
+    import ml_dtypes
+
+    from ..elements import encode
+    from ..formats import E2M1, E4M3
+    from ..layout import pack_fp4
+    if mode not in MLX_MODES:
+        raise ValueError(f"mode={mode!r}: MLX's float modes are {', '.join(MLX_MODES)}")
+    a = np.asarray(x)
+    g = 16 if mode == "nvfp4" else 32
+    if a.ndim != 2 or a.shape[1] % g:
+        raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of {g} is needed, not shape {a.shape}")
+    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
+    if name not in _CT_DTYPES:
+        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
+    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+
+    def r(v):                                    # an operation's float32 result rounded to the dtype
+        return np.asarray(v, np.float32).astype(dt).astype(np.float32)
+
+    with np.errstate(all="ignore"):
+        w = r(np.asarray(a, np.float32))
+        if not np.isfinite(w).all():
+            raise ValueError(f"x holds NaN or Inf (in {name}): MLX's {mode} rule has no scale for them")
+        R, K = w.shape
+        wg = w.reshape(R, K // g, g)
+        s = r(np.abs(wg).max(-1) / np.float32(6.0 if mode != "mxfp8" else 448.0))
+        if mode == "nvfp4":
+            sb = encode(s, "E4M3")
+            y = r(wg / E4M3.values[sb].astype(np.float32)[:, :, None])
+        else:
+            e = np.where(s == 0, 0, np.ceil(np.log2(s))).astype(np.int64)
+            p = np.ldexp(np.float64(1), e).astype(np.float32)
+            p = r(np.where(np.isfinite(p), p, np.inf))
+            y = r(wg / p[:, :, None])
+            sb = (e + 127).astype(np.int64) & 0xFF
+            sb = sb.astype(np.uint8)
+        if mode == "mxfp8":
+            codes = encode(y.reshape(R, K), "E4M3").astype(np.uint8)
+            return codes, sb
+        lut = E2M1.values.astype(np.float32).astype(dt).astype(np.float32)
+        if mode == "nvfp4":                      # the element is float32 here (times MLX's float32 1.0)
+            err = np.abs(y[..., None] - lut)
+        else:
+            err = np.abs(r(y[..., None] - lut))
+        codes = np.argmin(np.where(np.isnan(err), np.inf, err), axis=-1).astype(np.uint8).reshape(R, K)
+        nan = np.isnan(y).reshape(R, K)
+        codes = np.where(nan, np.uint8(0), codes)
+    return pack_fp4(codes), sb
+
+
 # ----------------------------------------------------------------------------------------------- the registry
 @dataclass
 class RuleBytes:
@@ -281,6 +424,19 @@ def _decode_ggml_nvfp4(b: RuleBytes) -> np.ndarray:
     from ..formats import E4M3
     s = b.scales & 0x7F
     return _per_element(np.where(s == 0x7F, 0.0, E4M3.values[s]), b.codes)
+
+
+def _decode_e4m3_blocks(b: RuleBytes) -> np.ndarray:
+    from ..formats import E4M3
+    return _per_element(E4M3.values[b.scales].astype(np.float64), b.codes)
+
+
+def _decode_mxfp8(b: RuleBytes) -> np.ndarray:
+    """E4M3 element bytes (not packed) times 2^(e - 127)."""
+    from ..formats import E4M3
+    v = E4M3.values[b.codes].astype(np.float64)
+    return v * np.repeat(np.ldexp(np.float64(1), b.scales.astype(np.int64) - 127), v.shape[1] // b.scales.shape[1],
+                         axis=1)
 
 
 def _decode_qt(b: RuleBytes) -> np.ndarray:
@@ -372,6 +528,18 @@ RULES: dict = {r.key: r for r in [
                  "weight_global_scale of the fused group's largest amax (llm-compressor's fused q / k / v, "
                  "gate / up)", ("compressed-tensors",), _CT + ", with the group's largest amax", ("amax", "dtype"),
                  _compressed_tensors_fused, _decode_nvfp4_export("compressed-tensors")),
+    ExporterRule("compressed-tensors-mxfp4", "compressed-tensors' MXFP4 rule", None, "MXFP4", 32, "E8M0", None,
+                 ("compressed-tensors mxfp4",),
+                 "compressed-tensors 0.20.1's calculate_qparams (MX scales) and MXFP4PackedCompressor, run by the "
+                 "tests on real weights and adversarial blocks in float32, bfloat16 and float16", ("dtype",),
+                 lambda x, dtype="float32": RuleBytes(*compressed_tensors_mx_quantize(x, dtype)), _decode_e8m0),
+    *[ExporterRule(f"mlx-{m}", f"MLX's {m} rule", None, m.upper(), 16 if m == "nvfp4" else 32,
+                   "E4M3" if m == "nvfp4" else "E8M0", None, ("mlx",),
+                   f"MLX 0.32.4's mx.quantize(w, mode='{m}') on the CPU, run by the tests on real weights and "
+                   "adversarial blocks in float32, bfloat16 and float16", ("dtype",),
+                   (lambda m: lambda x, dtype="float32": RuleBytes(*mlx_quantize(x, m, dtype)))(m),
+                   _decode_e4m3_blocks if m == "nvfp4" else _decode_e8m0 if m == "mxfp4" else _decode_mxfp8)
+      for m in MLX_MODES],
     ExporterRule("te-nvfp4", "the te flavour's rule", "NVFP4 (TE, tensor scale)", "NVFP4", 16, "E4M3",
                  "the amax (S_enc = 2688 / amax)", (),
                  "TransformerEngine 2.20.2's reference NVFP4 quantizer (fp4sim's nvfp4, te flavour), bit for bit "
@@ -391,10 +559,11 @@ RULES: dict = {r.key: r for r in [
                  "and decoder, and decoded by gguf-py's dequantize; a rational oracle of the rule",
                  (), lambda x: RuleBytes(*ggml_nvfp4_quantize(x)), _decode_ggml_nvfp4),
     *[ExporterRule(f"ocp-mxfp4-{m}", f"MXFP4, scale mode {m}", {"floor": "MXFP4 floor", "rceil": "MXFP4 rceil"}
-                   .get(m), "MXFP4", 32, "E8M0", None, ("gpt-oss", "gguf"), _MX.format(m=m), (), _ocp_mxfp4(m),
+                   .get(m), "MXFP4", 32, "E8M0", None, ("gpt-oss", "gguf", "compressed-tensors mxfp4"), _MX.format(m=m),
+                   (), _ocp_mxfp4(m),
                    _decode_e8m0) for m in ("rceil", "floor", "ceil", "even")],
     ExporterRule("ggml-mxfp4", "ggml's MXFP4 quantizer", "ggml MXFP4", "MXFP4", 32, "E8M0", None,
-                 ("gguf", "gpt-oss"),
+                 ("gguf", "gpt-oss", "compressed-tensors mxfp4"),
                  "gguf-py 0.19's MXFP4.quantize_blocks, byte for byte in the tests on real weights and its ties",
                  (), lambda x: RuleBytes(*ggml_mxfp4_quantize(x)), _decode_e8m0),
 ]}
@@ -408,6 +577,41 @@ def mx_rule_key(short: str) -> str:
     if short not in MX_RULES:
         raise ValueError(f"rule={short!r}: the MXFP4 rules are {', '.join(MX_RULES)}")
     return "ggml-mxfp4" if short == "ggml" else f"ocp-mxfp4-{short}"
+
+
+def exact_dtypes(x) -> list:
+    """The dtypes among bfloat16, float16 and float32 (always) in which every value of ``x`` is exact: those a
+    rule computed in the weight's own dtype may have run in."""
+    import ml_dtypes
+    a = np.asarray(x, np.float32)
+    out = []
+    with np.errstate(over="ignore"):
+        for name, dt in (("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16)):
+            if np.array_equal(a.astype(dt).astype(np.float32), a):
+                out.append(name)
+    return out + ["float32"]
+
+
+def candidates(fmt: str, family: str, x) -> list:
+    """The rules to try on a ``fmt`` checkpoint's ``family`` tensor whose reference is ``x``: :func:`rules_for`,
+    a rule computed in the weight's own dtype once per dtype ``x`` is exact in (``(key, {"dtype": ...})``)."""
+    out = []
+    for k in rules_for(fmt, family):
+        if "dtype" in rule(k).options:
+            out += [(k, {"dtype": dt}) for dt in exact_dtypes(x)]
+        else:
+            out.append(k)
+    return out
+
+
+def _item(item) -> tuple:
+    return (item, {}) if isinstance(item, str) else (item[0], dict(item[1]))
+
+
+def title_of(item) -> str:
+    """How reports name a rule: a key, or ``(key, options)`` ("compressed-tensors' MXFP4 rule (in bfloat16)")."""
+    key, o = _item(item)
+    return rule(key).title + (f" (in {o['dtype']})" if "dtype" in o else "")
 
 
 def rules_for(fmt: str, family: str) -> list:
@@ -437,6 +641,11 @@ class Requantized:
             self._bytes[k] = rule(key)(self.x, **options)
         return self._bytes[k]
 
+    def of(self, item) -> RuleBytes:
+        """:meth:`bytes` of a key or a ``(key, options)`` pair."""
+        key, o = _item(item)
+        return self.bytes(key, **o)
+
     def values(self, key: str, **options) -> np.ndarray:
         """The rule's values of ``x``, float64 (rows, K)."""
         k = (key, tuple(sorted(options.items())))
@@ -446,13 +655,14 @@ class Requantized:
 
 
 def reproducing(codes, scales, keys, requantized: Requantized) -> list:
-    """The titles of the rules among ``keys`` whose codes and scale bytes for the weight of ``requantized`` are
-    ``codes`` and ``scales`` (fp4sim's packing), in the order of ``keys``."""
+    """The titles (:func:`title_of`) of the rules among ``keys`` (keys, or ``(key, options)`` pairs) whose codes
+    and scale bytes for the weight of ``requantized`` are ``codes`` and ``scales`` (fp4sim's packing), in the
+    order of ``keys``."""
     out = []
     for k in keys:
-        b = requantized.bytes(k)
+        b = requantized.of(k)
         if np.array_equal(b.codes, codes) and np.array_equal(b.scales, scales):
-            out.append(rule(k).title)
+            out.append(title_of(k))
     return out
 
 

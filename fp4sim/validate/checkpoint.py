@@ -20,11 +20,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..analyze.inputs import reference_sources, reference_weight
+from ..checkpoints.compressed_tensors_mx import is_compressed_tensors_mx
 from ..checkpoints.gpt_oss import is_gpt_oss
-from ..checkpoints.nvfp4 import KEYS, Checkpoint, QuantWeight, excluded_by, read_checkpoint
+from ..checkpoints.nvfp4 import KEYS, Checkpoint, QuantWeight, read_checkpoint
 from ..formats import E4M3
 from ..layout import swizzled_size
-from .checkpoint_ref import CheckpointReport, compare_to_reference, count_compared
+from .checkpoint_ref import CheckpointReport, compare_to_reference, count_compared, excluded_findings
 
 __all__ = ["check_checkpoint", "CheckpointReport"]
 
@@ -103,7 +104,10 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list, float | None]:
                           "blocks layout checkpoints store (a scale matrix written transposed)")
         elif sc.size == want and sc.shape != (R, nb):
             notes.append(f"{ks} has shape {tuple(sc.shape)}, read as ({R}, {nb})")
-        if sc.size == want // 2 and want % 2 == 0:
+        if sc.size == want // 2 and want % 2 == 0 and w.dtypes.get("scales") == "U8" and w.tensor_scale is None:
+            faults.append(f"{ks} holds U8 bytes, one per 32 elements, and there is no tensor scale: MXFP4's E8M0 "
+                          "exponents (mxfp4-pack-quantized) under a config that names NVFP4")
+        elif sc.size == want // 2 and want % 2 == 0:
             faults.append(f"{ks} holds {sc.size} bytes, half of the {R} x {nb} = {want} that {R} rows of {K} "
                           "elements need (a half-size scale tensor: the export wrote one scale per 32 elements or "
                           "dropped half of them)")
@@ -147,23 +151,6 @@ def _check_weight(w: QuantWeight, fmt: str) -> tuple[list, list, float | None]:
     return faults, notes, top
 
 
-def _excluded(ck: Checkpoint, rep: CheckpointReport):
-    weights = {n[: -len(".weight")]: v for n, v in ck.other.items() if n.endswith(".weight")}
-    for e in ck.excluded:
-        hits = [m for m in weights if excluded_by(m, e)]
-        qhits = [m for m in ck.weights if excluded_by(m, e)]
-        if qhits:
-            rep.faults.append(f"excluded module {e!r} is quantized ({', '.join(qhits[:3])})")
-        elif not hits:
-            rep.notes.append(f"excluded module {e!r} has no weight in the checkpoint (tied to another tensor, or "
-                             "named differently)")
-        else:
-            low = [m for m in hits if weights[m][1] not in ("F32", "F16", "BF16", "F64")]
-            if low:
-                rep.faults.append(f"excluded module {low[0]!r} is stored as {weights[low[0]][1]}, not in high "
-                                  "precision")
-
-
 def shared_scale_groups(ck: Checkpoint) -> list:
     """The groups of quantized weights that share one tensor scale: siblings (the same parent module) whose
     stored tensor scales are the same finite, positive float32. ModelOpt's ``export_hf_checkpoint`` and
@@ -201,6 +188,9 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
     if is_gpt_oss(path):
         from .checkpoint_mx import check_gpt_oss
         return check_gpt_oss(path, reference)
+    if is_compressed_tensors_mx(path):
+        from .checkpoint_mx import check_compressed_tensors_mx
+        return check_compressed_tensors_mx(path, reference)
     ck = read_checkpoint(path)
     kg = KEYS[ck.format][2]
     rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)
@@ -231,7 +221,7 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
             _compare_unit(ck, unit, refs, rep)
     if refs is not None:
         count_compared(rep)
-    _excluded(ck, rep)
+    excluded_findings(ck, rep)
     return rep
 
 

@@ -1,5 +1,6 @@
-"""``python -m fp4sim.validate checkpoint`` on a gpt-oss MXFP4 folder (:mod:`fp4sim.checkpoints.gpt_oss`) and on a GGUF file
-(:func:`check_gguf`, whose docstring says what it checks).
+"""``python -m fp4sim.validate checkpoint`` on a gpt-oss MXFP4 folder (:mod:`fp4sim.checkpoints.gpt_oss`), a
+compressed-tensors MXFP4 folder (:func:`check_compressed_tensors_mx`) and a GGUF file (:func:`check_gguf`, whose
+docstring says what it checks).
 
 Without a reference, per quantized weight: E8M0 byte 255 (NaN: the whole block decodes to NaN), the blocks'
 shape against the config's dimensions (``num_local_experts``, ``hidden_size``, ``intermediate_size``: gate_up
@@ -20,11 +21,13 @@ from ..analyze.inputs import reference_sources, reference_weight
 from ..checkpoints.faults import undo_gguf, undo_mxfp4
 from ..checkpoints.gguf import other_fp4_bytes, read_gguf, to_gguf_blocks
 from ..checkpoints.gpt_oss import read_gpt_oss, reference_orientations
-from ..checkpoints.rules import COST_RULES, Requantized, reproducing, rule, rule_costs, rules_for
+from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
+from ..checkpoints.rules import (COST_RULES, Requantized, candidates, reproducing, rule, rule_costs, rules_for,
+                                 title_of)
 from ..layout import unpack_fp4
-from .checkpoint_ref import CheckpointReport, count_compared
+from .checkpoint_ref import CheckpointReport, count_compared, excluded_findings
 
-__all__ = ["check_gpt_oss", "check_gguf"]
+__all__ = ["check_gpt_oss", "check_compressed_tensors_mx", "check_gguf"]
 
 
 def _expected_shapes(cfg: dict) -> dict:
@@ -89,8 +92,8 @@ def _verdict(e, codes, scales, readings, keys, fixes, none_msg, where):
             if hit:
                 e["faults"].append(f"{fault}: with that undone, {', '.join(hit)} reproduces it{say(orientation)}")
                 return readings[i], rqs[i]
-    n, name, d, i = min(((int(d.sum()), rule(k).title, d, i) for i in range(len(readings)) for k in keys
-                         for b in [rqs[i].bytes(k)] for d in [_block_diff(codes, scales, b.codes, b.scales)]),
+    n, name, d, i = min(((int(d.sum()), title_of(k), d, i) for i in range(len(readings)) for k in keys
+                         for b in [rqs[i].of(k)] for d in [_block_diff(codes, scales, b.codes, b.scales)]),
                         key=lambda v: v[0])
     r, b = (int(v) for v in np.argwhere(d)[0])
     e["faults"].append(f"{none_msg}: {n} of {d.size} scale blocks differ from the bytes of {name}, the closest "
@@ -103,17 +106,47 @@ def check_gpt_oss(path, reference=None):
     says what is checked). A weight whose entries do not make one (a ``_blocks`` entry without its ``_scales``,
     shapes that disagree) is a fault of that weight; the others are checked."""
     ck = read_gpt_oss(path, strict=False)
-    rep = CheckpointReport(str(path), "gpt-oss mxfp4", str(reference) if reference else None)
     import json
     cfg = {}
     try:
         cfg = json.loads((ck.path / "config.json").read_text())
     except (OSError, ValueError):
         pass
-    expected = _expected_shapes(cfg)
+    return _check_mx_folder(
+        ck, path, reference, "gpt-oss mxfp4", _expected_shapes(cfg), "no *_blocks entry",
+        lambda x2: rules_for("gpt-oss", "MXFP4"),
+        "no MXFP4 rule (fp4sim's scale modes rceil / floor / ceil / even with round-to-nearest-even elements, "
+        "ggml's quantizer) reproduces its bytes from the reference",
+        lambda R: lambda r, b: f"expert {r // R}, row {r % R}, block {b}")
+
+
+def check_compressed_tensors_mx(path, reference=None):
+    """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of a compressed-tensors MXFP4 folder
+    (``mxfp4-pack-quantized``, :mod:`fp4sim.checkpoints.compressed_tensors_mx`): per weight the checks of a gpt-oss
+    one (E8M0 bytes 255, all-zero blocks under a non-zero scale); with ``reference``, compressed-tensors' own rule
+    in each dtype the reference is exact in, then fp4sim's MX scale modes and ggml's quantizer, or the fault
+    whose undoing makes one reproduce the bytes; the modules of ``ignore`` present in high precision and none
+    quantized. A module whose tensors are another format's (a ``weight_global_scale``, E4M3 scales: NVFP4's under
+    an MXFP4 config) is a fault of that module."""
+    ck = read_compressed_tensors_mx(path, strict=False)
+    rep = _check_mx_folder(
+        ck, path, reference, "compressed-tensors mxfp4", {}, "no *.weight_packed entry",
+        lambda x2: candidates("compressed-tensors mxfp4", "MXFP4", x2),
+        "no MXFP4 rule (compressed-tensors' in each dtype the reference is exact in, fp4sim's scale modes rceil / "
+        "floor / ceil / even, ggml's quantizer) reproduces its bytes from the reference",
+        lambda R: lambda r, b: f"row {r}, block {b}")
+    excluded_findings(ck, rep)
+    return rep
+
+
+def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, none_msg, where):
+    """The report of an MXFP4 safetensors folder ``ck`` (gpt-oss's, compressed-tensors'): its broken weights as
+    faults; per weight the checks of :func:`_check`; with ``reference`` each weight's verdict over the rules
+    ``keys(x2)`` (``where(rows)(row, block)`` names a block) and the rules' costs."""
+    rep = CheckpointReport(str(path), label, str(reference) if reference else None)
     refs = reference_sources(reference) if reference else None
     if not ck.weights and not ck.broken:
-        rep.faults.append("no quantized weight found (no *_blocks entry): nothing was checked")
+        rep.faults.append(f"no quantized weight found ({none_found}): nothing was checked")
     for name, why in ck.broken.items():
         rep.tensors[name] = {"ok": False, "faults": [f"its entries do not make an MXFP4 weight: {why}"], "notes": [],
                              "shape": None, "global_amax": None, "shared_scale": [], "exact": None, "rule": None,
@@ -139,12 +172,8 @@ def check_gpt_oss(path, reference=None):
                 except ValueError as e:
                     t["faults"].append(str(e))
             if readings is not None:
-                R = w.shape[-2]
-                (_, x2), rq = _verdict(t, w.codes, w.scales, readings, _keys("gpt-oss", "MXFP4"),
-                                       lambda w=w: undo_mxfp4(w),
-                                       "no MXFP4 rule (fp4sim's scale modes rceil / floor / ceil / even with "
-                                       "round-to-nearest-even elements, ggml's quantizer) reproduces its bytes from "
-                                       "the reference", lambda r, b, R=R: f"expert {r // R}, row {r % R}, block {b}")
+                (_, x2), rq = _verdict(t, w.codes, w.scales, readings, keys(readings[0][1]),
+                                       lambda w=w: undo_mxfp4(w), none_msg, where(w.shape[-2]))
                 _add_costs(t, x2, rq)
         t["ok"] = not t["faults"]
         rep.tensors[name] = t

@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..analyze.inputs import reference_source, reference_sources, reference_weight
-from ..checkpoints.nvfp4 import KEYS
+from ..checkpoints.nvfp4 import KEYS, excluded_by
 from ..checkpoints.rules import Requantized, rule
 from ..layout import swizzle_scales, swizzled_size
 
-__all__ = ["CheckpointReport", "compare_to_reference", "count_compared", "reference_sources", "reference_weight"]
+__all__ = ["CheckpointReport", "compare_to_reference", "count_compared", "excluded_findings", "reference_sources",
+           "reference_weight"]
 
 C2688 = np.float32(2688.0)
 F32 = np.float32
@@ -269,3 +270,22 @@ def count_compared(rep: CheckpointReport):
     else:
         rep.faults.append(f"{len(missing)} of {n} quantized weights were not compared with the reference (first: "
                           f"{', '.join(missing[:3])}; the per-tensor notes say why)")
+
+
+def excluded_findings(ck, rep: CheckpointReport):
+    """The checkpoint's excluded modules (``ck.excluded``) against what it holds: each present in high precision
+    (a fault where it is quantized, or stored in a low-precision dtype; a note where it has no weight)."""
+    weights = {n[: -len(".weight")]: v for n, v in ck.other.items() if n.endswith(".weight")}
+    for e in ck.excluded:
+        hits = [m for m in weights if excluded_by(m, e)]
+        qhits = [m for m in ck.weights if excluded_by(m, e)]
+        if qhits:
+            rep.faults.append(f"excluded module {e!r} is quantized ({', '.join(qhits[:3])})")
+        elif not hits:
+            rep.notes.append(f"excluded module {e!r} has no weight in the checkpoint (tied to another tensor, or "
+                             "named differently)")
+        else:
+            low = [m for m in hits if weights[m][1] not in ("F32", "F16", "BF16", "F64")]
+            if low:
+                rep.faults.append(f"excluded module {low[0]!r} is stored as {weights[low[0]][1]}, not in high "
+                                  "precision")

@@ -1,0 +1,121 @@
+"""compressed-tensors' MXFP4 checkpoints (``quantization_config.format: "mxfp4-pack-quantized"``, as
+llm-compressor writes them), read into fp4sim's conventions.
+
+Per quantized linear ``NAME``: ``NAME.weight_packed`` U8 (out, in / 2), element 2i in the low nibble of byte i
+(fp4sim's packing, as for its NVFP4 format), and ``NAME.weight_scale`` U8 (out, in / 32), the E8M0 exponent
+bytes (value = E2M1 x 2^(e - 127)); no global scale. The config's ``ignore`` lists the modules left in high
+precision. compressed-tensors' own decompressor reads a scale as ``2^(e - 127)`` in bfloat16.
+
+A folder whose config names this format while its tensors hold another (a ``weight_global_scale`` beside the
+codes, E4M3 scale bytes, one scale per 16 elements: NVFP4's) is read with each such weight listed in ``broken``
+with what its tensors are; the rule that writes these bytes is the registry's ``compressed-tensors-mxfp4``
+(:func:`fp4sim.checkpoints.rules.compressed_tensors_mx_quantize`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .folders import entry_dtype, entry_files, entry_shape, read_json
+from .gpt_oss import MXFP4Weight
+from .records import LAYOUTS
+
+__all__ = ["FORMAT", "is_compressed_tensors_mx", "read_compressed_tensors_mx", "MXCheckpoint"]
+
+FORMAT = "mxfp4-pack-quantized"
+
+
+def _config(d: Path) -> dict | None:
+    """The quantization_config of ``d``'s config.json where it names compressed-tensors' MXFP4 format (the
+    top-level format, or a config group's), else None."""
+    p = d / "config.json"
+    if not p.is_file():
+        return None
+    cfg = read_json(p)
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(qc, dict):
+        return None
+    groups = qc.get("config_groups") or {}
+    if qc.get("format") == FORMAT or any(isinstance(g, dict) and g.get("format") == FORMAT for g in groups.values()):
+        return qc
+    return None
+
+
+def is_compressed_tensors_mx(d) -> bool:
+    """Whether the folder ``d`` holds a compressed-tensors MXFP4 export (its config.json says
+    ``mxfp4-pack-quantized``)."""
+    try:
+        return Path(d).is_dir() and _config(Path(d)) is not None
+    except ValueError:
+        return False
+
+
+@dataclass
+class MXCheckpoint:
+    """A compressed-tensors MXFP4 folder: ``weights`` (module -> :class:`~fp4sim.checkpoints.gpt_oss.MXFP4Weight`
+    with the compressed-tensors layout), ``excluded`` (the config's ``ignore``), ``other`` (every other entry:
+    name -> (file, dtype, shape)), ``config`` (the quantization config) and ``broken`` (module -> why its
+    entries do not make an MXFP4 weight: filled where read with ``strict=False``)."""
+    path: Path
+    weights: dict
+    excluded: list
+    other: dict
+    config: dict
+    broken: dict = field(default_factory=dict)
+    format: str = "compressed-tensors mxfp4"
+
+
+def _problem(files, m) -> str | None:
+    """Why module ``m``'s entries do not make an MXFP4 weight, or None."""
+    kc, ks = f"{m}.weight_packed", f"{m}.weight_scale"
+    if ks not in files:
+        return f"{kc} has no {ks} beside it (the E8M0 scales of its blocks)"
+    if f"{m}.weight_global_scale" in files:
+        return (f"{m}.weight_global_scale is there: a tensor scale beside the codes is NVFP4's "
+                "(nvfp4-pack-quantized), not MXFP4's, under a config that names mxfp4-pack-quantized")
+    cs, ss = entry_shape(files[kc], kc), entry_shape(files[ks], ks)
+    sd = str(entry_dtype(files[ks], ks))
+    if sd == "F8_E4M3":
+        return (f"{ks} is F8_E4M3: E4M3 block scales are NVFP4's, not MXFP4's E8M0 exponent bytes (U8), under a "
+                "config that names mxfp4-pack-quantized")
+    if len(cs) != 2 or len(ss) != 2 or cs[0] != ss[0] or 2 * cs[1] != 32 * ss[1]:
+        per = f" (one scale per {2 * cs[1] // ss[1]} elements)" if len(cs) == 2 == len(ss) and ss[1] else ""
+        return (f"{kc} has shape {cs} and {ks} {ss}{per}; MXFP4 stores codes (out, in / 2) beside one E8M0 byte "
+                "per 32 elements (out, in / 32)")
+    for k in (kc, ks):
+        if str(entry_dtype(files[k], k)) not in ("U8", "I8"):
+            return f"{k} is {entry_dtype(files[k], k)}, not bytes (U8)"
+    return None
+
+
+def read_compressed_tensors_mx(path, strict: bool = True) -> MXCheckpoint:
+    """Read a compressed-tensors MXFP4 folder (sharded or not); ValueError naming the file and what is wrong:
+    no such folder, no MXFP4 quantization_config, no .safetensors, and — where ``strict`` — a module whose entries
+    do not make an MXFP4 weight (listed in ``broken`` with ``strict=False``, the others read)."""
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a folder (give the checkpoint's folder, with its config.json and .safetensors)")
+    qc = _config(d)
+    if qc is None:
+        raise ValueError(f"{d}: config.json has no quantization_config with format {FORMAT!r}")
+    files = entry_files(d)
+    if not files:
+        raise ValueError(f"{d}: no .safetensors files")
+    weights, broken, used = {}, {}, set()
+    for key in sorted(files):
+        if not key.endswith(".weight_packed"):
+            continue
+        m = key[: -len(".weight_packed")]
+        used.update(k for k in (key, f"{m}.weight_scale", f"{m}.weight_global_scale") if k in files)
+        why = _problem(files, m)
+        if why is None:
+            R, half = entry_shape(files[key], key)
+            weights[m] = MXFP4Weight(m, (R, 2 * half), {"blocks": (files[key], key),
+                                                        "scales": (files[f"{m}.weight_scale"], f"{m}.weight_scale")},
+                                     LAYOUTS["compressed-tensors mxfp4"])
+        elif strict:
+            raise ValueError(f"{d}: {why}")
+        else:
+            broken[m] = why
+    other = {n: (f, str(entry_dtype(f, n)), entry_shape(f, n)) for n, f in files.items() if n not in used}
+    return MXCheckpoint(d, weights, list(qc.get("ignore") or []), other, qc, broken)
