@@ -23,12 +23,14 @@ from test_checkpoint import SAMPLE, D, Q, _cli, _modelopt, _save, write_modelopt
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _ct():
+def _ct(preset="NVFP4", compressor="nvfp4.base.NVFP4PackedCompressor"):
+    """compressed-tensors' qparams helpers, the preset's scheme and its compressor class."""
     torch_or_skip()
     h = import_or_missing("compressed_tensors.quantization.utils.helpers")
     qs = import_or_missing("compressed_tensors.quantization.quant_scheme")
-    nv = import_or_missing("compressed_tensors.compressors.nvfp4.base")
-    return h, qs.preset_name_to_scheme("NVFP4", ["Linear"]), nv.NVFP4PackedCompressor
+    mod, _, cls = compressor.rpartition(".")
+    comp = import_or_missing(f"compressed_tensors.compressors.{mod}")
+    return h, qs.preset_name_to_scheme(preset, ["Linear"]), getattr(comp, cls)
 
 
 def ct_compress(w):
@@ -119,15 +121,21 @@ def write_ct(d: Path, tensors: dict, ignore=("lm_head",), sharded=False):
     return d
 
 
-@pytest.fixture(scope="module")
-def bf16(tmp_path_factory):
-    """Real MiniLM weights in bfloat16, their compressed-tensors export and the reference (BF16 safetensors)."""
+def minilm_bf16() -> dict:
+    """MiniLM's query and FFN weights and a random head, as bfloat16 torch tensors by module name."""
     torch = torch_or_skip()
     z = np.load(SAMPLE)
     rng = np.random.default_rng(42)
     w = {Q: z[f"minilm.{Q}.weight"], D: z[f"minilm.{D}.weight"],
          "lm_head": (rng.standard_normal((96, 384)) * 0.05).astype(np.float32)}
-    w = {m: torch.from_numpy(v).to(torch.bfloat16) for m, v in w.items()}
+    return {m: torch.from_numpy(v).to(torch.bfloat16) for m, v in w.items()}
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    """Real MiniLM weights in bfloat16, their compressed-tensors export and the reference (BF16 safetensors)."""
+    torch = torch_or_skip()
+    w = minilm_bf16()
     ref = tmp_path_factory.mktemp("ctref")
     _save(ref / "model.safetensors", {f"{m}.weight": v for m, v in w.items()})
     out = {"lm_head.weight": w["lm_head"]}

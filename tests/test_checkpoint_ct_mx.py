@@ -15,17 +15,15 @@ import fp4sim as fs
 from fp4sim.checkpoints.rules import compressed_tensors_mx_quantize
 from peers import import_or_missing, torch_or_skip
 from test_checkpoint import D, Q, SAMPLE, _save, write_tensors
+from test_checkpoint_ct import _ct as ct_parts
+from test_checkpoint_ct import minilm_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _ct():
-    torch_or_skip()
-    h = import_or_missing("compressed_tensors.quantization.utils.helpers")
-    qs = import_or_missing("compressed_tensors.quantization.quant_scheme")
-    mx = import_or_missing("compressed_tensors.compressors.mxfp4.base")
-    return h, qs.preset_name_to_scheme("MXFP4", ["Linear"]), mx.MXFP4PackedCompressor
+    return ct_parts("MXFP4", "mxfp4.base.MXFP4PackedCompressor")
 
 
 def ct_mx_compress(w):
@@ -124,12 +122,7 @@ def write_ct_mx(d: Path, tensors: dict, sharded=False, **cfg):
 def export(tmp_path_factory):
     """Real MiniLM weights in bfloat16, their compressed-tensors MXFP4 export (the compressor's own bytes) and
     the reference (BF16 safetensors)."""
-    torch = torch_or_skip()
-    z = np.load(SAMPLE)
-    rng = np.random.default_rng(42)
-    w = {Q: z[f"minilm.{Q}.weight"], D: z[f"minilm.{D}.weight"],
-         "lm_head": (rng.standard_normal((96, 384)) * 0.05).astype(np.float32)}
-    w = {m: torch.from_numpy(v).to(torch.bfloat16) for m, v in w.items()}
+    w = minilm_bf16()
     base = tmp_path_factory.mktemp("ctmx")
     ref = base / "ref"
     ref.mkdir()

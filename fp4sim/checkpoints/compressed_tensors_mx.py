@@ -13,11 +13,11 @@ with what its tensors are; the rule that writes these bytes is the registry's ``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .folders import entry_dtype, entry_files, entry_shape, read_json
-from .gpt_oss import MXFP4Weight
+from .folders import entry_dtype, entry_files, entry_shape, folder_says, not_bytes, read_json
+from .gpt_oss import GptOssCheckpoint, MXFP4Weight
 from .records import LAYOUTS
 
 __all__ = ["FORMAT", "is_compressed_tensors_mx", "read_compressed_tensors_mx", "MXCheckpoint"]
@@ -44,24 +44,16 @@ def _config(d: Path) -> dict | None:
 def is_compressed_tensors_mx(d) -> bool:
     """Whether the folder ``d`` holds a compressed-tensors MXFP4 export (its config.json says
     ``mxfp4-pack-quantized``)."""
-    try:
-        return Path(d).is_dir() and _config(Path(d)) is not None
-    except ValueError:
-        return False
+    return folder_says(d, _config)
 
 
 @dataclass
-class MXCheckpoint:
-    """A compressed-tensors MXFP4 folder: ``weights`` (module -> :class:`~fp4sim.checkpoints.gpt_oss.MXFP4Weight`
-    with the compressed-tensors layout), ``excluded`` (the config's ``ignore``), ``other`` (every other entry:
-    name -> (file, dtype, shape)), ``config`` (the quantization config) and ``broken`` (module -> why its
-    entries do not make an MXFP4 weight: filled where read with ``strict=False``)."""
-    path: Path
-    weights: dict
-    excluded: list
-    other: dict
-    config: dict
-    broken: dict = field(default_factory=dict)
+class MXCheckpoint(GptOssCheckpoint):
+    """A compressed-tensors MXFP4 folder, with the fields of a gpt-oss one: ``weights`` (module ->
+    :class:`~fp4sim.checkpoints.gpt_oss.MXFP4Weight` with the compressed-tensors layout), ``excluded`` (the
+    config's ``ignore``), ``other`` (every other entry: name -> (file, dtype, shape)), ``config`` (the quantization
+    config) and ``broken`` (module -> why its entries do not make an MXFP4 weight: filled where read with
+    ``strict=False``)."""
     format: str = "compressed-tensors mxfp4"
 
 
@@ -82,10 +74,7 @@ def _problem(files, m) -> str | None:
         per = f" (one scale per {2 * cs[1] // ss[1]} elements)" if len(cs) == 2 == len(ss) and ss[1] else ""
         return (f"{kc} has shape {cs} and {ks} {ss}{per}; MXFP4 stores codes (out, in / 2) beside one E8M0 byte "
                 "per 32 elements (out, in / 32)")
-    for k in (kc, ks):
-        if str(entry_dtype(files[k], k)) not in ("U8", "I8"):
-            return f"{k} is {entry_dtype(files[k], k)}, not bytes (U8)"
-    return None
+    return not_bytes(files, (kc, ks))
 
 
 def read_compressed_tensors_mx(path, strict: bool = True) -> MXCheckpoint:

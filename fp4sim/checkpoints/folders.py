@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["read_json", "entry_files", "entry_dtype", "entry_shape"]
+__all__ = ["read_json", "entry_files", "entry_dtype", "entry_shape", "not_bytes", "folder_says"]
 
 
 def read_json(p: Path):
@@ -55,3 +55,21 @@ def entry_dtype(f: Path, n: str) -> str:
 def entry_shape(f: Path, n: str) -> tuple:
     """The shape of entry ``n`` in file ``f``, from its header."""
     return tuple(int(v) for v in _meta(f, n).get("shape", ()))
+
+
+def not_bytes(files: dict, keys) -> str | None:
+    """The first of ``keys`` (entries of ``files``) whose header dtype is not bytes (U8, or I8 read as U8), said
+    as a problem, or None."""
+    for k in keys:
+        if str(entry_dtype(files[k], k)) not in ("U8", "I8"):
+            return f"{k} is {entry_dtype(files[k], k)}, not bytes (U8)"
+    return None
+
+
+def folder_says(d, config) -> bool:
+    """Whether ``d`` is a folder for which ``config(folder)`` (a reader of its config files) finds its format; a
+    config file that cannot be read says no."""
+    try:
+        return Path(d).is_dir() and config(Path(d)) is not None
+    except ValueError:
+        return False

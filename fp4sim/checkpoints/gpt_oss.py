@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .folders import entry_dtype, entry_files, entry_shape, read_json
+from .folders import entry_dtype, entry_files, entry_shape, folder_says, not_bytes, read_json
 from .records import LAYOUTS, Layout
 from .rules import MX_RULES, Requantized, mx_rule_key, reproducing
 from .rules import rule as registry_rule
@@ -43,10 +43,7 @@ def _config(d: Path) -> dict | None:
 def is_gpt_oss(d) -> bool:
     """Whether the folder ``d`` holds a gpt-oss-style MXFP4 checkpoint (its config.json's quantization_config
     says ``quant_method: mxfp4``)."""
-    try:
-        return Path(d).is_dir() and _config(Path(d)) is not None
-    except ValueError:
-        return False
+    return folder_says(d, _config)
 
 
 @dataclass
@@ -120,10 +117,7 @@ def _entry_problem(files, key, skey):
     if len(bs) < 2 or bs[-1] != 16 or tuple(bs[:-1]) != tuple(ss):
         return (f"{key} has shape {bs} and {skey} {ss}; gpt-oss stores blocks as [..., rows, K/32, 16] bytes "
                 "beside scales [..., rows, K/32]")
-    for k in (key, skey):
-        if str(entry_dtype(files[k], k)) not in ("U8", "I8"):
-            return f"{k} is {entry_dtype(files[k], k)}, not bytes (U8)"
-    return None
+    return not_bytes(files, (key, skey))
 
 
 def read_gpt_oss(path, strict: bool = True) -> GptOssCheckpoint:

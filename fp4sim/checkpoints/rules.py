@@ -157,6 +157,17 @@ def te_nvfp4_blocks(x, n: int = 16) -> tuple:
 _CT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _weight_dtype(a, dtype) -> tuple:
+    """(name, NumPy type) of the dtype a rule computes in: ``dtype`` (one of :data:`_CT_DTYPES`) or the dtype of the
+    array ``a``; ValueError naming ``dtype`` for another."""
+    import ml_dtypes
+    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
+    if name not in _CT_DTYPES:
+        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
+    return name, {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+
+
 def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
     """compressed-tensors' NVFP4 weight quantizer, byte for byte: ``(codes, scales, weight_global_scale)`` —
     packed E2M1 codes (uint8, (out, in/2)), E4M3 block-scale bytes (uint8, (out, in/16)) and the float32 global
@@ -180,8 +191,6 @@ def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
     ModelOpt's rule differs in the order of the operations (``amax_b / fl(6 · amax / 2688)`` and ``x / fl(scale ·
     amax / 2688)``), so the two exporters' bytes differ where a block scale or an element falls on a rounding
     boundary; both agree on the layout (element 2i in the low nibble, scales row by row)."""
-    import ml_dtypes
-
     from ..formats import E4M3
     from ..elements import encode
     from ..layout import pack_fp4
@@ -190,11 +199,7 @@ def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
         raise ValueError(f"x: a 2-D weight (out, in) is needed, not shape {a.shape}")
     if a.shape[1] % 16:
         raise ValueError(f"x: in_features {a.shape[1]} is not a multiple of 16 (compressed-tensors' NVFP4 groups)")
-    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
-    if name not in _CT_DTYPES:
-        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
-    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+    name, dt = _weight_dtype(a, dtype)
     f32 = np.float32
 
     def r(v):                                            # an operation's float32 result rounded to the dtype
@@ -258,18 +263,12 @@ def compressed_tensors_mx_quantize(x, dtype: str | None = None) -> tuple:
     For a weight of bfloat16 or float32 values these are fp4sim's ``mxfp4`` with ``scale_mode="even"`` except
     that -0 is code 0; a float16 weight differs where its scales leave float16's range. ValueError for NaN / Inf,
     or a block whose scale overflows the dtype (the rule stores no defined byte for it)."""
-    import ml_dtypes
-
     from ..elements import encode
     from ..layout import pack_fp4
     a = np.asarray(x)
     if a.ndim != 2 or a.shape[1] % 32:
         raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of 32 is needed, not shape {a.shape}")
-    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
-    if name not in _CT_DTYPES:
-        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
-    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+    name, dt = _weight_dtype(a, dtype)
     with np.errstate(all="ignore"):
         xd = np.asarray(a, np.float32).astype(dt)
         if not np.isfinite(xd.astype(np.float32)).all():
@@ -312,8 +311,6 @@ def mlx_quantize(x, mode: str = "mxfp4", dtype: str | None = None) -> tuple:
       FP8 element ``E4M3_rne``, saturating at 448.
 
     ValueError for NaN / Inf, another mode, or a shape MLX refuses."""
-    import ml_dtypes
-
     from ..elements import encode
     from ..formats import E2M1, E4M3
     from ..layout import pack_fp4
@@ -323,11 +320,7 @@ def mlx_quantize(x, mode: str = "mxfp4", dtype: str | None = None) -> tuple:
     g = 16 if mode == "nvfp4" else 32
     if a.ndim != 2 or a.shape[1] % g:
         raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of {g} is needed, not shape {a.shape}")
-    name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-                                            np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
-    if name not in _CT_DTYPES:
-        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
-    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
+    name, dt = _weight_dtype(a, dtype)
 
     def r(v):                                    # an operation's float32 result rounded to the dtype
         return np.asarray(v, np.float32).astype(dt).astype(np.float32)
