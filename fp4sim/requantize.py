@@ -18,6 +18,7 @@ import numpy as np
 from .analyze.inputs import reference_sources, reference_weight
 from .checkpoints.gguf import read_gguf
 from .checkpoints.gpt_oss import is_gpt_oss, match_readings, read_gpt_oss, reference_orientations, reference_rows
+from .checkpoints.mlx import is_mlx, read_mlx
 from .checkpoints.compressed_tensors_mx import is_compressed_tensors_mx, read_compressed_tensors_mx
 from .checkpoints.rules import BITS_PER_VALUE, COST_RULES, candidates, rule_costs
 from .formats import E4M3
@@ -33,10 +34,13 @@ def fp4_tensors(paths, broken: list | None = None) -> list:
     out = []
     for p in map(Path, paths):
         mx = read_gpt_oss if p.is_dir() and is_gpt_oss(p) else read_compressed_tensors_mx if p.is_dir() and \
-            is_compressed_tensors_mx(p) else None
+            is_compressed_tensors_mx(p) else read_mlx if p.is_dir() and is_mlx(p) else None
         if mx is not None:
             ck = mx(p, strict=broken is None)
-            out += [(p, w) for w in ck.weights.values()]
+            out += [(p, w) for w in ck.weights.values() if w.layout.family in ("MXFP4", "NVFP4")]
+            if broken is not None:
+                broken += [[n, f"{w.layout.family} is not an FP4 format: its rules are not costed here"]
+                           for n, w in ck.weights.items() if w.layout.family not in ("MXFP4", "NVFP4")]
             if broken is not None:
                 broken += [[name, f"its entries do not make an MXFP4 weight: {why}"] for name, why in ck.broken.items()]
             continue
@@ -61,12 +65,17 @@ def _oriented(t, x) -> tuple:
     return readings[i][1], rules, rq
 
 
+def _family(t) -> str:
+    """"MXFP4" or "NVFP4": a GGUF tensor's type, else its layout's family."""
+    return getattr(t, "type", None) or t.layout.family
+
+
 def _stored_clipped(t, x2) -> float:
     """Share of the file's blocks whose reference amax exceeds 6 x the stored scale."""
     s = t.scales
     n = x2.shape[1] // s.shape[1]
     amax = np.abs(x2).reshape(s.shape[0], s.shape[1], n).max(-1).astype(np.float64)
-    if getattr(t, "type", "MXFP4") == "NVFP4":
+    if _family(t) == "NVFP4":
         scale = np.where((s & 0x7F) == 0x7F, 0.0, E4M3.values[s & 0x7F]).astype(np.float64)
     else:
         scale = np.ldexp(1.0, s.astype(np.int64) - 127)
@@ -100,7 +109,7 @@ def requantize_study(paths, reference) -> dict:
         a = x2.astype(np.float64)
         ref = float((a * a).sum())
         c = rule_costs(x2, rq)
-        rows.append({"tensor": t.name, "file": str(f), "type": getattr(t, "type", None) or "MXFP4",
+        rows.append({"tensor": t.name, "file": str(f), "type": _family(t),
                      "shape": list(t.shape), "file_rule": file_rules,
                      "stored": float(((stored - a) ** 2).sum() / ref) if ref else 0.0, "rel_mse": c["rel_mse"],
                      "clipped_stored": _stored_clipped(t, x2), "clipped_ggml_mxfp4": c["clipped_blocks"],

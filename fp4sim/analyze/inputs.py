@@ -281,6 +281,7 @@ def discover(paths, role_overrides: dict | None = None) -> tuple[list[Source], l
 CKPT = "nvfp4-checkpoint:"          # the key of an NVFP4 checkpoint's dequantized weight
 GPT_OSS = "gpt-oss-mxfp4:"           # the key of a gpt-oss MXFP4 weight's stored values
 CT_MX = "ct-mxfp4:"                  # the key of a compressed-tensors MXFP4 weight's stored values
+MLX = "mlx:"                         # the key of an MLX module's stored values
 _CKPTS: dict = {}                   # checkpoints read in this process, by folder
 
 
@@ -288,9 +289,11 @@ def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: li
     """An NVFP4 export (ModelOpt, compressed-tensors), a gpt-oss MXFP4 folder or a compressed-tensors MXFP4 one:
     each quantized weight becomes one tensor, ``MODULE.weight`` (its dequantized values; key
     ``nvfp4-checkpoint:MODULE``, ``gpt-oss-mxfp4:NAME`` (a gpt-oss weight as experts x rows by K) or
-    ``ct-mxfp4:MODULE``); the other entries of its files are read as usual. False for any other folder."""
+    ``ct-mxfp4:MODULE``), or an MLX folder in a float mode (``mlx:MODULE``); the other entries of its files are
+    read as usual. False for any other folder."""
     from ..checkpoints.compressed_tensors_mx import is_compressed_tensors_mx, read_compressed_tensors_mx
     from ..checkpoints.gpt_oss import is_gpt_oss, read_gpt_oss
+    from ..checkpoints.mlx import is_mlx, read_mlx
     from ..checkpoints.nvfp4 import is_checkpoint, read_checkpoint
     if is_checkpoint(d):
         read, prefix = read_checkpoint, CKPT
@@ -298,6 +301,8 @@ def _quantized_folder(d: Path, files: list, found: list, skip: set, problems: li
         read, prefix = (lambda p: read_gpt_oss(p, strict=False)), GPT_OSS
     elif is_compressed_tensors_mx(d):
         read, prefix = (lambda p: read_compressed_tensors_mx(p, strict=False)), CT_MX
+    elif is_mlx(d):
+        read, prefix = (lambda p: read_mlx(p, strict=False)), MLX
     else:
         return False
     try:
@@ -330,14 +335,14 @@ def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
     path = Path(src.path)
     suf = path.suffix.lower()
     try:
-        if src.key and src.key.startswith((GPT_OSS, CT_MX)):
+        if src.key and src.key.startswith((GPT_OSS, CT_MX, MLX)):
             from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
             from ..checkpoints.gpt_oss import read_gpt_oss
-            gpt = src.key.startswith(GPT_OSS)
-            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, (read_gpt_oss if gpt else
-                                                                      read_compressed_tensors_mx)(src.path,
-                                                                                                  strict=False))
-            w = ck.weights[src.key[len(GPT_OSS if gpt else CT_MX):]]
+            from ..checkpoints.mlx import read_mlx
+            prefix, read = next((p, r) for p, r in ((GPT_OSS, read_gpt_oss), (CT_MX, read_compressed_tensors_mx),
+                                                    (MLX, read_mlx)) if src.key.startswith(p))
+            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read(src.path, strict=False))
+            w = ck.weights[src.key[len(prefix):]]
             a = w.values().reshape(-1, w.shape[-1])
         elif src.key and src.key.startswith(CKPT):
             from ..checkpoints.nvfp4 import dequantize_weight, read_checkpoint

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .folders import entry_dtype, entry_files, entry_shape, folder_says, not_bytes, read_json
+from .folders import entry_dtype, entry_shape, folder_says, not_bytes, open_folder, read_json
 from .gpt_oss import GptOssCheckpoint, MXFP4Weight
 from .records import LAYOUTS
 
@@ -81,15 +81,7 @@ def read_compressed_tensors_mx(path, strict: bool = True) -> MXCheckpoint:
     """Read a compressed-tensors MXFP4 folder (sharded or not); ValueError naming the file and what is wrong:
     no such folder, no MXFP4 quantization_config, no .safetensors, and — where ``strict`` — a module whose entries
     do not make an MXFP4 weight (listed in ``broken`` with ``strict=False``, the others read)."""
-    d = Path(path)
-    if not d.is_dir():
-        raise ValueError(f"{d}: not a folder (give the checkpoint's folder, with its config.json and .safetensors)")
-    qc = _config(d)
-    if qc is None:
-        raise ValueError(f"{d}: config.json has no quantization_config with format {FORMAT!r}")
-    files = entry_files(d)
-    if not files:
-        raise ValueError(f"{d}: no .safetensors files")
+    d, qc, files = open_folder(path, _config, f"config.json has no quantization_config with format {FORMAT!r}")
     weights, broken, used = {}, {}, set()
     for key in sorted(files):
         if not key.endswith(".weight_packed"):

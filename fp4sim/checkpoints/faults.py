@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FAULTS", "LayoutFault", "undo_mxfp4", "undo_gguf", "faults_table"]
+__all__ = ["FAULTS", "LayoutFault", "undo_mxfp4", "undo_nvfp4", "undo_mxfp8", "undo_gguf", "faults_table"]
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,14 @@ class LayoutFault:
 _REF = "against the reference: undone, a rule reproduces the bytes"
 FAULTS: dict = {f.key: f for f in [
     LayoutFault("swapped-nibbles", "the nibbles are swapped (element 2j in the high nibble of byte j)",
-                ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4"), _REF),
+                ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "mlx"), _REF),
     LayoutFault("ggml-halves", "the codes are in ggml's order (byte j holds elements j and j + 16 of a block: a "
                 "GGUF block copied as is) where pairs belong", ("gpt-oss", "compressed-tensors mxfp4"), _REF),
     LayoutFault("pairs", "the codes are in gpt-oss's pair order (elements 2j and 2j + 1 in byte j) where ggml's "
                 "halves belong", ("gguf",), _REF),
     LayoutFault("scale-bias", "the scale bytes are one binade high or low (E8M0 with bias 128; an E4M3 exponent "
-                "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "gguf"),
-                _REF),
+                "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "mlx",
+                                     "gguf"), _REF),
     LayoutFault("half-factor", "ggml's UE4M3 0.5 factor left out or applied twice (NVFP4 scale bytes one binade "
                 "off)", ("gguf",), _REF),
     LayoutFault("transposed-blocks", "the blocks (or the block-scale matrix) written transposed",
@@ -52,11 +52,13 @@ FAULTS: dict = {f.key: f for f in [
     LayoutFault("codes-not-u8", "packed codes labelled I8 (or another dtype) in the header",
                 ("modelopt", "compressed-tensors"), "from the header alone"),
     LayoutFault("nan-scales", "scale bytes that are NaN (E8M0 255, E4M3 0x7F / 0xFF) or, for ggml's UE4M3, 0x7F "
-                "or a set sign bit", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "gguf"),
-                "from the bytes alone"),
+                "or a set sign bit", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "mlx",
+                                      "gguf"), "from the bytes alone"),
     LayoutFault("another-format", "tensors of another format than the config names (NVFP4's global scale or E4M3 "
                 "scales under an MXFP4 config; MXFP4's E8M0 bytes under an NVFP4 one)",
                 ("compressed-tensors", "compressed-tensors mxfp4"), "from the tensors' names, dtypes and shapes"),
+    LayoutFault("unknown-mode", "a mode fp4sim does not read as a float format (MLX's affine integer mode, a mode "
+                "it does not know), said with the mode", ("mlx",), "from the config and the tensors' names"),
     LayoutFault("truncated-data", "the file ends before a tensor's data does (any tensor type)", ("gguf",),
                 "from the file's size alone"),
     LayoutFault("other-fp4-type", "the other FP4 type's blocks under this type (NVFP4 blocks labelled MXFP4, or "
@@ -89,6 +91,29 @@ def undo_mxfp4(w) -> list:
         st = scales.reshape(E, nb, R).transpose(0, 2, 1).reshape(n, nb)
         out.append(("transposed-blocks", "the blocks are transposed (rows and K / 32 exchanged)", bt, st))
     return out
+
+
+def undo_nvfp4(codes, scales) -> list:
+    """[(fault key, what it is, codes, scales)]: an NVFP4 weight's bytes (fp4sim's packing, E4M3 scale bytes per
+    16) with each known fault undone — nibbles swapped, the scale bytes one binade high or low (the E4M3 exponent
+    field off by one)."""
+    s = scales.astype(np.int16)
+    return [("swapped-nibbles", "the nibbles are swapped (element 2j in the high nibble of byte j)",
+             ((codes >> 4) | (codes << 4)).astype(np.uint8), scales),
+            ("scale-bias", "the scale bytes are one binade high (the E4M3 exponent field one too high)", codes,
+             (s - 8).clip(0, 255).astype(np.uint8)),
+            ("scale-bias", "the scale bytes are one binade low (the E4M3 exponent field one too low)", codes,
+             (s + 8).clip(0, 255).astype(np.uint8))]
+
+
+def undo_mxfp8(codes, scales) -> list:
+    """[(fault key, what it is, codes, scales)]: an MXFP8 weight's bytes (E4M3 elements, E8M0 scales per 32) with
+    the E8M0 bias undone both ways."""
+    s = scales.astype(np.int16)
+    return [("scale-bias", "the scale bytes are one binade high (E8M0 written with bias 128)", codes,
+             (s - 1).clip(0, 255).astype(np.uint8)),
+            ("scale-bias", "the scale bytes are one binade low (E8M0 read with bias 128)", codes,
+             (s + 1).clip(0, 255).astype(np.uint8))]
 
 
 def undo_gguf(t, rows: int) -> list:

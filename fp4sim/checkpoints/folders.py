@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["read_json", "entry_files", "entry_dtype", "entry_shape", "not_bytes", "folder_says"]
+__all__ = ["read_json", "entry_files", "entry_dtype", "entry_shape", "not_bytes", "folder_says", "open_folder"]
 
 
 def read_json(p: Path):
@@ -73,3 +73,19 @@ def folder_says(d, config) -> bool:
         return Path(d).is_dir() and config(Path(d)) is not None
     except ValueError:
         return False
+
+
+def open_folder(path, config, none: str) -> tuple:
+    """(folder, its format's config, {entry: file}) of a checkpoint folder whose format ``config(folder)`` reads
+    from its config files; ValueError naming the folder: not a folder, ``none`` (what is missing) where the
+    config is not there, no .safetensors files."""
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a folder (give the checkpoint's folder, with its config.json and .safetensors)")
+    q = config(d)
+    if q is None:
+        raise ValueError(f"{d}: {none}")
+    files = entry_files(d)
+    if not files:
+        raise ValueError(f"{d}: no .safetensors files")
+    return d, q, files

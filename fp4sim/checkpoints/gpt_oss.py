@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .folders import entry_dtype, entry_files, entry_shape, folder_says, not_bytes, read_json
+from .folders import entry_dtype, entry_shape, folder_says, not_bytes, open_folder, read_json
 from .records import LAYOUTS, Layout
 from .rules import MX_RULES, Requantized, mx_rule_key, reproducing
 from .rules import rule as registry_rule
@@ -126,16 +126,8 @@ def read_gpt_oss(path, strict: bool = True) -> GptOssCheckpoint:
     entries do not make one: a ``_blocks`` entry without its ``_scales`` (or the reverse), shapes that do not
     agree, blocks that are not 16 bytes. With ``strict=False`` such a weight is listed in ``broken`` (name ->
     what is wrong) and the others are read: validate names it as a fault, analyze skips it with the reason."""
-    d = Path(path)
-    if not d.is_dir():
-        raise ValueError(f"{d}: not a folder (give the checkpoint's folder, with its config.json and .safetensors)")
-    qc = _config(d)
-    if qc is None:
-        raise ValueError(f"{d}: config.json has no quantization_config with quant_method 'mxfp4' (not a gpt-oss "
-                         "MXFP4 checkpoint)")
-    files = entry_files(d)
-    if not files:
-        raise ValueError(f"{d}: no .safetensors files")
+    d, qc, files = open_folder(path, _config, "config.json has no quantization_config with quant_method 'mxfp4' "
+                                              "(not a gpt-oss MXFP4 checkpoint)")
     weights, used, broken = {}, set(), {}
     for key in sorted(files):
         if not key.endswith("_blocks"):

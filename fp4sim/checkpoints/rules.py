@@ -527,7 +527,7 @@ RULES: dict = {r.key: r for r in [
                  "tests on real weights and adversarial blocks in float32, bfloat16 and float16", ("dtype",),
                  lambda x, dtype="float32": RuleBytes(*compressed_tensors_mx_quantize(x, dtype)), _decode_e8m0),
     *[ExporterRule(f"mlx-{m}", f"MLX's {m} rule", None, m.upper(), 16 if m == "nvfp4" else 32,
-                   "E4M3" if m == "nvfp4" else "E8M0", None, ("mlx",),
+                   "E4M3" if m == "nvfp4" else "E8M0", None, (f"mlx {m}",),
                    f"MLX 0.32.4's mx.quantize(w, mode='{m}') on the CPU, run by the tests on real weights and "
                    "adversarial blocks in float32, bfloat16 and float16", ("dtype",),
                    (lambda m: lambda x, dtype="float32": RuleBytes(*mlx_quantize(x, m, dtype)))(m),

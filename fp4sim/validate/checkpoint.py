@@ -22,6 +22,7 @@ import numpy as np
 from ..analyze.inputs import reference_sources, reference_weight
 from ..checkpoints.compressed_tensors_mx import is_compressed_tensors_mx
 from ..checkpoints.gpt_oss import is_gpt_oss
+from ..checkpoints.mlx import is_mlx
 from ..checkpoints.nvfp4 import KEYS, Checkpoint, QuantWeight, read_checkpoint
 from ..formats import E4M3
 from ..layout import swizzled_size
@@ -191,6 +192,9 @@ def check_checkpoint(path, reference=None) -> CheckpointReport:
     if is_compressed_tensors_mx(path):
         from .checkpoint_mx import check_compressed_tensors_mx
         return check_compressed_tensors_mx(path, reference)
+    if is_mlx(path):
+        from .checkpoint_mx import check_mlx
+        return check_mlx(path, reference)
     ck = read_checkpoint(path)
     kg = KEYS[ck.format][2]
     rep = CheckpointReport(str(path), ck.format, str(reference) if reference else None)

@@ -18,16 +18,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..analyze.inputs import reference_sources, reference_weight
-from ..checkpoints.faults import undo_gguf, undo_mxfp4
+from ..checkpoints.faults import undo_gguf, undo_mxfp4, undo_mxfp8, undo_nvfp4
 from ..checkpoints.gguf import other_fp4_bytes, read_gguf, to_gguf_blocks
 from ..checkpoints.gpt_oss import read_gpt_oss, reference_orientations
+from ..checkpoints.mlx import read_mlx
 from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
 from ..checkpoints.rules import (COST_RULES, Requantized, candidates, reproducing, rule, rule_costs, rules_for,
                                  title_of)
 from ..layout import unpack_fp4
 from .checkpoint_ref import CheckpointReport, count_compared, excluded_findings
 
-__all__ = ["check_gpt_oss", "check_compressed_tensors_mx", "check_gguf"]
+__all__ = ["check_gpt_oss", "check_compressed_tensors_mx", "check_mlx", "check_gguf"]
 
 
 def _expected_shapes(cfg: dict) -> dict:
@@ -60,10 +61,10 @@ def _keys(fmt: str, kind: str) -> list:
 
 
 def _block_diff(codes, scales, c, s) -> np.ndarray:
-    """bool (rows, blocks): the scale blocks whose scale byte or any of whose codes differ."""
+    """bool (rows, blocks): the scale blocks whose scale byte or any of whose code bytes differ (packed FP4 or
+    one byte per element alike: a block's bytes are contiguous in its row)."""
     R, nb = scales.shape
-    a, b = unpack_fp4(codes), unpack_fp4(c)
-    return (a != b).reshape(R, nb, -1).any(-1) | (scales != s)
+    return (np.asarray(codes) != np.asarray(c)).reshape(R, nb, -1).any(-1) | (scales != s)
 
 
 def _verdict(e, codes, scales, readings, keys, fixes, none_msg, where):
@@ -139,6 +140,93 @@ def check_compressed_tensors_mx(path, reference=None):
     return rep
 
 
+def check_mlx(path, reference=None):
+    """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of an MLX folder in its float modes
+    (:mod:`fp4sim.checkpoints.mlx`): per module its scale bytes (E8M0 255, E4M3 NaN or negative) and, for mxfp8,
+    NaN element bytes; all-zero FP4 blocks under a non-zero scale (a note); with ``reference``, MLX's rule for the
+    module's mode in each dtype the reference is exact in (:func:`fp4sim.checkpoints.rules.mlx_quantize`), or
+    the fault whose undoing makes it reproduce the bytes (nibbles swapped, ggml's order, the scale bytes one
+    binade off, blocks transposed), and the FP4 rules' costs. A module fp4sim cannot read as a float mode (MLX's
+    affine mode, an unknown mode, shapes that disagree) is a fault naming it; the others are checked."""
+    ck = read_mlx(path, strict=False)
+    rep = CheckpointReport(str(path), "mlx", str(reference) if reference else None)
+    refs = reference_sources(reference) if reference else None
+    if not ck.weights and not ck.broken:
+        rep.faults.append("no quantized module found (no NAME.scales beside a NAME.weight): nothing was checked")
+    for name, why in ck.broken.items():
+        rep.tensors[name] = {"ok": False, "faults": [f"not read as one of MLX's float modes: {why}"], "notes": [],
+                             "shape": None, "global_amax": None, "shared_scale": [], "exact": None, "rule": None,
+                             "rules": [], "compared": False}
+    for name, w in ck.weights.items():
+        t = {"ok": True, "faults": [], "notes": [], "shape": list(w.shape), "global_amax": None, "shared_scale": [],
+             "exact": None, "rule": None, "rules": [], "compared": False, "mode": w.mode}
+        try:
+            _check_mlx_weight(w, t)
+        except ValueError as e:                     # a shard cut short, offsets that do not fit its file
+            t["faults"].append(f"its bytes cannot be read: {e}")
+            t["ok"] = False
+            rep.tensors[name] = t
+            continue
+        x2 = None
+        if refs is not None:
+            x, why = reference_weight(w, refs)
+            if x is None:
+                t["notes"].append(f"{why}: not compared")
+            elif tuple(x.shape) != tuple(w.shape):
+                t["faults"].append(f"the reference has shape {tuple(x.shape)}; the module holds {tuple(w.shape)}")
+            else:
+                x2 = np.ascontiguousarray(x, np.float32)
+        if x2 is not None:
+            fixes = {"mxfp4": lambda w=w: undo_mxfp4(w), "nvfp4": lambda w=w: undo_nvfp4(w.codes, w.scales),
+                     "mxfp8": lambda w=w: undo_mxfp8(w.codes, w.scales)}[w.mode]
+            _, rq = _verdict(t, w.codes, w.scales, [(None, x2)], candidates(w.layout.format, w.layout.family, x2),
+                             fixes, f"MLX's {w.mode} rule (in each dtype the reference is exact in) does not "
+                             "reproduce its bytes from the reference", lambda r, b: f"row {r}, block {b}")
+            if w.mode != "mxfp8":
+                _add_costs(t, x2, rq)
+        _file(rep, name, t)
+    _close(rep, refs)
+    excluded_findings(ck, rep)
+    return rep
+
+
+def _file(rep, name, t):
+    """Tensor entry ``t`` in the report, ok where it has no fault."""
+    t["ok"] = not t["faults"]
+    rep.tensors[name] = t
+
+
+def _close(rep, refs):
+    """With a reference: the weights it left uncompared (a fault) and the rules' costs (a note)."""
+    if refs is not None:
+        count_compared(rep)
+        _cost_note(rep)
+
+
+def _check_mlx_weight(w, t):
+    """An MLX module's bytes on their own: NaN scale bytes (E8M0 255; E4M3 0x7F / 0xFF), negative E4M3 scales,
+    NaN E4M3 elements (mxfp8), all-zero FP4 blocks under a non-zero scale (a note)."""
+    s = w.scales
+    if w.mode == "nvfp4":
+        nan, neg = int(((s & 0x7F) == 0x7F).sum()), int(((s & 0x80) != 0).sum())
+        if nan:
+            t["faults"].append(f"{nan} E4M3 scale bytes are NaN (0x7F / 0xFF)")
+        if neg:
+            t["faults"].append(f"{neg} E4M3 scale bytes have the sign bit set: scales are magnitudes")
+    elif int((s == 255).sum()):
+        t["faults"].append(f"{int((s == 255).sum())} E8M0 scale bytes are 255, NaN: their blocks decode to NaN")
+    if w.mode == "mxfp8":
+        n = int(((w.codes & 0x7F) == 0x7F).sum())
+        if n:
+            t["faults"].append(f"{n} E4M3 element bytes are NaN (0x7F / 0xFF)")
+        return
+    c = unpack_fp4(w.codes)
+    g = w.layout.block
+    zero = ((c & 7) == 0).reshape(s.shape[0], s.shape[1], g).all(-1) & (s > 0)
+    if zero.any():
+        t["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
+
+
 def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, none_msg, where):
     """The report of an MXFP4 safetensors folder ``ck`` (gpt-oss's, compressed-tensors'): its broken weights as
     faults; per weight the checks of :func:`_check`; with ``reference`` each weight's verdict over the rules
@@ -175,11 +263,8 @@ def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, non
                 (_, x2), rq = _verdict(t, w.codes, w.scales, readings, keys(readings[0][1]),
                                        lambda w=w: undo_mxfp4(w), none_msg, where(w.shape[-2]))
                 _add_costs(t, x2, rq)
-        t["ok"] = not t["faults"]
-        rep.tensors[name] = t
-    if refs is not None:
-        count_compared(rep)
-        _cost_note(rep)
+        _file(rep, name, t)
+    _close(rep, refs)
     return rep
 
 
