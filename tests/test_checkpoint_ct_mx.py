@@ -36,6 +36,18 @@ def ct_mx_compress(w):
     return comp.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
 
 
+def ct_mx8_compress(w):
+    """compressed-tensors' own MXFP8 export of one weight: its MX scales, then MXFP8QuantizationCompressor
+    (float8_e4m3fn elements, E8M0 bytes)."""
+    h, scheme, comp = ct_parts("MXFP8", "mxfp8.base.MXFP8QuantizationCompressor")
+    R, K = w.shape
+    g = w.reshape(R, K // 32, 32)
+    scale, zp = h.calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+    out = comp.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+    import torch
+    return out["weight"].view(torch.uint8).numpy(), out["weight_scale"].numpy()
+
+
 def _adversarial():
     """Ties of E2M1 at several scales (subnormal, tiny, large), zeros of both signs, all-zero and all-equal
     blocks, amaxes on the 1.75 x 2^e boundary the scale rounds at and just below it, float32-subnormal blocks."""
@@ -78,6 +90,20 @@ def test_the_rule_is_compressed_tensors_byte_for_byte(dtype):
     assert not np.array_equal(np.asarray(fs.quantize(x, "mxfp4", scale_mode="floor").scales).reshape(os_.shape), os_)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_mxfp8_rule_is_compressed_tensors_byte_for_byte(dtype):
+    """compressed-tensors' MXFP8 (mxfp8-quantized): the same scale rule with E4M3's offset 8, E4M3 elements, -0
+    stored as 0x00 (its zero point added)."""
+    torch = torch_or_skip()
+    z = np.load(SAMPLE)
+    for w in (z[f"minilm.{Q}.weight"], _adversarial()):
+        t = torch.from_numpy(w).to(getattr(torch, dtype))
+        t = t[torch.isfinite(t).all(1) & (t.abs().amax(1) < 57344)]
+        oc, os_ = ct_mx8_compress(t)
+        c, s = compressed_tensors_mx_quantize(t.float().numpy(), dtype, bits=8)
+        assert np.array_equal(s, os_) and np.array_equal(c, oc), dtype
+
+
 def test_float16_scales_below_its_range_are_stored_as_one():
     """In float16 a scale 2^(b - 127) below 2^-24 is 0, replaced by 1 (uint8 scales' "eps"): byte 127 and codes
     of magnitude zero (a negative value keeps its sign, code 8), where float32 keeps the block's values
@@ -101,6 +127,8 @@ def test_the_rule_refuses_what_it_cannot_reproduce():
                              (np.ones((1, 32), np.float32), "int8", "is not one of")):
         with pytest.raises(ValueError, match=phrase):
             compressed_tensors_mx_quantize(x, dtype)
+    with pytest.raises(ValueError, match="bits=6"):
+        compressed_tensors_mx_quantize(np.ones((1, 32), np.float32), "float32", bits=6)
 
 
 def _config(ignore=("lm_head",), fmt="mxfp4-pack-quantized", preset="MXFP4"):
@@ -253,3 +281,39 @@ def test_mxfp4_tensors_under_an_nvfp4_config_are_named(export):
     assert not rep.ok and rep.format == "compressed-tensors", rep.summary()
     assert any("MXFP4's E8M0 exponents (mxfp4-pack-quantized) under a config that names NVFP4"
                in f for f in rep.tensors[Q]["faults"]), rep.summary()
+
+
+def test_an_mxfp8_export_validates_and_its_faults_are_named(export):
+    """compressed-tensors' mxfp8-quantized folder (F8_E4M3 elements, E8M0 bytes per 32), written by its own
+    MXFP8 compressor: consistent, its rule named in bfloat16; scale bytes one binade high named; packed FP4 codes
+    under the MXFP8 config named."""
+    from fp4sim.checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
+    from fp4sim.validate.checkpoint import check_checkpoint
+    base, ref, out, w = export
+    h, scheme, comp = ct_parts("MXFP8", "mxfp8.base.MXFP8QuantizationCompressor")
+    t8 = {"lm_head.weight": w["lm_head"]}
+    for m in (Q, D):
+        R, K = w[m].shape
+        g = w[m].reshape(R, K // 32, 32)
+        scale, zp = h.calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+        for k, v in comp.compress({"weight": w[m], "weight_scale": scale, "weight_zero_point": zp}, scheme).items():
+            t8[f"{m}.{k}"] = v
+    d = write_ct_mx(base / "fp8", t8, fmt="mxfp8-quantized", preset="MXFP8")
+    ck = read_compressed_tensors_mx(d)
+    assert ck.format == "compressed-tensors mxfp8" and set(ck.weights) == {Q, D}
+    theirs = comp.decompress({"weight": t8[f"{Q}.weight"], "weight_scale": t8[f"{Q}.weight_scale"]},
+                             scheme)["weight"].float().numpy()
+    assert np.array_equal(ck.weights[Q].values(), theirs)
+    rep = check_checkpoint(d, ref)
+    assert rep.ok and rep.format == "compressed-tensors mxfp8", rep.summary()
+    assert all(t["rule"] == "compressed-tensors' MXFP8 rule (in bfloat16)" for t in rep.tensors.values()), rep.summary()
+    bad = dict(t8)
+    bad[f"{Q}.weight_scale"] = bad[f"{Q}.weight_scale"] + 1
+    rep = check_checkpoint(write_ct_mx(base / "fp8bias", bad, fmt="mxfp8-quantized", preset="MXFP8"), ref)
+    assert not rep.ok and rep.tensors[D]["ok"]
+    assert any("the scale bytes are one binade high" in f for f in rep.tensors[Q]["faults"]), rep.summary()
+    mixed = dict(t8)
+    mixed.pop(f"{Q}.weight")
+    mixed[f"{Q}.weight_packed"] = out[f"{Q}.weight_packed"]
+    rep = check_checkpoint(write_ct_mx(base / "fp8mixed", mixed, fmt="mxfp8-quantized", preset="MXFP8"))
+    assert not rep.ok and any("packed FP4 codes" in f for f in rep.tensors[Q]["faults"]), rep.summary()

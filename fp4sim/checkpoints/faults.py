@@ -32,8 +32,8 @@ FAULTS: dict = {f.key: f for f in [
     LayoutFault("pairs", "the codes are in gpt-oss's pair order (elements 2j and 2j + 1 in byte j) where ggml's "
                 "halves belong", ("gguf",), _REF),
     LayoutFault("scale-bias", "the scale bytes are one binade high or low (E8M0 with bias 128; an E4M3 exponent "
-                "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4", "mlx",
-                                     "gguf"), _REF),
+                "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4",
+                                     "compressed-tensors mxfp8", "mlx", "gguf"), _REF),
     LayoutFault("half-factor", "ggml's UE4M3 0.5 factor left out or applied twice (NVFP4 scale bytes one binade "
                 "off)", ("gguf",), _REF),
     LayoutFault("transposed-blocks", "the blocks (or the block-scale matrix) written transposed",
@@ -56,7 +56,8 @@ FAULTS: dict = {f.key: f for f in [
                                       "gguf"), "from the bytes alone"),
     LayoutFault("another-format", "tensors of another format than the config names (NVFP4's global scale or E4M3 "
                 "scales under an MXFP4 config; MXFP4's E8M0 bytes under an NVFP4 one)",
-                ("compressed-tensors", "compressed-tensors mxfp4"), "from the tensors' names, dtypes and shapes"),
+                ("compressed-tensors", "compressed-tensors mxfp4", "compressed-tensors mxfp8"),
+                "from the tensors' names, dtypes and shapes"),
     LayoutFault("unknown-mode", "a mode fp4sim does not read as a float format (MLX's affine integer mode, a mode "
                 "it does not know), said with the mode", ("mlx",), "from the config and the tensors' names"),
     LayoutFault("truncated-data", "the file ends before a tensor's data does (any tensor type)", ("gguf",),

@@ -32,6 +32,7 @@ LAYOUTS = {l.format: l for l in [
            "e2m1 · fl(E4M3(s) / weight_global_scale)"),
     Layout("gpt-oss", "MXFP4", 32, "E8M0", None, "pairs", "e2m1 · 2^(e - 127)"),
     Layout("compressed-tensors mxfp4", "MXFP4", 32, "E8M0", None, "pairs", "e2m1 · 2^(e - 127)"),
+    Layout("compressed-tensors mxfp8", "MXFP8", 32, "E8M0", None, "one E4M3 byte per element", "e4m3 · 2^(e - 127)"),
     Layout("mlx mxfp4", "MXFP4", 32, "E8M0", None, "pairs (uint32 words, lowest bits first)", "e2m1 · 2^(e - 127)"),
     Layout("mlx nvfp4", "NVFP4", 16, "E4M3", None, "pairs (uint32 words, lowest bits first)", "e2m1 · E4M3(s)"),
     Layout("mlx mxfp8", "MXFP8", 32, "E8M0", None, "one E4M3 byte per element", "e4m3 · 2^(e - 127)"),

@@ -243,21 +243,24 @@ def _power_of_two_at_or_above_three_quarters(a, dt):
     return ((x + (1 << (mant - 2))) & mask).astype(ut).view(dt)
 
 
-def compressed_tensors_mx_quantize(x, dtype: str | None = None) -> tuple:
-    """compressed-tensors' MXFP4 weight quantizer (``mxfp4-pack-quantized``: ``calculate_qparams`` with its MX
-    scales, then the packed compressor), byte for byte: ``(codes, scales)`` — packed E2M1 codes (uint8 (out,
-    in / 2), fp4sim's packing) and E8M0 exponent bytes (uint8 (out, in / 32)) for a 2-D weight ``x`` (in a
-    multiple of 32), each operation in the weight's dtype ``dtype`` (``"float32"``, ``"bfloat16"``,
-    ``"float16"``; default: the dtype of ``x``):
+def compressed_tensors_mx_quantize(x, dtype: str | None = None, bits: int = 4) -> tuple:
+    """compressed-tensors' MX weight quantizers (``calculate_qparams`` with its MX scales, then the compressor),
+    byte for byte: ``(codes, scales)`` for a 2-D weight ``x`` (in a multiple of 32) — with ``bits=4``
+    (``mxfp4-pack-quantized``) packed E2M1 codes (uint8 (out, in / 2), fp4sim's packing), with ``bits=8``
+    (``mxfp8-quantized``) one E4M3 byte per element (uint8 (out, in)) — and E8M0 exponent bytes (uint8 (out,
+    in / 32)), each operation in the weight's dtype ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``;
+    default: the dtype of ``x``):
 
     - the block's largest magnitude rounded to a power of two ``p``: its binade's, or the next binade's where
       the significand is 1.75 or more (the bits of the dtype with 1 << (mantissa - 2) added, the mantissa masked
       off; a subnormal amax gives 0 or the smallest normal);
-    - the exponent byte ``b = clamp(127 + floor(log2 p) - 2, 0, 255)`` (log2 0 = -inf gives 0), and the scale
+    - the exponent byte ``b = clamp(127 + floor(log2 p) - k, 0, 255)``, k = 2 (E2M1's 6) or 8 (E4M3's 448),
+      (log2 0 = -inf gives 0), and the scale
       ``s = 2^(b - 127)`` rounded to the dtype — in float16 a scale below 2^-24 is 0 and becomes 1 (its "eps"
       for uint8 scales), so such a block stores byte 127 and all-zero codes;
-    - each element ``E2M1_rne(clamp(fl_dtype(x / s), -6, 6))``, an exact zero (of either sign) code 0 and a
-      negative value that rounds to zero code 8;
+    - each element ``E2M1_rne(clamp(fl_dtype(x / s), -6, 6))`` (or ``E4M3_rne(clamp(..., -448, 448))``), an
+      exact zero (of either sign) code 0 (its zero point, +0, is added) and a negative value that rounds to zero
+      the negative zero code;
     - the stored byte ``127 + floor(log2 s)``.
 
     For a weight of bfloat16 or float32 values these are fp4sim's ``mxfp4`` with ``scale_mode="even"`` except
@@ -265,6 +268,8 @@ def compressed_tensors_mx_quantize(x, dtype: str | None = None) -> tuple:
     or a block whose scale overflows the dtype (the rule stores no defined byte for it)."""
     from ..elements import encode
     from ..layout import pack_fp4
+    if bits not in _MX_OFFSET:
+        raise ValueError(f"bits={bits!r}: compressed-tensors' MX formats here are 4 (MXFP4) and 8 (MXFP8)")
     a = np.asarray(x)
     if a.ndim != 2 or a.shape[1] % 32:
         raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of 32 is needed, not shape {a.shape}")
@@ -276,7 +281,7 @@ def compressed_tensors_mx_quantize(x, dtype: str | None = None) -> tuple:
         R, K = xd.shape
         amax = np.abs(xd.astype(np.float32)).reshape(R, K // 32, 32).max(-1).astype(dt)
         p = _power_of_two_at_or_above_three_quarters(amax, dt).astype(np.float32)
-        e = np.float32(127) + np.floor(np.log2(p)) - np.float32(_MX_OFFSET[4])
+        e = np.float32(127) + np.floor(np.log2(p)) - np.float32(_MX_OFFSET[bits])
         b = np.clip(e, 0, 255).astype(np.int64)
         s = np.ldexp(np.float32(1), b - 127).astype(np.float32).astype(dt).astype(np.float32)
         if not np.isfinite(s).all():
@@ -284,9 +289,10 @@ def compressed_tensors_mx_quantize(x, dtype: str | None = None) -> tuple:
                              f"{name}'s range, for which compressed-tensors stores no defined byte")
         s = np.where(s == 0, np.float32(1), s)
         y = (xd.astype(np.float32).reshape(R, K // 32, 32) / s[:, :, None]).astype(dt).astype(np.float32)
-        codes = np.where(y == 0, np.uint8(0), encode(np.clip(y, -6, 6), "E2M1")).reshape(R, K).astype(np.uint8)
+        top, fmt = (6, "E2M1") if bits == 4 else (448, "E4M3")
+        codes = np.where(y == 0, np.uint8(0), encode(np.clip(y, -top, top), fmt)).reshape(R, K).astype(np.uint8)
         sb = (np.float32(127) + np.floor(np.log2(s))).astype(np.uint8)
-    return pack_fp4(codes), sb
+    return (pack_fp4(codes) if bits == 4 else codes), sb
 
 
 
@@ -526,6 +532,11 @@ RULES: dict = {r.key: r for r in [
                  "compressed-tensors 0.20.1's calculate_qparams (MX scales) and MXFP4PackedCompressor, run by the "
                  "tests on real weights and adversarial blocks in float32, bfloat16 and float16", ("dtype",),
                  lambda x, dtype="float32": RuleBytes(*compressed_tensors_mx_quantize(x, dtype)), _decode_e8m0),
+    ExporterRule("compressed-tensors-mxfp8", "compressed-tensors' MXFP8 rule", None, "MXFP8", 32, "E8M0", None,
+                 ("compressed-tensors mxfp8",),
+                 "compressed-tensors 0.20.1's calculate_qparams (MX scales) and MXFP8QuantizationCompressor, run by "
+                 "the tests on real weights and adversarial blocks in float32, bfloat16 and float16", ("dtype",),
+                 lambda x, dtype="float32": RuleBytes(*compressed_tensors_mx_quantize(x, dtype, 8)), _decode_mxfp8),
     *[ExporterRule(f"mlx-{m}", f"MLX's {m} rule", None, m.upper(), 16 if m == "nvfp4" else 32,
                    "E4M3" if m == "nvfp4" else "E8M0", None, (f"mlx {m}",),
                    f"MLX 0.32.4's mx.quantize(w, mode='{m}') on the CPU, run by the tests on real weights and "

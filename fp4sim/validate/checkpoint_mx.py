@@ -115,26 +115,27 @@ def check_gpt_oss(path, reference=None):
         pass
     return _check_mx_folder(
         ck, path, reference, "gpt-oss mxfp4", _expected_shapes(cfg), "no *_blocks entry",
-        lambda x2: rules_for("gpt-oss", "MXFP4"),
+        lambda w, x2: rules_for("gpt-oss", "MXFP4"),
         "no MXFP4 rule (fp4sim's scale modes rceil / floor / ceil / even with round-to-nearest-even elements, "
         "ggml's quantizer) reproduces its bytes from the reference",
         lambda R: lambda r, b: f"expert {r // R}, row {r % R}, block {b}")
 
 
 def check_compressed_tensors_mx(path, reference=None):
-    """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of a compressed-tensors MXFP4 folder
-    (``mxfp4-pack-quantized``, :mod:`fp4sim.checkpoints.compressed_tensors_mx`): per weight the checks of a gpt-oss
-    one (E8M0 bytes 255, all-zero blocks under a non-zero scale); with ``reference``, compressed-tensors' own rule
+    """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of a compressed-tensors MX folder
+    (``mxfp4-pack-quantized`` or ``mxfp8-quantized``, :mod:`fp4sim.checkpoints.compressed_tensors_mx`): per weight
+    the checks of a gpt-oss one (E8M0 bytes 255, all-zero FP4 blocks under a non-zero scale; NaN FP8 elements);
+    with ``reference``, compressed-tensors' own rule
     in each dtype the reference is exact in, then fp4sim's MX scale modes and ggml's quantizer, or the fault
     whose undoing makes one reproduce the bytes; the modules of ``ignore`` present in high precision and none
     quantized. A module whose tensors are another format's (a ``weight_global_scale``, E4M3 scales: NVFP4's under
     an MXFP4 config) is a fault of that module."""
     ck = read_compressed_tensors_mx(path, strict=False)
     rep = _check_mx_folder(
-        ck, path, reference, "compressed-tensors mxfp4", {}, "no *.weight_packed entry",
-        lambda x2: candidates("compressed-tensors mxfp4", "MXFP4", x2),
-        "no MXFP4 rule (compressed-tensors' in each dtype the reference is exact in, fp4sim's scale modes rceil / "
-        "floor / ceil / even, ggml's quantizer) reproduces its bytes from the reference",
+        ck, path, reference, ck.format, {}, "no *.weight_scale entry beside its codes",
+        lambda w, x2: candidates(w.layout.format, w.layout.family, x2),
+        "no rule (compressed-tensors' own in each dtype the reference is exact in; for MXFP4 also fp4sim's scale "
+        "modes rceil / floor / ceil / even and ggml's quantizer) reproduces its bytes from the reference",
         lambda R: lambda r, b: f"row {r}, block {b}")
     excluded_findings(ck, rep)
     return rep
@@ -228,9 +229,10 @@ def _check_mlx_weight(w, t):
 
 
 def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, none_msg, where):
-    """The report of an MXFP4 safetensors folder ``ck`` (gpt-oss's, compressed-tensors'): its broken weights as
-    faults; per weight the checks of :func:`_check`; with ``reference`` each weight's verdict over the rules
-    ``keys(x2)`` (``where(rows)(row, block)`` names a block) and the rules' costs."""
+    """The report of an MX safetensors folder ``ck`` (gpt-oss's MXFP4, compressed-tensors' MXFP4 or MXFP8): its
+    broken weights as faults; per weight the checks of :func:`_check` (an MXFP8 weight's of
+    :func:`_check_mlx_weight`); with ``reference`` each weight's verdict over the rules ``keys(w, x2)``
+    (``where(rows)(row, block)`` names a block) and the FP4 rules' costs."""
     rep = CheckpointReport(str(path), label, str(reference) if reference else None)
     refs = reference_sources(reference) if reference else None
     if not ck.weights and not ck.broken:
@@ -242,8 +244,9 @@ def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, non
     for name, w in ck.weights.items():
         t = {"ok": True, "faults": [], "notes": [], "shape": list(w.shape), "global_amax": None,
              "shared_scale": [], "exact": None, "rule": None, "rules": [], "compared": False}
+        fp8 = w.layout.family == "MXFP8"
         try:
-            _check(w, expected, t)
+            _check_mlx_weight(w, t) if fp8 else _check(w, expected, t)
         except ValueError as e:                     # a shard cut short, offsets that do not fit its file
             t["faults"].append(f"its bytes cannot be read: {e}")
             t["ok"] = False
@@ -260,9 +263,11 @@ def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, non
                 except ValueError as e:
                     t["faults"].append(str(e))
             if readings is not None:
-                (_, x2), rq = _verdict(t, w.codes, w.scales, readings, keys(readings[0][1]),
-                                       lambda w=w: undo_mxfp4(w), none_msg, where(w.shape[-2]))
-                _add_costs(t, x2, rq)
+                (_, x2), rq = _verdict(t, w.codes, w.scales, readings, keys(w, readings[0][1]),
+                                       (lambda w=w: undo_mxfp8(w.codes, w.scales)) if fp8 else
+                                       (lambda w=w: undo_mxfp4(w)), none_msg, where(w.shape[-2]))
+                if not fp8:
+                    _add_costs(t, x2, rq)
         _file(rep, name, t)
     _close(rep, refs)
     return rep
