@@ -56,9 +56,14 @@ def _load(model_dir: Path, seq_len: int | None = None):
     transformers.utils.logging.disable_progress_bar()
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a folder (give a Hugging Face model folder: config.json and weights)")
+    from .checkpoints.compressed_tensors_mx import is_compressed_tensors_mx
+    from .checkpoints.mlx import is_mlx
     from .checkpoints.nvfp4 import is_checkpoint
-    if is_checkpoint(model_dir):
-        raise BadInput(f"{model_dir}: an NVFP4 checkpoint (ModelOpt or compressed-tensors export); fp4sim inspect "
+    what = ("an NVFP4 checkpoint (ModelOpt or compressed-tensors export)" if is_checkpoint(model_dir) else
+            "a compressed-tensors MX checkpoint" if is_compressed_tensors_mx(model_dir) else
+            "an MLX-quantized checkpoint (mlx-lm's conversion)" if is_mlx(model_dir) else None)
+    if what:
+        raise BadInput(f"{model_dir}: {what}; fp4sim inspect "
                        "takes the high-precision model it was made from and quantizes it itself. Check the "
                        "checkpoint with python -m fp4sim.validate checkpoint DIR --reference HIGH_PRECISION_DIR, or "
                        "analyse its stored values with python -m fp4sim.analyze DIR")

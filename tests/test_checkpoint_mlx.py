@@ -152,3 +152,14 @@ def test_analyze_reads_and_costs_a_conversion(folders):
     st = requantize_study([d], folders["hf"])
     rows = {r["tensor"]: r for r in st["tensors"]}
     assert rows[DOWN]["file_rule"][0] == "MLX's mxfp4 rule (in bfloat16)", rows[DOWN]
+
+
+def test_inspect_refuses_a_quantized_folder_saying_what_it_is(folders, tmp_path):
+    """fp4sim inspect takes the high-precision model: an MLX conversion is refused with one line that says what
+    the folder is and which commands read it (exit 2, no traceback)."""
+    text = tmp_path / "t.txt"
+    text.write_text("one two three four five six seven eight nine ten " * 20)
+    r = subprocess.run([sys.executable, "-m", "fp4sim.cli", "inspect", str(folders["mxfp4"]), "--text", str(text)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "an MLX-quantized checkpoint" in r.stderr and "fp4sim.validate checkpoint" in \
+        r.stderr and "Traceback" not in r.stderr, r.stderr
