@@ -304,6 +304,9 @@ def test_an_mxfp8_export_validates_and_its_faults_are_named(export):
     theirs = comp.decompress({"weight": t8[f"{Q}.weight"], "weight_scale": t8[f"{Q}.weight_scale"]},
                              scheme)["weight"].float().numpy()
     assert np.array_equal(ck.weights[Q].values(), theirs)
+    from fp4sim.analyze.inputs import discover, load
+    sources, problems, _ = discover([str(d)])
+    assert not problems and np.array_equal(load({s.name: s for s in sources}[f"{Q}.weight"]), theirs)
     rep = check_checkpoint(d, ref)
     assert rep.ok and rep.format == "compressed-tensors mxfp8", rep.summary()
     assert all(t["rule"] == "compressed-tensors' MXFP8 rule (in bfloat16)" for t in rep.tensors.values()), rep.summary()
