@@ -163,3 +163,18 @@ def test_inspect_refuses_a_quantized_folder_saying_what_it_is(folders, tmp_path)
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2 and "an MLX-quantized checkpoint" in r.stderr and "fp4sim.validate checkpoint" in \
         r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_module_the_config_leaves_unquantized_must_be_in_high_precision(folders, tmp_path):
+    """config.json's quantization["MODULE"] = false: the module is not read as quantized, and its weight must be
+    there in high precision — a quantized one (U32 words) under it is a fault naming it."""
+    from fp4sim.checkpoints.mlx import read_mlx
+    from fp4sim.validate.checkpoint import check_checkpoint
+
+    def skip_up(c):
+        c["quantization"][UP] = False
+    d = _copy_with(folders["mxfp4"], tmp_path / "off", config=skip_up)
+    ck = read_mlx(d)
+    assert UP not in ck.weights and UP in ck.excluded and DOWN in ck.weights
+    rep = check_checkpoint(d)
+    assert not rep.ok and any(f"excluded module {UP!r} is stored as U32" in f for f in rep.faults), rep.summary()
