@@ -154,17 +154,17 @@ def te_nvfp4_blocks(x, n: int = 16) -> tuple:
     return codes.reshape(R, K), sb, s_dec
 
 
-_CT_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _weight_dtype(a, dtype) -> tuple:
-    """(name, NumPy type) of the dtype a rule computes in: ``dtype`` (one of :data:`_CT_DTYPES`) or the dtype of the
+    """(name, NumPy type) of the dtype a rule computes in: ``dtype`` (one of :data:`_DTYPES`) or the dtype of the
     array ``a``; ValueError naming ``dtype`` for another."""
     import ml_dtypes
     name = dtype if dtype is not None else {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                                             np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(a.dtype)
-    if name not in _CT_DTYPES:
-        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_CT_DTYPES)}")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {dtype if dtype is not None else a.dtype} is not one of {', '.join(_DTYPES)}")
     return name, {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
 
 

@@ -40,18 +40,13 @@ def _expected_shapes(cfg: dict) -> dict:
 
 
 def _check(w, expected, t):
-    s = w.scales
-    nan = int((s == 255).sum())
-    if nan:
-        t["faults"].append(f"{nan} E8M0 scale bytes are 255, NaN: their blocks decode to NaN")
+    """A weight's bytes on their own (:func:`_check_bytes`), and a gpt-oss weight's shape against the config's
+    dimensions (``expected``: {suffix: shape})."""
     want = next((v for k, v in expected.items() if w.name.endswith(k)), None)
     if want is not None and tuple(w.shape) != tuple(want):
         t["faults"].append(f"its blocks hold {tuple(w.shape)} (experts, rows, K); the config's dimensions give "
                            f"{tuple(want)}")
-    c = unpack_fp4(w.codes)
-    zero = ((c & 7) == 0).reshape(s.shape[0], s.shape[1], 32).all(-1) & (s > 0)
-    if zero.any():
-        t["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
+    _check_bytes(w, t)
 
 
 def _keys(fmt: str, kind: str) -> list:
@@ -150,65 +145,21 @@ def check_mlx(path, reference=None):
     binade off, blocks transposed), and the FP4 rules' costs. A module fp4sim cannot read as a float mode (MLX's
     affine mode, an unknown mode, shapes that disagree) is a fault naming it; the others are checked."""
     ck = read_mlx(path, strict=False)
-    rep = CheckpointReport(str(path), "mlx", str(reference) if reference else None)
-    refs = reference_sources(reference) if reference else None
-    if not ck.weights and not ck.broken:
-        rep.faults.append("no quantized module found (no NAME.scales beside a NAME.weight): nothing was checked")
-    for name, why in ck.broken.items():
-        rep.tensors[name] = {"ok": False, "faults": [f"not read as one of MLX's float modes: {why}"], "notes": [],
-                             "shape": None, "global_amax": None, "shared_scale": [], "exact": None, "rule": None,
-                             "rules": [], "compared": False}
-    for name, w in ck.weights.items():
-        t = {"ok": True, "faults": [], "notes": [], "shape": list(w.shape), "global_amax": None, "shared_scale": [],
-             "exact": None, "rule": None, "rules": [], "compared": False, "mode": w.mode}
-        try:
-            _check_mlx_weight(w, t)
-        except ValueError as e:                     # a shard cut short, offsets that do not fit its file
-            t["faults"].append(f"its bytes cannot be read: {e}")
-            t["ok"] = False
-            rep.tensors[name] = t
-            continue
-        x2 = None
-        if refs is not None:
-            x, why = reference_weight(w, refs)
-            if x is None:
-                t["notes"].append(f"{why}: not compared")
-            elif tuple(x.shape) != tuple(w.shape):
-                t["faults"].append(f"the reference has shape {tuple(x.shape)}; the module holds {tuple(w.shape)}")
-            else:
-                x2 = np.ascontiguousarray(x, np.float32)
-        if x2 is not None:
-            fixes = {"mxfp4": lambda w=w: undo_mxfp4(w), "nvfp4": lambda w=w: undo_nvfp4(w.codes, w.scales),
-                     "mxfp8": lambda w=w: undo_mxfp8(w.codes, w.scales)}[w.mode]
-            _, rq = _verdict(t, w.codes, w.scales, [(None, x2)], candidates(w.layout.format, w.layout.family, x2),
-                             fixes, f"MLX's {w.mode} rule (in each dtype the reference is exact in) does not "
-                             "reproduce its bytes from the reference", lambda r, b: f"row {r}, block {b}")
-            if w.mode != "mxfp8":
-                _add_costs(t, x2, rq)
-        _file(rep, name, t)
-    _close(rep, refs)
+    rep = _check_mx_folder(
+        ck, path, reference, "mlx", {}, "no NAME.scales beside a NAME.weight",
+        lambda w, x2: candidates(w.layout.format, w.layout.family, x2),
+        "MLX's rule for its mode (in each dtype the reference is exact in) does not reproduce its bytes from the "
+        "reference", lambda R: lambda r, b: f"row {r}, block {b}", "not read as one of MLX's float modes")
     excluded_findings(ck, rep)
     return rep
 
 
-def _file(rep, name, t):
-    """Tensor entry ``t`` in the report, ok where it has no fault."""
-    t["ok"] = not t["faults"]
-    rep.tensors[name] = t
-
-
-def _close(rep, refs):
-    """With a reference: the weights it left uncompared (a fault) and the rules' costs (a note)."""
-    if refs is not None:
-        count_compared(rep)
-        _cost_note(rep)
-
-
-def _check_mlx_weight(w, t):
-    """An MLX module's bytes on their own: NaN scale bytes (E8M0 255; E4M3 0x7F / 0xFF), negative E4M3 scales,
-    NaN E4M3 elements (mxfp8), all-zero FP4 blocks under a non-zero scale (a note)."""
+def _check_bytes(w, t):
+    """A weight's bytes on their own, by its layout's family: NaN scale bytes (E8M0 255; E4M3 0x7F / 0xFF),
+    negative E4M3 scales, NaN E4M3 elements (MXFP8), all-zero FP4 blocks under a non-zero scale (a note)."""
     s = w.scales
-    if w.mode == "nvfp4":
+    family = w.layout.family
+    if family == "NVFP4":
         nan, neg = int(((s & 0x7F) == 0x7F).sum()), int(((s & 0x80) != 0).sum())
         if nan:
             t["faults"].append(f"{nan} E4M3 scale bytes are NaN (0x7F / 0xFF)")
@@ -216,7 +167,7 @@ def _check_mlx_weight(w, t):
             t["faults"].append(f"{neg} E4M3 scale bytes have the sign bit set: scales are magnitudes")
     elif int((s == 255).sum()):
         t["faults"].append(f"{int((s == 255).sum())} E8M0 scale bytes are 255, NaN: their blocks decode to NaN")
-    if w.mode == "mxfp8":
+    if family == "MXFP8":
         n = int(((w.codes & 0x7F) == 0x7F).sum())
         if n:
             t["faults"].append(f"{n} E4M3 element bytes are NaN (0x7F / 0xFF)")
@@ -228,17 +179,26 @@ def _check_mlx_weight(w, t):
         t["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
 
 
-def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, none_msg, where):
-    """The report of an MX safetensors folder ``ck`` (gpt-oss's MXFP4, compressed-tensors' MXFP4 or MXFP8): its
-    broken weights as faults; per weight the checks of :func:`_check` (an MXFP8 weight's of
-    :func:`_check_mlx_weight`); with ``reference`` each weight's verdict over the rules ``keys(w, x2)``
+def _undo(w) -> list:
+    """The fault transforms of a weight's family (:mod:`fp4sim.checkpoints.faults`)."""
+    family = w.layout.family
+    if family == "MXFP8":
+        return undo_mxfp8(w.codes, w.scales)
+    return undo_nvfp4(w.codes, w.scales) if family == "NVFP4" else undo_mxfp4(w)
+
+
+def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, none_msg, where,
+                     broken_as="its entries do not make an MXFP4 weight"):
+    """The report of a block-scaled safetensors folder ``ck`` (gpt-oss's MXFP4, compressed-tensors' MXFP4 or
+    MXFP8, MLX's float modes): its
+    broken weights as faults (``broken_as``: what they fail to be); per weight the checks of :func:`_check`; with ``reference`` each weight's verdict over the rules ``keys(w, x2)``
     (``where(rows)(row, block)`` names a block) and the FP4 rules' costs."""
     rep = CheckpointReport(str(path), label, str(reference) if reference else None)
     refs = reference_sources(reference) if reference else None
     if not ck.weights and not ck.broken:
         rep.faults.append(f"no quantized weight found ({none_found}): nothing was checked")
     for name, why in ck.broken.items():
-        rep.tensors[name] = {"ok": False, "faults": [f"its entries do not make an MXFP4 weight: {why}"], "notes": [],
+        rep.tensors[name] = {"ok": False, "faults": [f"{broken_as}: {why}"], "notes": [],
                              "shape": None, "global_amax": None, "shared_scale": [], "exact": None, "rule": None,
                              "rules": [], "compared": False}
     for name, w in ck.weights.items():
@@ -246,7 +206,7 @@ def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, non
              "shared_scale": [], "exact": None, "rule": None, "rules": [], "compared": False}
         fp8 = w.layout.family == "MXFP8"
         try:
-            _check_mlx_weight(w, t) if fp8 else _check(w, expected, t)
+            _check(w, expected, t)
         except ValueError as e:                     # a shard cut short, offsets that do not fit its file
             t["faults"].append(f"its bytes cannot be read: {e}")
             t["ok"] = False
@@ -264,12 +224,14 @@ def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, non
                     t["faults"].append(str(e))
             if readings is not None:
                 (_, x2), rq = _verdict(t, w.codes, w.scales, readings, keys(w, readings[0][1]),
-                                       (lambda w=w: undo_mxfp8(w.codes, w.scales)) if fp8 else
-                                       (lambda w=w: undo_mxfp4(w)), none_msg, where(w.shape[-2]))
+                                       lambda w=w: _undo(w), none_msg, where(w.shape[-2]))
                 if not fp8:
                     _add_costs(t, x2, rq)
-        _file(rep, name, t)
-    _close(rep, refs)
+        t["ok"] = not t["faults"]
+        rep.tensors[name] = t
+    if refs is not None:
+        count_compared(rep)
+        _cost_note(rep)
     return rep
 
 
