@@ -157,6 +157,14 @@ def te_nvfp4_blocks(x, n: int = 16) -> tuple:
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _rounder(dt):
+    """An operation's float32 result rounded to the dtype ``dt`` (as torch and MLX compute a bfloat16 / float16
+    operation: in float32, then rounded), returned as float32."""
+    def r(v):
+        return np.asarray(v, np.float32).astype(dt).astype(np.float32)
+    return r
+
+
 def _weight_dtype(a, dtype) -> tuple:
     """(name, NumPy type) of the dtype a rule computes in: ``dtype`` (one of :data:`_DTYPES`) or the dtype of the
     array ``a``; ValueError naming ``dtype`` for another."""
@@ -202,9 +210,7 @@ def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
     name, dt = _weight_dtype(a, dtype)
     f32 = np.float32
 
-    def r(v):                                            # an operation's float32 result rounded to the dtype
-        return np.asarray(v, np.float32).astype(dt).astype(np.float32)
-
+    r = _rounder(dt)
     xd = r(a.astype(np.float32))
     R, K = xd.shape
     ab = np.abs(xd).reshape(R, K // 16, 16)
@@ -328,9 +334,7 @@ def mlx_quantize(x, mode: str = "mxfp4", dtype: str | None = None) -> tuple:
         raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of {g} is needed, not shape {a.shape}")
     name, dt = _weight_dtype(a, dtype)
 
-    def r(v):                                    # an operation's float32 result rounded to the dtype
-        return np.asarray(v, np.float32).astype(dt).astype(np.float32)
-
+    r = _rounder(dt)
     with np.errstate(all="ignore"):
         w = r(np.asarray(a, np.float32))
         if not np.isfinite(w).all():
