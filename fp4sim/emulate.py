@@ -266,8 +266,15 @@ def _operand_stats(a, q, name):
     codes at the largest magnitude +-6 (``max_code``: every block's amax element takes it by design, about 1 in 16
     codes on Gaussian data) and the share of elements clipped by it (``clipped``: |x| above the dequantized
     +-6 of its block, what the clamp lost)."""
-    xp = xp_of(a)
     y = dequantize(q)
+    if xp_of(a) is np and a.ndim == 2 and a.size and a.dtype == np.float32:
+        return _operand_stats_cpu(a, y, q, name)
+    return _operand_stats_arrays(a, y, q, name)
+
+
+def _operand_stats_arrays(a, y, q, name):
+    """:func:`_operand_stats` as NumPy / CuPy expressions (on a GPU; the oracle of the CPU's fused pass)."""
+    xp = xp_of(a)
     a64, y64 = a.astype(np.float64), y.astype(np.float64)
     ms = float((a64 * a64).mean())
     err = float(((y64 - a64) ** 2).mean())
@@ -285,6 +292,23 @@ def _operand_stats(a, q, name):
     return dict(operand=name, rel_mse=err / ms if ms > 0 else float("nan"),
                 underflow=float((nz & (y64 == 0)).sum()) / n_nz if n_nz else 0.0, max_code=max_code,
                 clipped=clipped, amax=float(xp.abs(a).max()) if a.size else 0.0)
+
+
+def _operand_stats_cpu(a, y, q, name):
+    """:func:`_operand_stats` on the CPU in one fused pass (fp4sim.cpu.analysis.operand_stats): the counts are
+    NumPy's, the two float64 sums added in another order (rows, then the rows in turn), so ``rel_mse`` equals
+    the NumPy expression to the last bits."""
+    from .cpu.analysis import operand_stats
+    fp4 = q.scales is not None and q.scheme.name.startswith(("nvfp4", "mxfp4"))
+    codes = q.codes.reshape(q.lead[0], -1) if fp4 else np.zeros((1, 1), np.uint8)
+    # the arrays in the layout they lie in (a transposed operand read along its memory), the codes indexed to match
+    A, Y, along = (a, y, q.axis == 1) if a.flags.c_contiguous or not a.flags.f_contiguous else (a.T, y.T, q.axis == 0)
+    (sa, se, amax), (nz, un, top, cl) = operand_stats(A, Y, codes, fp4, not along)
+    n = a.size
+    ms, err = sa / n, se / n
+    return dict(operand=name, rel_mse=err / ms if ms > 0 else float("nan"),
+                underflow=float(un) / nz if nz else 0.0, max_code=float(top) / n if fp4 else 0.0,
+                clipped=float(cl) / n if fp4 else 0.0, amax=float(amax))
 
 
 def _family(q):

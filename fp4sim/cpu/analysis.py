@@ -513,3 +513,71 @@ def fq_err_moments(xf, flavor, c0, c1, dq, e4m3_vals, scale_mode, emax, mbits, r
         for q in range(N_EM):
             part[t, q] = r[q]
     return _combine_cols(part)
+
+
+@nb.njit(parallel=True, cache=True)
+def operand_stats(a, y, codes, top_code, codes_t):
+    """The operand statistics of :func:`fp4sim.emulate._operand_stats` in one read of each array: ``a`` (R, K)
+    the operand as quantized, ``y`` (R, K) its dequantized values (either may be a transposed view), ``codes``
+    its packed FP4 codes (low nibble first), read when ``top_code`` is set: one row of codes per row of ``a``, or
+    per column where ``codes_t`` is set (an operand quantized along its other axis). Returns float64 (sum a^2,
+    sum (y - a)^2, max |a|: NaN if any element is NaN, as NumPy's max) and int64 (nonzero a, nonzero a with
+    y == 0, codes of magnitude 7 (+-6), those of them with |a| > |y|). The arrays are read in tiles of 32 rows x
+    256 columns (whatever their layout, a tile's lines stay in the cache); each row's sums are taken in float64
+    in element order, the rows added in order."""
+    R, K = a.shape
+    nt = (R + 31) // 32
+    s2 = np.zeros(R)
+    e2 = np.zeros(R)
+    mx = np.zeros(R)
+    cnt = np.zeros((max(nt, 1), 4), np.int64)
+    for t in nb.prange(nt):
+        r0 = t * 32
+        r1 = min(R, r0 + 32)
+        nz = 0
+        un = 0
+        tp = 0
+        cl = 0
+        for k0 in range(0, K, 256):
+            k1 = min(K, k0 + 256)
+            for r in range(r0, r1):
+                sa = s2[r]
+                se = e2[r]
+                m = mx[r]
+                for k in range(k0, k1):
+                    x = np.float64(a[r, k])
+                    v = np.float64(y[r, k])
+                    sa += x * x
+                    d = v - x
+                    se += d * d
+                    ax = abs(x)
+                    m = ax if not ax <= m else m   # NaN sticks, as in NumPy's max
+                    z = x != 0.0
+                    nz += z
+                    un += z & (v == 0.0)
+                s2[r] = sa
+                e2[r] = se
+                mx[r] = m
+                if top_code:
+                    for k in range(k0, k1):
+                        if codes_t:
+                            b = np.int64(codes[k, r >> 1]) >> (4 * (r & 1))
+                        else:
+                            b = np.int64(codes[r, k >> 1]) >> (4 * (k & 1))
+                        if (b & 7) == 7:
+                            tp += 1
+                            cl += abs(a[r, k]) > abs(y[r, k])
+        cnt[t, 0] = nz
+        cnt[t, 1] = un
+        cnt[t, 2] = tp
+        cnt[t, 3] = cl
+    out = np.zeros(3)
+    n = np.zeros(4, np.int64)
+    for r in range(R):
+        out[0] += s2[r]
+        out[1] += e2[r]
+        out[2] = mx[r] if not mx[r] <= out[2] else out[2]
+    for t in range(nt):
+        for q in range(4):
+            n[q] += cnt[t, q]
+    return out, n

@@ -16,8 +16,9 @@ import numpy as np
 
 __all__ = ["dump_linear_tensors", "to_numpy", "QuantLinear", "convert", "set_recipe", "collect_stats",
            "suggest_high_precision", "drop_extra_state", "gradient_fidelity", "wgrad_errors", "rank_high_precision",
-           "set_data_parallel_rank", "RecipeMismatchWarning", "flush_warnings"]
-_LINEAR = {"flush_warnings", "QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
+           "set_data_parallel_rank", "RecipeMismatchWarning", "flush_warnings", "gradient_sinks",
+           "streaming_fidelity"]
+_LINEAR = {"gradient_sinks", "streaming_fidelity", "flush_warnings", "QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
            "gradient_fidelity", "wgrad_errors", "rank_high_precision", "set_data_parallel_rank",
            "RecipeMismatchWarning"}
 

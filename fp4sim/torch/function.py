@@ -142,9 +142,39 @@ class _Fn(torch.autograd.Function):
             stats = layer._stats_sink("wgrad", call)
             d = emulate.wgrad(dy2, _to_array(x.reshape(-1, x.shape[-1])), rec, layer.layer_index, call, stats,
                               ctx.qx, cache, layer._amax_state)
-            dw = _to_tensor(d, weight, weight.dtype)
+            if layer._grad_sink is not None:          # handed over in float32 as made, never accumulated
+                layer._grad_sink(_to_tensor(d, weight, torch.float32))
+            else:
+                dw = _to_tensor(d, weight, weight.dtype)
             if layer._wgrad_probe is not None:
                 layer._wgrad_probe(d, dy2, _to_array(x.reshape(-1, x.shape[-1])))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2t.to(torch.float32).sum(0).to(weight.dtype)
         return dx, dw, db, None
+
+
+class _RefFn(torch.autograd.Function):
+    """A layer under the ``"none"`` recipe while its weight gradient goes to a sink: ``F.linear`` on the weight
+    widened to float32 (exact from bfloat16 / float16), holding the weight as stored, not the float32 copy, for the
+    backward, which widens it again and runs ``F.linear``'s own backward on the same operands (the same bits as
+    plain ``nn.Linear`` in float32), and hands the weight gradient to the sink."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x, weight, bias)
+        return torch.nn.functional.linear(x, weight.float(), bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        want_x, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_(want_x)
+            ww = weight.detach().float().requires_grad_()
+            bb = None if bias is None else bias.detach().requires_grad_(want_b)
+            ins = [t for t, w in ((xx, want_x), (ww, True), (bb, want_b)) if w]
+            got = list(torch.autograd.grad(torch.nn.functional.linear(xx, ww, bb), ins, dy))
+        dx = got.pop(0) if want_x else None
+        ctx.layer._grad_sink(got.pop(0))
+        return dx, None, (got.pop(0) if want_b else None), None

@@ -15,6 +15,8 @@ The bridge lives in modules named for what each holds; this one gathers their na
 ``nonfinite``          NaN / Inf warnings and errors, deferred on a device; :func:`flush_warnings`
 ``stats``              :func:`collect_stats`, :func:`wgrad_errors`, :func:`suggest_high_precision`,
                        :func:`rank_high_precision`, :func:`gradient_fidelity`
+``streaming``          :func:`gradient_sinks`, :func:`streaming_fidelity`: weight gradients reduced as the
+                       backward makes them, in the memory of one layer
 ``views``              tensors to NumPy / CuPy arrays and back
 =====================  ===========================================================================================
 """
@@ -24,7 +26,8 @@ from .conversion import convert, set_data_parallel_rank, set_recipe
 from .module import QuantLinear, RecipeMismatchWarning, drop_extra_state
 from .nonfinite import flush_warnings
 from .stats import collect_stats, gradient_fidelity, rank_high_precision, suggest_high_precision, wgrad_errors
+from .streaming import gradient_sinks, streaming_fidelity
 
 __all__ = ["QuantLinear", "convert", "set_recipe", "collect_stats", "suggest_high_precision", "drop_extra_state",
            "gradient_fidelity", "wgrad_errors", "rank_high_precision", "set_data_parallel_rank",
-           "RecipeMismatchWarning", "flush_warnings"]
+           "RecipeMismatchWarning", "flush_warnings", "gradient_sinks", "streaming_fidelity"]

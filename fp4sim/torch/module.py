@@ -58,6 +58,8 @@ class QuantLinear(torch.nn.Linear):
         self.recipe_backward = self.recipe
         self.layer_index = int(layer_index)
         self._calls, self._stats, self._wgrad_probe = 0, None, None
+        self._grad_sink = None                 # fp4sim.torch.gradient_sinks: where the weight gradient goes
+        self._track_osc = True                 # collect_stats(oscillation=False) turns the copies off
         self._amax_state = {}                  # operands with a delayed tensor amax: emulate.held_amax
         self._osc = (None, None)               # collect_stats: the quantized weight of the last two Fprop calls
         self._nonfinite_warned = set()
@@ -173,7 +175,7 @@ class QuantLinear(torch.nn.Linear):
         call's) and ``w_flipped_back`` (the share whose value differs from the previous call's and equals the one
         before: A -> B -> A)."""
         rec = next((r for r in sink if r["operand"] == "fprop_w"), None)
-        if rec is None:                          # an unquantized weight: nothing oscillates
+        if rec is None or not self._track_osc:   # an unquantized weight: nothing oscillates
             return
         from ..quantize import dequantize
         v = dequantize(qw) if hasattr(qw, "codes") else np.array(qw, np.float32)
@@ -193,6 +195,14 @@ class QuantLinear(torch.nn.Linear):
         return sink
 
     def forward(self, x):
+        weight = self.weight
+        if self._grad_sink is not None and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                raise RuntimeError("fp4sim.torch.gradient_sinks works in eager mode only (not under torch.compile)")
+            weight = weight.detach().requires_grad_()     # a leaf of this call: its gradient goes to the sink
+            if self.recipe.identity and self.recipe_backward.identity:
+                from .function import _RefFn
+                return _RefFn.apply(x, weight, self.bias, self)
         if self.recipe.identity and self.recipe_backward.identity:
             return F.linear(x, self.weight, self.bias)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -211,10 +221,12 @@ class QuantLinear(torch.nn.Linear):
                                f"takes {self.in_features} input features, the input's last axis has {k}")
         if x.numel() == 0 or self.weight.numel() == 0:
             self._calls += 1                   # no rows (an MoE expert without tokens) or no features
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            if weight is not self.weight:      # its zero gradient goes to the sink too
+                weight.register_hook(lambda g: self._grad_sink(g.float()))
+            return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if torch.compiler.is_compiling():
             return self._compiled_forward(x)
-        return _Fn.apply(x, self.weight, self.bias, self)
+        return _Fn.apply(x, weight, self.bias, self)
 
     def _compiled_forward(self, x):
         """The forward as torch.compile sees it: fp4sim::qlinear (an opaque operator, the same bits as the eager

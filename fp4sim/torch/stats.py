@@ -14,9 +14,14 @@ from .module import _quant_layers
 __all__ = ["collect_stats", "wgrad_errors", "rank_high_precision", "suggest_high_precision", "gradient_fidelity",
            "SNR_THRESHOLD"]
 
+#: Gradients and GEMM products of at most this many elements are reduced in one piece (:func:`wgrad_errors`,
+#: :func:`~fp4sim.torch.streaming.streaming_fidelity`); larger ones in pieces of rows of about this size, one at a
+#: time (the same sums, added in another order: the last bits may differ). 2^23: 64 MB per float64 temporary.
+CHUNK = 1 << 23
+
 
 @contextlib.contextmanager
-def collect_stats(model: torch.nn.Module):
+def collect_stats(model: torch.nn.Module, oscillation: bool = True):
     """Log, per layer, GEMM and operand, while the block runs, of every quantized operand: ``rel_mse``,
     ``underflow`` (the share of nonzero elements that become 0), ``max_code`` (the share of FP4 codes at +-6, the
     largest E2M1 magnitude, which every block's amax element takes by design: about 1/16 on Gaussian data) and
@@ -25,16 +30,19 @@ def collect_stats(model: torch.nn.Module):
     calls (``w_changed``: the share of quantized weight elements whose value changed since the previous call;
     ``w_flipped_back``: the share that changed back to the value of the call before, A -> B -> A, as TetraJet-v2
     tracks it). ``with collect_stats(model) as log: ...`` then ``log.dataset()`` (xarray). A model without
-    QuantLinear layers raises ValueError."""
+    QuantLinear layers raises ValueError. ``oscillation=False`` leaves the oscillation out (it keeps two float32
+    copies of every quantized weight between calls: 8 bytes per weight)."""
     log = _StatsLog()
     mods = [m for _, m in _quant_layers(model)]
     for m in mods:
         m._stats = log.entries
+        m._track_osc = bool(oscillation)
     try:
         yield log
     finally:
         for m in mods:
             m._stats = None
+            m._track_osc = True
             m._osc = (None, None)             # the next log starts afresh; the copies are freed
 
 
@@ -89,7 +97,9 @@ class _StatsLog:
 def wgrad_errors(model: torch.nn.Module):
     """While active, every quantized weight-gradient GEMM of the model's QuantLinear layers appends ``(e, r)`` to
     ``calls[name]``: its squared error against the float64 product of the same operands, and that product's
-    squared norm (``with wgrad_errors(model) as calls: ...``). A layer running under the ``"none"`` recipe (plain
+    squared norm (``with wgrad_errors(model) as calls: ...``); a GEMM of more than
+    :data:`CHUNK` outputs is compared in pieces of rows, in bounded memory (the same sums
+    added in another order). A layer running under the ``"none"`` recipe (plain
     ``F.linear``) adds nothing. :func:`suggest_high_precision` ranks the layers by these sums."""
     mods = _quant_layers(model)
     calls = {n: [] for n, _ in mods}
@@ -97,8 +107,17 @@ def wgrad_errors(model: torch.nn.Module):
     def probe(name):
         def f(d, dy2, x2):
             xp = np if isinstance(d, np.ndarray) else __import__("cupy")
-            ref = xp.matmul(dy2.T.astype(np.float64), x2.astype(np.float64))
-            calls[name].append((float(((d - ref) ** 2).sum()), float((ref ** 2).sum())))
+            if d.size <= CHUNK:
+                ref = xp.matmul(dy2.T.astype(np.float64), x2.astype(np.float64))
+                calls[name].append((float(((d - ref) ** 2).sum()), float((ref ** 2).sum())))
+                return
+            x64, e, r = x2.astype(np.float64), 0.0, 0.0       # a large layer: pieces of rows, one at a time
+            step = max(1, CHUNK // max(1, d.shape[1]))
+            for i in range(0, d.shape[0], step):
+                ref = xp.matmul(dy2[:, i:i + step].T.astype(np.float64), x64)
+                e += float(((d[i:i + step] - ref) ** 2).sum())
+                r += float((ref ** 2).sum())
+            calls[name].append((e, r))
         return f
 
     for n, m in mods:
@@ -148,6 +167,27 @@ def suggest_high_precision(model: torch.nn.Module, batch_fn, fraction: float = 0
     return rank_high_precision(calls, fraction)
 
 
+class _PassStart:
+    """What the quantized and the float32 pass of one batch start from alike: the torch RNG (CUDA's too), the
+    module buffers and the layers' SR call counts, taken now; ``reset()`` puts them back."""
+
+    def __init__(self, model, mods):
+        self.model, self.mods = model, mods
+        self.bufs = [b.detach().clone() for b in model.buffers()]
+        self.calls = [m._calls for _, m in mods]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def reset(self):
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        for b, v in zip(self.model.buffers(), self.bufs):
+            b.data.copy_(v)
+        for (_, m), c in zip(self.mods, self.calls):
+            m._calls = c
+
+
 SNR_THRESHOLD = 3 ** 0.5       # Chmiel et al. 2025: quantized training stops helping below this gradient SNR
 
 
@@ -165,20 +205,11 @@ def gradient_fidelity(model: torch.nn.Module, batch_fn):
     mods = _quant_layers(model)
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    bufs = [b.detach().clone() for b in model.buffers()]
-    calls = [m._calls for _, m in mods]
     recipes = [(m.recipe, m.recipe_backward) for _, m in mods]
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    start = _PassStart(model, mods)
 
     def reset():
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        for b, v in zip(model.buffers(), bufs):
-            b.data.copy_(v)
-        for (_, m), c in zip(mods, calls):
-            m._calls = c
+        start.reset()
         for p in params:
             p.grad = None
 
