@@ -42,11 +42,15 @@ class BadInput(Exception):
     pass
 
 
-def _load(model_dir: Path, seq_len: int | None = None):
+def _load(model_dir: Path, seq_len: int | None = None, batch_size: int | None = None, check_memory=None,
+          spill_dir=None):
     """(model, tokenizer, kind) from a local folder; BadInput naming what is missing, or a ``seq_len`` longer than
-    the configuration's context (checked before the weights load)."""
+    the configuration's context (checked before the weights load). With ``check_memory`` (a list, which gets the
+    :class:`~fp4sim.inspect_memory.Estimate`), a model whose estimated need at ``batch_size`` x ``seq_len`` tokens
+    exceeds the memory available, or whose temporary file exceeds the free disk of ``spill_dir``, is refused
+    before it loads, with both figures."""
     try:
-        import torch
+        import torch  # noqa: F401
         import transformers
     except ImportError as e:
         raise BadInput(f"fp4sim inspect needs torch and transformers: pip install 'fp4sim[inspect]' ({e})") from None
@@ -89,15 +93,19 @@ def _load(model_dir: Path, seq_len: int | None = None):
     ctx = _context_of(cfg)
     if seq_len is not None and ctx is not None and seq_len > ctx:
         raise BadInput(f"--seq-len {seq_len}: longer than the model's context ({ctx} positions)")
+    if check_memory is not None and seq_len is not None and batch_size is not None:
+        _check_memory(model_dir, cfg, batch_size, seq_len, spill_dir, check_memory)
     archs = " ".join(getattr(cfg, "architectures", None) or [])
     tq = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"           # transformers' GGUF conversion bar (a tqdm of its own)
     try:
+        # the weights as stored (a GGUF file's dequantized to float32 by the loader); _widen_all_but_linear
+        dtype = "float32" if "gguf_file" in kw else "auto"
         if "CausalLM" in archs or "gguf_file" in kw or getattr(cfg, "is_decoder", False) and "Masked" not in archs:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="float32", **kw)
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kw)
             kind = "causal"
         else:
-            model = transformers.AutoModel.from_pretrained(str(model_dir), dtype="float32", **kw)
+            model = transformers.AutoModel.from_pretrained(str(model_dir), dtype=dtype, **kw)
             kind = "encoder"
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{model_dir}: the model does not load offline ({str(e).splitlines()[0]})") from None
@@ -110,9 +118,48 @@ def _load(model_dir: Path, seq_len: int | None = None):
         tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), **kw)
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{model_dir}: no tokenizer that loads offline ({str(e).splitlines()[0]})") from None
-    if any(p.dtype != torch.float32 for p in model.parameters()):
-        model = model.float()                   # (a GGUF model, dequantized to float32 by the loader, refuses it)
+    _widen_all_but_linear(model)
     return model.eval(), tok, kind
+
+
+def _check_memory(model_dir, cfg, batch_size, seq_len, spill_dir, out: list) -> None:
+    import shutil
+    import tempfile
+
+    from .inspect_memory import GB, available_bytes, describe, estimate
+    est = estimate(model_dir, cfg, batch_size, seq_len)
+    if est is None:
+        return
+    out.append(est)
+    avail = available_bytes()
+    if avail is not None and est.total > avail:
+        raise BadInput(f"{model_dir}: needs about {est.total / GB:.1f} GB ({describe(est)}) and this machine has "
+                       f"{avail / GB:.1f} GB available: give fewer tokens per batch (--batch-size, --seq-len), "
+                       "run on a machine with more memory, or pass --no-memory-check to try anyway")
+    folder = spill_dir or tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free
+    if est.disk > free:
+        raise BadInput(f"--spill-dir {folder}: the float32 weight gradients need {est.disk / GB:.1f} GB of "
+                       f"temporary disk there and it has {free / GB:.1f} GB free: give a folder with room "
+                       "(--spill-dir), or pass --no-memory-check to try anyway")
+
+
+def _widen_all_but_linear(model) -> None:
+    """Every parameter and floating-point buffer in float32, except the weights of ``nn.Linear`` layers that no
+    other module shares (a head tied to the embedding is widened): those stay as stored (bfloat16: 2 bytes per
+    weight) and are widened per layer when used (QuantLinear widens its operands exactly; the float32 pass widens
+    them in :class:`~fp4sim.torch.streaming` fashion). The model computes in float32 as before."""
+    import torch
+    lin = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
+              for p in m.parameters(recurse=False)}
+    for m in model.modules():
+        for k, p in list(m.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != torch.float32 and (id(p) not in lin or id(p) in shared):
+                p.data = p.data.float()
+        for k, b in list(m.named_buffers(recurse=False)):
+            if b.is_floating_point() and b.dtype != torch.float32:
+                m._buffers[k] = b.float()
 
 
 def _gguf_quantized_types(model_dir: Path) -> dict:
@@ -186,14 +233,17 @@ def _kind_of(name: str) -> str:
 
 
 def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_size=4, seq_len=128,
-                  fraction=0.15, seed=0, progress=None, accumulate="fast") -> tuple:
+                  fraction=0.15, seed=0, progress=None, accumulate="fast", spill_dir=None,
+                  check_memory=True) -> tuple:
     """Run the inspection; returns ``(dataset, summary)`` (see the module docstring)."""
     import torch
     import xarray as xr
 
     from .analyze.studies import kurtosis, outliers
+    from .cpu.analysis import operand_stats
     from .quantize import fake_quantize, rht
-    from .torch import QuantLinear, collect_stats, convert, gradient_fidelity, rank_high_precision, wgrad_errors
+    from .torch import (QuantLinear, collect_stats, convert, gradient_sinks, rank_high_precision, streaming_fidelity,
+                        wgrad_errors)
     from .training import Recipe
     progress = progress or (lambda what: None)
     model_dir, text_file = Path(model_dir), Path(text_file)
@@ -219,27 +269,46 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
             raise BadInput(f"--accumulate {accumulate}: {e}") from None
     else:
         rec = recipe
-    model, tok, kind = _load(model_dir, seq_len)
+    if spill_dir is not None and not Path(spill_dir).is_dir():
+        raise BadInput(f"--spill-dir {spill_dir}: not a folder (give one with room for 4 bytes per weight)")
+    est = [] if check_memory else None
+    model, tok, kind = _load(model_dir, seq_len, batch_size, est, spill_dir)
     source = _gguf_quantized_types(model_dir)
     progress("model loaded")
     ctx = _context(model)
     if ctx is not None and seq_len > ctx:
         raise BadInput(f"--seq-len {seq_len}: longer than the model's context ({ctx} positions)")
     data, reps = _batches(tok, text, batches, batch_size, seq_len)
-    # a layer the loss does not reach (a BERT pooler under mean pooling) has no weight gradient to inspect: found
-    # in one float32 pass of the model as loaded, it is left as the plain nn.Linear it is, and listed as unused
-    model.zero_grad(set_to_none=True)
-    _loss(model, kind, data[0]).backward()
-    unused = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.grad is None]
-    model.zero_grad(set_to_none=True)
     try:
         convert(model, rec)
     except ValueError as e:                 # no nn.Linear at all, a keep glob that matches nothing
         raise BadInput(f"{model_dir}: {e}") from None
+    # a layer the loss does not reach (a BERT pooler under mean pooling) has no weight gradient to inspect: found
+    # in one float32 pass, it becomes the plain nn.Linear it was (in float32), and is listed as unused
+    # no parameter takes a gradient (the weights' go to the studies as made, gradient_sinks); the embeddings'
+    # output requires one, so that every layer's Dgrad runs as when the embeddings are trained
+    for p in model.parameters():
+        p.requires_grad_(False)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None:
+        emb.register_forward_hook(lambda mod, inp, out: out.requires_grad_() if torch.is_grad_enabled() else None)
+    quant = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    reached = set()
+    saved = [(m.recipe, m.recipe_backward, m._calls) for _, m in quant]
+    try:
+        for _, m in quant:
+            m.recipe = m.recipe_backward = "none"
+        with gradient_sinks(model, lambda n, g: reached.add(n)):
+            _loss(model, kind, data[0]).backward()
+    finally:
+        for (_, m), (rf, rb, c) in zip(quant, saved):
+            m.recipe, m.recipe_backward, m._calls = rf, rb, c
+    unused = [n for n, m in quant if getattr(m, "_fp4sim_name", n) not in reached]
     for n in unused:
         q = model.get_submodule(n)
         lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
         lin.weight, lin.bias = q.weight, q.bias
+        lin.weight.data = lin.weight.data.float()
         parent, _, last = n.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, last, lin)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
@@ -247,43 +316,66 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
         raise BadInput(f"{model_dir}: no linear layer takes part in the loss")
     names = [n for n, _ in layers]
     torch.manual_seed(seed)
-    # one quantized and one float32 pass per batch (gradient_fidelity's two runs), and every study reads them:
-    # the operand errors (collect_stats) and the Wgrad GEMM errors (wgrad_errors) log the quantized pass, the
-    # inputs and output gradients of the first batch's quantized pass are kept for the outlier and RHT studies.
-    # Batch i draws its stochastic rounding at call count i, as the i-th step of a run would.
+    # per batch one float32 and one quantized pass (streaming_fidelity: each layer's weight gradient compared as
+    # its backward makes it, never all layers' at once), and every study reads them: the operand errors
+    # (collect_stats) and the Wgrad GEMM errors (wgrad_errors) log the quantized pass; on the first batch's
+    # quantized pass each layer's input is reduced to its outliers and kurtosis as the forward reaches it, and with
+    # its output gradient to the RHT study as the backward reaches it. Batch i draws its stochastic rounding at
+    # call count i, as the i-th step of a run would.
     snr = np.full((len(names), batches), np.nan)
     cos = np.full((len(names), batches), np.nan)
     losses, losses_ref = [], []
-    cap = {}
-    with collect_stats(model) as log, wgrad_errors(model) as werr:
-        for i in range(batches):
-            runs = []
+    n_out = np.zeros(len(names), np.int64)
+    kurt = np.full(len(names), np.nan)
+    rht_err = np.full((len(names), 2, 2), np.nan)        # layer, operand (x, dy), rht (no, yes)
 
-            def fn(i=i, runs=runs):
-                quantized = not runs                 # gradient_fidelity runs the model as it is, then in float32
-                runs.append(quantized)
-                hooks = []
-                if quantized and i == 0:
-                    for n, m in layers:
-                        hooks.append(m.register_forward_hook(
-                            lambda mod, inp, out, n=n: cap.__setitem__((n, "x"), inp[0].detach())))
-                        hooks.append(m.register_full_backward_hook(
-                            lambda mod, gin, gout, n=n: cap.__setitem__((n, "dy"), gout[0].detach())))
+    def study_input(j, x):
+        o = outliers(x)
+        n_out[j] = int(o["n_outlier_cols"])
+        kurt[j] = float(kurtosis(x))
+
+    def study_wgrad(j, x, dy):
+        M = x.shape[0] // 16 * 16
+        for k, a in enumerate((x[:M], dy[:M])):
+            if M == 0:
+                continue
+            ms = None
+            for r in (0, 1):
+                b = rht(a, 16, "te", axis=0, out="bf16") if r else a
+                y = fake_quantize(b, "nvfp4", axis=0)           # one fused pass
+                (sb, se, _), _ = operand_stats(b, y, np.zeros((1, 1), np.uint8), False, False)   # float64 sums, one read
+                ms = sb / b.size if ms is None else ms          # the mean square of the operand itself
+                rht_err[j, k, r] = se / b.size / ms if ms else np.nan
+
+    def flat(t):
+        return t.detach().reshape(-1, t.shape[-1]).float().cpu().numpy()
+
+    def hook(j):
+        def f(mod, inp, out):
+            x = flat(inp[0])
+            study_input(j, x)
+            out.register_hook(lambda g: study_wgrad(j, x, flat(g)))
+        return f
+
+    with collect_stats(model, oscillation=False) as log, wgrad_errors(model) as werr:
+        for i in range(batches):
+            def fn(quantized, i=i):
+                hooks = [m.register_forward_hook(hook(j)) for j, (_, m) in enumerate(layers)] \
+                    if quantized and i == 0 else []
                 try:
-                    model.zero_grad(set_to_none=True)
-                    loss = _loss(model, kind, data[i])
-                    loss.backward()
+                    return _loss(model, kind, data[i])
                 finally:
                     for h in hooks:
                         h.remove()
-                (losses if quantized else losses_ref).append(float(loss.detach()))
 
-            g = gradient_fidelity(model, fn)
+            g, lq, lr = streaming_fidelity(model, fn, spill_dir)
+            losses.append(lq)
+            losses_ref.append(lr)
             order = [names.index(str(n)) for n in g.layer.values]
             snr[order, i] = g.snr.values
             cos[order, i] = g.cosine.values
             for _, m in layers:
-                m._calls += 1                        # gradient_fidelity restored it: the next batch is the next call
+                m._calls += 1                        # streaming_fidelity restored it: the next batch is the next call
             progress(f"batch {i + 1} of {batches} done")
     stats = log.dataset()
     keep, rel = rank_high_precision(werr, fraction)
@@ -291,27 +383,6 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
     for j, n in enumerate(names):
         for i, (e, r) in enumerate(werr[n][:batches]):
             rel_b[j, i] = (e / r) ** 0.5 if r > 0 else 0.0
-    # inputs and output gradients of the first batch: outliers and the Wgrad RHT
-    n_out = np.zeros(len(names), np.int64)
-    kurt = np.full(len(names), np.nan)
-    rht_err = np.full((len(names), 2, 2), np.nan)        # layer, operand (x, dy), rht (no, yes)
-    for j, n in enumerate(names):
-        x = cap[(n, "x")].reshape(-1, cap[(n, "x")].shape[-1]).float().numpy()
-        dy = cap[(n, "dy")].reshape(-1, cap[(n, "dy")].shape[-1]).float().numpy()
-        o = outliers(x)
-        n_out[j] = int(o["n_outlier_cols"])
-        kurt[j] = float(kurtosis(x))
-        M = x.shape[0] // 16 * 16
-        for k, a in enumerate((x[:M], dy[:M])):
-            if M == 0:
-                continue
-            ms = float(np.mean(a.astype(np.float64) ** 2))
-            for r in (0, 1):
-                b = rht(a, 16, "te", axis=0, out="bf16") if r else a
-                y = fake_quantize(b, "nvfp4", axis=0)           # one fused pass
-                rht_err[j, k, r] = float(np.mean((y.astype(np.float64) - b.astype(np.float64)) ** 2)) / ms if ms \
-                    else np.nan
-    cap.clear()
     progress("outlier and RHT studies done")
     blocks = {n: rec.block_of(n) for n in names}
     nb = max((b for b in blocks.values() if b is not None), default=-1) + 1
@@ -351,6 +422,7 @@ def inspect_model(model_dir, text_file, recipe="nvfp4_paper", batches=4, batch_s
                                "weights were already low-precision, and the recipe quantizes their dequantized "
                                "values again; the numbers measure that second quantization"} if source else None),
         "text_repeated": reps, "losses": losses, "losses_float32": losses_ref, "versions": _versions(),
+        "memory": _memory(est),
         "unused_layers": unused,
         "layers": [{"name": n, "block": blocks[n], "kind": _kind_of(n), "snr": _num(ds.snr_mean.values[j]),
                     "snr_spread": _num(ds.snr_spread.values[j]), "cosine": _num(ds.cosine_mean.values[j]),
@@ -419,6 +491,19 @@ def verdict(names, rel, rel_b, keep, losses, losses_ref, share, n_below) -> dict
     return {"clear_outliers": outliers, "resolved": resolved, "within_noise": [n for n in keep if n not in resolved],
             "bulk": {"median": med, "robust_sd": mad, "threshold": bulk}, "loss": loss, "follow": follow,
             "why": why, "below_sqrt3": n_below, "layers": len(names), "flops_share_outliers": share(outliers)}
+
+
+def _memory(est) -> dict:
+    """The estimate made before loading and the process's peak resident memory so far, in GB."""
+    import resource
+    import sys as _sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if _sys.platform == "darwin" else 1024)
+    out = {"peak_gb": round(peak / 2 ** 30, 3)}
+    if est:
+        e = est[0]
+        out.update(estimate_gb=round(e.total / 2 ** 30, 3), weights_gb=round(e.weights / 2 ** 30, 3),
+                   working_gb=round((e.working + e.base) / 2 ** 30, 3), params=e.params)
+    return out
 
 
 def _num(v):
@@ -631,6 +716,26 @@ def _quiet_loaders():
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _write_outputs(out: Path, ds, summary) -> None:
+    """layers.nc, summary.json and report.html into ``out``, each written under a temporary name and renamed when
+    whole: an interruption (Ctrl-C) leaves the files of an earlier run or none, never a partial one."""
+    out.mkdir(parents=True, exist_ok=True)
+    page = report_html(ds, summary)
+    done = []
+    try:
+        for name, write in (("layers.nc", lambda p: ds.to_netcdf(p)),
+                            ("summary.json", lambda p: p.write_text(json.dumps(summary, indent=1))),
+                            ("report.html", lambda p: p.write_text(page, encoding="utf-8"))):
+            tmp = out / f".{name}.partial"
+            done.append(tmp)
+            write(tmp)
+        for tmp in done:
+            tmp.replace(out / tmp.name[1:-len(".partial")])
+    finally:
+        for tmp in done:
+            tmp.unlink(missing_ok=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fp4sim inspect", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", help="a Hugging Face model folder (config.json, safetensors, tokenizer)")
@@ -646,6 +751,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="inspect_out", help="output folder (layers.nc, summary.json, report.html)")
     ap.add_argument("--quick", action="store_true", help="2 batches of 2 x 32 tokens: a smoke test")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--spill-dir", default=None, help="a folder for the temporary file of the float32 weight "
+                    "gradients (4 bytes per weight; default: the system's temporary folder)")
+    ap.add_argument("--no-memory-check", action="store_true", help="start even where the estimated memory "
+                    "exceeds what the machine has available")
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.batch_size, a.seq_len = 2, 2, 32
@@ -668,7 +777,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise BadInput(str(e)) from None
         ds, summary = inspect_model(a.model_dir, a.text, a.recipe, a.batches, a.batch_size, a.seq_len, a.fraction,
-                                    a.seed, progress, a.accumulate)
+                                    a.seed, progress, a.accumulate, a.spill_dir, not a.no_memory_check)
     except BadInput as e:
         if bar is not None:
             bar.close()
@@ -676,10 +785,7 @@ def main(argv=None) -> int:
         return 2
     if bar is not None:
         bar.close()
-    out.mkdir(parents=True, exist_ok=True)
-    ds.to_netcdf(out / "layers.nc")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "report.html").write_text(report_html(ds, summary), encoding="utf-8")
+    _write_outputs(out, ds, summary)
     from ._tool import say
     v, rec = summary["verdict"], summary["recommendation"]
     say(f"fp4sim inspect: {len(summary['layers'])} linear layers; verdict: follow {_FOLLOW[v['follow']]} "

@@ -44,12 +44,26 @@ def models(tmp_path_factory):
     cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(llama))
+    # stored in bfloat16, the head tied to the embeddings: inspect holds the linear weights as stored
+    llama16 = base / "llama_bf16"
+    _tokenizer(llama16, TEXT)
+    cfg16 = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     tie_word_embeddings=True)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(cfg16).to(torch.bfloat16).save_pretrained(str(llama16))
     bert = base / "bert"
     tok = _tokenizer(bert, TEXT)
     cfg = transformers.BertConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, max_position_embeddings=64)
     transformers.BertModel(cfg).save_pretrained(str(bert))
-    return base, text, llama, bert
+    return base, text, llama, bert, llama16
+
+
+def _float32(folder: Path):
+    """The model as transformers loads it in float32, every weight widened (the oracle's model)."""
+    transformers = import_or_missing("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
 
 
 def _cli(*args):
@@ -76,13 +90,18 @@ class _Rows(HTMLParser):
             self.depth -= 1
 
 
-def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_path):
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_path, stored):
+    """The command holds the linear weights as stored and reduces each layer's gradients and operands as the
+    passes reach it (streaming_fidelity); the oracle is the model widened to float32 whole and the functions that
+    hold every layer's gradients at once: the same bits."""
     torch = torch_or_skip()
     import xarray as xr
     from fp4sim.inspect_model import _batches, _load, _loss
     from fp4sim.torch import collect_stats, convert, gradient_fidelity, suggest_high_precision, wgrad_errors
     from fp4sim.training import Recipe
-    base, text, llama, bert = models
+    base, text, llama, bert, llama16 = models
+    llama = llama16 if stored == "bfloat16" else llama
     out = tmp_path / "out"
     r = _cli("inspect", llama, "--text", text, "--batches", 2, "--batch-size", 2, "--seq-len", 16, "--out", out,
              "--quiet")
@@ -91,9 +110,21 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
     summ = json.loads((out / "summary.json").read_text())
     page = (out / "report.html").read_text()
     # the same computation by hand
-    model, tok, kind = _load(llama)
+    _, tok, kind = _load(llama)
+    model = _float32(llama)
     assert kind == "causal" and summ["kind"] == "causal" and "cross entropy" in summ["loss"]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    held, _, _ = _load(llama)              # what the command holds: the linear weights as stored, the rest widened
+    lin = {n + ".weight" for n, m in held.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    for n, p in held.named_parameters():
+        assert p.dtype == (getattr(torch, stored) if n in lin else torch.float32), n
+    assert held.lm_head.weight.dtype == torch.float32 and (stored == "float32" or held.lm_head.weight is
+                                                           held.get_input_embeddings().weight)   # tied: widened
     data, reps = _batches(tok, TEXT, 2, 2, 16)
+    if stored == "bfloat16":
+        # a head tied to the embeddings is studied by its own Wgrad GEMM's gradient: the oracle unties it (the
+        # tied parameter's .grad, which gradient_fidelity reads, adds the embedding lookup's gradient to it)
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     convert(model, Recipe.preset("nvfp4_paper", accumulate="fast"))     # the command's default accumulation
     torch.manual_seed(0)
     assert summ["unused_layers"] == []
@@ -135,7 +166,7 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
         keep, key=names.index)
     np.testing.assert_array_equal(ds.wgrad_gemm_rel_error.values, [rel[n] for n in names])
     # the losses: the recipe's as the quantized passes gave them, float32's those of the model as loaded
-    plain, _, _ = _load(llama)
+    plain = _float32(llama)
     with torch.no_grad():
         assert summ["losses_float32"] == [float(_loss(plain, kind, data[i])) for i in range(2)]
     v = summ["verdict"]
@@ -162,7 +193,7 @@ def test_the_command_on_a_causal_lm_matches_the_functions_it_runs(models, tmp_pa
 
 
 def test_an_encoder_takes_the_contrastive_loss(models, tmp_path):
-    base, text, llama, bert = models
+    base, text, llama, bert, _ = models
     r = _cli("inspect", bert, "--text", text, "--quick", "--out", tmp_path / "o", "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     summ = json.loads((tmp_path / "o" / "summary.json").read_text())
@@ -172,7 +203,7 @@ def test_an_encoder_takes_the_contrastive_loss(models, tmp_path):
 
 
 def test_bad_inputs_get_one_line_and_exit_2(models, tmp_path):
-    base, text, llama, bert = models
+    base, text, llama, bert, _ = models
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "noconfig").mkdir()
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
@@ -221,7 +252,7 @@ def test_the_committed_reports_regenerate_from_their_data(folder):
 def test_options_are_checked_before_the_model_loads_and_name_themselves(models, tmp_path):
     """--accumulate names itself (not --recipe); --seq-len beyond the configuration's context is refused before the
     weights load: a folder whose weights are corrupt still gets the --seq-len message."""
-    base, text, llama, bert = models
+    base, text, llama, bert, _ = models
     r = _cli("inspect", llama, "--text", text, "--accumulate", "slow", "--out", tmp_path / "x", "--quiet")
     ours = [ln for ln in r.stderr.splitlines() if ln.startswith("fp4sim inspect:")]
     assert r.returncode == 2 and len(ours) == 1 and "--accumulate slow" in ours[0] and "--recipe" not in ours[0], \
@@ -254,3 +285,71 @@ def test_a_gguf_source_with_quantized_weights_is_named(tmp_path):
     assert _gguf_quantized_types(tmp_path / "f") == {}
     (tmp_path / "q" / "config.json").write_text("{}")
     assert _gguf_quantized_types(tmp_path / "q") == {}
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_loads(models, tmp_path, monkeypatch, capsys):
+    """The estimate (fp4sim.inspect_memory) against what the machine has: one line with both figures and exit 2,
+    before any weight loads; --no-memory-check runs anyway; a spill folder without room is named the same way."""
+    transformers = import_or_missing("transformers")
+    import shutil
+    from fp4sim import inspect_memory
+    from fp4sim.inspect_model import main
+    base, text, llama, bert, llama16 = models
+    loads = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: loads.append(a) or real(*a, **k))
+    monkeypatch.setattr(inspect_memory, "available_bytes", lambda: 2 ** 20)        # 1 MB left
+    out = tmp_path / "o"
+    assert main([str(llama16), "--text", str(text), "--quick", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GB of weights" in err[0] and "0.0 GB available" in err[0], err
+    assert "--no-memory-check" in err[0] and not loads and not out.exists()
+    assert main([str(llama16), "--text", str(text), "--quick", "--out", str(out), "--quiet",
+                 "--no-memory-check"]) == 0
+    assert loads and (out / "summary.json").is_file()
+    mem = json.loads((out / "summary.json").read_text())["memory"]
+    assert mem["peak_gb"] > 0 and "estimate_gb" not in mem                          # not checked: not estimated
+    monkeypatch.setattr(inspect_memory, "available_bytes", lambda: None)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 0))
+    assert main([str(llama16), "--text", str(text), "--quick", "--out", str(tmp_path / "d"), "--quiet",
+                 "--spill-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--spill-dir {tmp_path}" in err[0] and "0.0 GB free" in err[0], err
+
+
+def test_the_estimate_counts_the_weights_as_held(models):
+    """bfloat16 linear weights at 2 bytes, the tied embedding (and everything else) at 4, as _load holds them."""
+    torch_or_skip()
+    transformers = import_or_missing("transformers")
+    from fp4sim.inspect_memory import estimate
+    from fp4sim.inspect_model import _load
+    base, text, llama, bert, llama16 = models
+    for folder in (llama, llama16):
+        cfg = transformers.AutoConfig.from_pretrained(str(folder))
+        e = estimate(folder, cfg, 2, 32)
+        held, _, _ = _load(folder)
+        seen = {}
+        for p in held.parameters():
+            seen[id(p)] = p.numel() * p.element_size()
+        assert e.weights == sum(seen.values()), folder
+        assert e.params == sum(p.numel() for p in held.parameters()) and e.total > e.weights
+
+
+def test_an_interrupted_write_leaves_no_partial_output(tmp_path):
+    """Ctrl-C while the outputs are written: the files of the run before stay as they were, no partial file."""
+    from fp4sim import inspect_model as im
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "summary.json").write_text("before")
+
+    class Stop:
+        def to_netcdf(self, p):
+            Path(p).write_bytes(b"half")
+            raise KeyboardInterrupt
+
+    import unittest.mock as mock
+    with mock.patch.object(im, "report_html", lambda ds, s: "<html>"), pytest.raises(KeyboardInterrupt):
+        im._write_outputs(out, Stop(), {"x": 1})
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+    assert (out / "summary.json").read_text() == "before"

@@ -112,7 +112,7 @@ def circles(graph):
 # floor above (imports inside functions included). A module belongs to the floor of its longest listed prefix.
 FLOORS = [
     ("commands", ["fp4sim.cli", "fp4sim.__main__", "fp4sim.validate.__main__", "fp4sim.analyze.__main__"]),
-    ("checkers", ["fp4sim.validate", "fp4sim.inspect_model"]),
+    ("checkers", ["fp4sim.validate", "fp4sim.inspect_model", "fp4sim.inspect_memory"]),
     ("studies", ["fp4sim.analyze", "fp4sim.requantize"]),
     ("torch bridge", ["fp4sim.torch"]),
     ("checkpoints", ["fp4sim.checkpoints", "fp4sim.checkpoint", "fp4sim.gguf", "fp4sim.gpt_oss"]),
