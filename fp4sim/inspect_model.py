@@ -3,15 +3,18 @@
 The model folder is read offline (config.json, safetensors weights, its tokenizer); FILE is tokenized with the
 folder's tokenizer into ``--batches`` fixed batches of ``--batch-size`` x ``--seq-len`` tokens (the text repeated
 when it is shorter, which the summary says). Every ``nn.Linear`` becomes a :class:`~fp4sim.torch.QuantLinear` under
-the recipe (the output head kept in BF16, as convert does), the weights in float32. The loss: next-token cross
+the recipe (the output head kept in BF16, as convert does), its weight held as stored and widened where a GEMM
+reads it, every other tensor in float32; each layer's gradients and operands are reduced to their statistics as
+the passes reach the layer (:func:`~fp4sim.torch.streaming_fidelity`), and the memory this needs is estimated
+before the model loads (:mod:`fp4sim.inspect_memory`; docs/large_models.md). The loss: next-token cross
 entropy for a causal LM; for an encoder without an LM head, a contrastive (InfoNCE) loss between the mean-pooled
 embeddings of each sequence's two halves, temperature 0.05.
 
 Per linear layer, over the batches:
 
 - the forward error of its operands (:func:`~fp4sim.torch.collect_stats`: relative MSE, underflow, ...);
-- its weight-gradient SNR and cosine against float32 on the same batch (:func:`~fp4sim.torch.gradient_fidelity`),
-  per batch and their mean and spread;
+- its weight-gradient SNR and cosine against float32 on the same batch (:func:`~fp4sim.torch.streaming_fidelity`,
+  :func:`~fp4sim.torch.gradient_fidelity` one layer at a time), per batch and their mean and spread;
 - outlier channels of its input (``|x| > 6 sigma``, from the first batch) and its kurtosis;
 - the RHT's effect on its Wgrad operands (x and dy of the first batch, quantized along the tokens with NVFP4,
   relative MSE without and with the 16-point RHT);
