@@ -12,9 +12,9 @@ its own: first ``inspect_model`` (what ``fp4sim inspect DIR --text FILE`` runs, 
 its wall time and the process's peak resident memory when it returns (``ru_maxrss``); then, in the same process,
 plain torch: the model loaded in float32 and one forward and backward pass of each of the same batches (the
 loss inspect uses), timed. Reported per size: parameters, the weights' stored size, inspect's peak memory, that
-peak minus the stored size (the issue's bound is 2.5 GB), bytes per parameter, the memory of the process before
-the model (Python, torch, fp4sim: the base), inspect's time, plain torch's time and their ratio, and the
-seconds per parameter-token of each.
+peak minus the stored size, bytes per parameter, the memory of the process before the model (Python, torch,
+fp4sim: the base), the estimate inspect made before loading (fp4sim.inspect_memory), inspect's time, plain
+torch's time and their ratio, and the seconds per parameter-token of each.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def one(folder: Path, text_file: Path, recipe: str, batches: int, batch_size: in
     from fp4sim.inspect_model import _batches, _loss, inspect_model
     base = _current_gb()
     t = time.perf_counter()
-    inspect_model(folder, text_file, recipe, batches, batch_size, seq_len)
+    _, summary = inspect_model(folder, text_file, recipe, batches, batch_size, seq_len)
     t_inspect = time.perf_counter() - t
     peak = _rss_gb()
     import transformers
@@ -91,7 +91,7 @@ def one(folder: Path, text_file: Path, recipe: str, batches: int, batch_size: in
         _loss(model, "causal", ids).backward()
     t_torch = time.perf_counter() - t
     return {"inspect_s": t_inspect, "torch_s": t_torch, "peak_gb": peak, "base_gb": base,
-            "threads": torch.get_num_threads()}
+            "estimate_gb": summary["memory"].get("estimate_gb"), "threads": torch.get_num_threads()}
 
 
 def main(argv=None) -> int:
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{size:>9}  {n / 1e6:7.1f} M params  stored {stored:5.2f} GB  inspect peak {m['peak_gb']:5.2f} GB "
                   f"(stored + {row['over_stored_gb']:4.2f} GB, {row['bytes_per_param']:5.1f} B/param, base "
-                  f"{m['base_gb']:.2f} GB)  inspect {m['inspect_s']:7.1f} s  torch {m['torch_s']:6.1f} s  "
+                  f"{m['base_gb']:.2f} GB, estimated {m['estimate_gb']} GB)  inspect {m['inspect_s']:7.1f} s  torch {m['torch_s']:6.1f} s  "
                   f"ratio {row['ratio']:4.2f}", flush=True)
             import shutil
             shutil.rmtree(folder)

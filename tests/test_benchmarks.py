@@ -78,3 +78,20 @@ def test_planning_benchmark_runs_without_a_gpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 * 6 and all(r["us"] > 0 for r in rows)
     assert {tuple(r["shape"]) for r in rows} == {(2048, 768), (8192, 3072), (3072, 8192), (8192, 8192)}
+
+
+def test_inspect_benchmark_runs_small(tmp_path):
+    """bench_inspect.py on a two-block model of 64 features: it builds the model, runs inspect and plain torch in a
+    fresh process, and reports memory against the stored size and the time ratio; the peak holds at least the
+    weights, the estimate made before loading lies above the peak (it is meant to be an upper bound)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "b.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_inspect.py"), "--sizes", "64x2", "--batches",
+                    "1", "--batch-size", "1", "--seq-len", "32", "--vocab", "300", "--json", str(out)], check=True,
+                   capture_output=True, timeout=600)
+    rec = json.loads(out.read_text())
+    (row,) = rec["rows"]
+    assert row["size"] == "64x2" and row["tokens"] == 32 and row["params"] > 0
+    assert row["peak_gb"] >= row["base_gb"] + 0.0 and row["peak_gb"] > row["stored_gb"]
+    assert row["estimate_gb"] >= row["peak_gb"]
+    assert row["inspect_s"] > 0 and row["torch_s"] > 0 and math.isclose(row["ratio"], row["inspect_s"] / row["torch_s"])

@@ -581,3 +581,30 @@ def operand_stats(a, y, codes, top_code, codes_t):
         for q in range(4):
             n[q] += cnt[t, q]
     return out, n
+
+
+@nb.njit(parallel=True, cache=True)
+def gradient_sums(q, r):
+    """(sum r^2, sum (q - r)^2, sum q^2, sum q r) in float64 of two float32 arrays of one length (flat), for the
+    weight-gradient SNR and cosine: each 1024-element segment summed in element order, the segments added with
+    Neumaier's compensation (:func:`_combine`); one read of each array, no float64 copy."""
+    n = q.size
+    nseg = (n + SEG - 1) // SEG
+    part = np.zeros((max(nseg, 1), 4))
+    for t in nb.prange(nseg):
+        lo = t * SEG
+        hi = min(lo + SEG, n)
+        a0 = a1 = a2 = a3 = 0.0
+        for i in range(lo, hi):
+            x = np.float64(q[i])
+            y = np.float64(r[i])
+            d = x - y
+            a0 += y * y
+            a1 += d * d
+            a2 += x * x
+            a3 += x * y
+        part[t, 0] = a0
+        part[t, 1] = a1
+        part[t, 2] = a2
+        part[t, 3] = a3
+    return _combine_cols(part)

@@ -4,6 +4,7 @@ high precision), and :func:`gradient_fidelity` (each weight gradient against flo
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
@@ -188,6 +189,43 @@ class _PassStart:
             m._calls = c
 
 
+def gradient_sums(q: torch.Tensor, r: torch.Tensor, chunk: int | None = None) -> tuple:
+    """``(sum r^2, sum (q - r)^2, sum q^2, sum q r)`` in float64 of two weight gradients of one shape, from which
+    :func:`gradient_fidelity` and :func:`~fp4sim.torch.streaming.streaming_fidelity` take the SNR and the cosine.
+    On the CPU one fused pass over the float32 values (fp4sim.cpu.analysis.gradient_sums: 1024-element segments
+    in element order, added with Neumaier's compensation); on a device, torch's float64 sums, in pieces of rows
+    where the gradient has more than ``chunk`` (:data:`CHUNK`) elements."""
+    q, r = q.detach(), r.detach()
+    if q.device.type == "cpu":
+        from ..cpu.analysis import gradient_sums as fused
+        a = q.to(torch.float32).contiguous().reshape(-1).numpy()
+        b = r.to(torch.float32).contiguous().reshape(-1).numpy()
+        return tuple(float(v) for v in fused(a, b))
+    return _torch_sums(q, r, chunk)
+
+
+def _torch_sums(q, r, chunk=None) -> tuple:
+    """:func:`gradient_sums` in torch's float64 operations, in pieces of rows of at most about ``chunk`` elements."""
+    chunk = CHUNK if chunk is None else int(chunk)
+    q2, r2 = q.reshape(q.shape[0] if q.dim() else 1, -1), r.reshape(r.shape[0] if r.dim() else 1, -1)
+    step = max(1, chunk // max(1, q2.shape[1]))
+    s = [0.0, 0.0, 0.0, 0.0]
+    for i in range(0, q2.shape[0], step):
+        a, b = q2[i:i + step].to(torch.float64), r2[i:i + step].to(torch.float64)
+        for k, v in enumerate(((b * b).sum(), ((a - b) ** 2).sum(), (a * a).sum(), (a * b).sum())):
+            s[k] += float(v)
+    return tuple(s)
+
+
+def snr_cosine(sums) -> tuple:
+    """``(snr, cosine)`` from :func:`gradient_sums`' four sums: ``||r|| / ||q - r||`` (inf when equal) and
+    ``<q, r> / (||q|| ||r||)`` (NaN where a gradient is zero)."""
+    nr2, nd2, nq2, dot = sums
+    nr, nd, nq = math.sqrt(nr2), math.sqrt(nd2), math.sqrt(nq2)
+    den = nq * nr
+    return (nr / nd if nd > 0 else float("inf")), (dot / den if den > 0 else float("nan"))
+
+
 SNR_THRESHOLD = 3 ** 0.5       # Chmiel et al. 2025: quantized training stops helping below this gradient SNR
 
 
@@ -221,7 +259,7 @@ def gradient_fidelity(model: torch.nn.Module, batch_fn):
             raise ValueError(f"batch_fn ran no backward pass through {missing[0]!r} ({what} run; "
                              f"{len(missing)} of {len(mods)} layers got no weight gradient): it must run the "
                              "forward pass and loss.backward() through every QuantLinear")
-        return [m.weight.grad.detach().to(torch.float64).clone() for _, m in mods]
+        return [m.weight.grad.detach().clone() for _, m in mods]
 
     try:
         g_q = run("quantized")
@@ -236,10 +274,9 @@ def gradient_fidelity(model: torch.nn.Module, batch_fn):
             p.grad = g
     snr, cos = [], []
     for q, r in zip(g_q, g_ref):
-        nr, nd = float(r.norm()), float((q - r).norm())
-        snr.append(nr / nd if nd > 0 else float("inf"))
-        den = float(q.norm()) * nr
-        cos.append(float((q * r).sum()) / den if den > 0 else float("nan"))
+        a, b = snr_cosine(gradient_sums(q, r))
+        snr.append(a)
+        cos.append(b)
     snr = np.array(snr)
     with np.errstate(divide="ignore"):
         rel = np.where(np.isinf(snr), 0.0, 1.0 / snr)

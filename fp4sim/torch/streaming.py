@@ -9,7 +9,6 @@ each layer's gradient compared with the float32 one read back, then dropped."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import tempfile
 
@@ -18,7 +17,7 @@ import torch
 
 from .module import _quant_layers
 from . import stats
-from .stats import SNR_THRESHOLD, _PassStart
+from .stats import SNR_THRESHOLD, _PassStart, gradient_sums, snr_cosine
 
 __all__ = ["gradient_sinks", "streaming_fidelity"]
 
@@ -69,22 +68,10 @@ class _Spill:
 
 
 def _fidelity(q: torch.Tensor, r: torch.Tensor, chunk: int) -> tuple:
-    """(snr, cosine) of a quantized gradient ``q`` against the float32 one ``r``, in float64 as
-    gradient_fidelity computes them; in pieces of rows where the gradient has more than ``chunk`` elements."""
-    if q.numel() <= chunk:
-        q, r = q.to(torch.float64), r.to(torch.float64)
-        nr, nd, nq, dot = float(r.norm()), float((q - r).norm()), float(q.norm()), float((q * r).sum())
-    else:
-        q2, r2 = q.reshape(q.shape[0], -1), r.reshape(r.shape[0], -1)
-        step = max(1, chunk // max(1, q2.shape[1]))
-        s = np.zeros(4)
-        for i in range(0, q2.shape[0], step):
-            a, b = q2[i:i + step].to(torch.float64), r2[i:i + step].to(torch.float64)
-            s += [float((b * b).sum()), float(((a - b) ** 2).sum()), float((a * a).sum()), float((a * b).sum())]
-        nr, nd, nq, dot = math.sqrt(s[0]), math.sqrt(s[1]), math.sqrt(s[2]), s[3]
-    snr = nr / nd if nd > 0 else float("inf")
-    den = nq * nr
-    return snr, (dot / den if den > 0 else float("nan"))
+    """(snr, cosine) of a quantized gradient ``q`` against the float32 one ``r``: the four float64 sums of
+    :func:`~fp4sim.torch.stats.gradient_sums` (on the CPU one fused pass, no float64 copy; on a device in pieces of
+    rows where the gradient has more than ``chunk`` elements)."""
+    return snr_cosine(gradient_sums(q, r, chunk))
 
 
 def streaming_fidelity(model: torch.nn.Module, loss_fn, spill_dir=None, chunk: int | None = None):
