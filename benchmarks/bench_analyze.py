@@ -3,6 +3,7 @@
     python benchmarks/bench_analyze.py [--size 4096] [--repeat 2] [--json out.json]
     python benchmarks/bench_analyze.py --checkpoint-elems 1e9 [--workers 1,2] [--json out.json]
     python benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda [--json out.json]
+    python benchmarks/bench_analyze.py --checkpoint-elems 4.4e9 --layout gpt-oss [--tools validate,analyze]
 
 1. One size x size float32 tensor (Gaussian, heavy-tailed rows) analysed as an activation and as a gradient,
    with every default scheme and study and with ``hadamard=False``, each stage timed (the schemes, the outlier
@@ -12,6 +13,12 @@
    analysed as ``python -m fp4sim.analyze DIR --no-hadamard`` does, locally and on a Dask LocalCluster of 1 and
    2 worker processes (one thread each): elements per second, the peak resident size of the process (and of
    the workers), and the scaling from 1 to 2 workers.
+3. ``--checkpoint-elems N --layout gpt-oss``: a gpt-oss MXFP4 folder of about N elements in gpt-oss-20b's shapes
+   (32 experts; ``gate_up_proj`` 5760 x 2880 and ``down_proj`` 2880 x 2880 per layer, two weights per shard; one
+   Gaussian expert quantized with ``mxfp4`` and repeated with each expert's scale bytes shifted by -2..2), checked
+   by ``python -m fp4sim.validate checkpoint DIR`` and analysed by ``python -m fp4sim.analyze DIR --no-hadamard``
+   (``--tools``), each in a fresh process: seconds, elements and stored bytes per second, the process's peak
+   resident size (VmHWM) beside the bound 2 GB + 3 x the largest tensor's stored size.
 
 ``--device cuda``: the same on the current CUDA device (``analyze(..., device="cuda")``). Part 1's baseline is then
 one NVFP4 quantize of the tensor on the device; part 2 analyses the checkpoint on the device (the kernels compiled by
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -182,6 +190,92 @@ def checkpoint(a, out):
         out["checkpoint"] = res
 
 
+_WRAP = r"""
+import atexit, runpy, sys
+out = sys.argv.pop(1)
+
+
+def hwm():  # this process's peak resident size: VmHWM, which (unlike getrusage's) is not the forking process's
+    with open(out, "w") as f:
+        f.write(next(v.split()[1] for v in open("/proc/self/status") if v.startswith("VmHWM:")))
+atexit.register(hwm)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def _tool(module, args, d) -> dict:
+    """``python -m module args`` in a fresh process: {"s", "peak_gb", "rc"}."""
+    import subprocess
+    peak = Path(d) / "peak.kb"
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", _WRAP, str(peak), module, *map(str, args)], capture_output=True,
+                       text=True)
+    dt = time.perf_counter() - t
+    if p.returncode not in (0, 1):                    # validate exits 1 on a fault it finds: still a full check
+        raise SystemExit(f"{module} {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return {"s": dt, "peak_gb": int(peak.read_text()) * 1024 / 1e9, "rc": p.returncode}
+
+
+GPT_OSS_20B = (("gate_up_proj", 5760), ("down_proj", 2880))     # per layer, 32 experts of (rows, 2880)
+
+
+def gpt_oss(a, out):
+    """Part 3: a gpt-oss MXFP4 folder checked by validate and analysed by analyze, each in its own process."""
+    from safetensors.numpy import save_file
+    n = int(float(a.checkpoint_elems))
+    E, K = 32, 2880
+    rng = np.random.default_rng(1)
+    first = {}
+    for proj, rows in GPT_OSS_20B:                          # one Gaussian expert per projection, quantized once
+        q = fs.quantize(rng.standard_normal((rows, K), np.float32) * np.float32(0.02), "mxfp4")
+        first[proj] = (np.asarray(q.codes).reshape(1, rows, K // 32, 16), np.asarray(q.scales).reshape(1, rows, -1))
+    names, elems = [], 0
+    while elems < n or not names:
+        proj, rows = GPT_OSS_20B[len(names) % 2]
+        names.append((f"model.layers.{len(names) // 2}.mlp.experts.{proj}", proj))
+        elems += E * rows * K
+    shards = -(-len(names) // 2)
+    with tempfile.TemporaryDirectory(dir=a.tmp) as d:
+        t = time.perf_counter()
+        wmap, largest = {}, 0
+        for s in range(shards):
+            fn = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {}
+            for i, (name, proj) in enumerate(names[2 * s: 2 * s + 2]):
+                c, sc = first[proj]
+                shift = (np.arange(E) + 2 * s + i) % 5 - 2
+                part[name + "_blocks"] = np.repeat(c, E, 0)
+                part[name + "_scales"] = (np.repeat(sc, E, 0).astype(np.int16) + shift[:, None, None]).astype(np.uint8)
+                largest = max(largest, part[name + "_blocks"].nbytes + part[name + "_scales"].nbytes)
+            save_file(part, str(Path(d) / fn))
+            wmap.update({k: fn for k in part})
+            del part
+        (Path(d) / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+        (Path(d) / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"],
+                                                         "quantization_config": {"quant_method": "mxfp4"}}))
+        stored = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+        bound = 2.0 + 3 * largest / 1e9
+        print(f"wrote {len(names)} gpt-oss MXFP4 weights ({elems:.3g} elements, {stored / 1e9:.2f} GB in {shards} "
+              f"shards; the largest {largest / 1e9:.2f} GB stored) in {time.perf_counter() - t:.0f} s; the memory "
+              f"bound 2 GB + 3 x {largest / 1e9:.2f} GB = {bound:.2f} GB", flush=True)
+        res = {"layout": "gpt-oss", "elements": elems, "stored_gb": stored / 1e9, "largest_gb": largest / 1e9,
+               "bound_gb": bound}
+        for tool in a.tools.split(","):
+            args = {"validate": ("fp4sim.validate", ["checkpoint", d]),
+                    "analyze": ("fp4sim.analyze", [d, "--no-hadamard", "--quiet", "--json", Path(d) / "a.json",
+                                                   "--threads", a.threads])}
+            if tool not in args:
+                raise SystemExit(f"--tools: {tool!r} is neither validate nor analyze")
+            r = _tool(*args[tool], d)
+            r.update(elems_per_s=elems / r["s"], gb_per_s=stored / 1e9 / r["s"], within_bound=r["peak_gb"] <= bound)
+            res[tool] = r
+            print(f"{tool:8}: {r['s']:7.1f} s, {r['elems_per_s'] / 1e6:6.1f} M elements/s, {r['gb_per_s']:.3f} GB/s "
+                  f"stored, peak {r['peak_gb']:.2f} GB ({'within' if r['within_bound'] else 'ABOVE'} the bound)",
+                  flush=True)
+        out["checkpoint"] = res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=4096)
@@ -189,10 +283,18 @@ def main():
     ap.add_argument("--checkpoint-elems", default=None, help="run part 2 instead, with about this many elements")
     ap.add_argument("--workers", default="1,2", help="Dask worker counts of part 2 (CPU only; '' for none)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--layout", choices=("bf16", "gpt-oss"), default="bf16", help="part 2 (bf16) or part 3")
+    ap.add_argument("--tools", default="validate,analyze", help="part 3's tools, in order")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="part 3: analyze's Numba threads (default: every core, not the idle ones the load average "
+                         "gives, so that runs compare)")
+    ap.add_argument("--tmp", help="where part 3 writes its folder (default: the system's temporary folder)")
     ap.add_argument("--json")
     a = ap.parse_args()
     out = {}
-    if a.checkpoint_elems:
+    if a.checkpoint_elems and a.layout == "gpt-oss":
+        gpt_oss(a, out)
+    elif a.checkpoint_elems:
         checkpoint(a, out)
     else:
         stages(a, out)

@@ -16,7 +16,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-__all__ = ["safetensors_keys", "safetensors_entries", "load_safetensors"]
+__all__ = ["safetensors_keys", "safetensors_entries", "load_safetensors", "load_safetensors_rows",
+           "safetensors_entry"]
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -54,9 +55,8 @@ def safetensors_keys(path) -> list[str]:
     return list(_header(path)[0])
 
 
-def load_safetensors(path, key: str) -> np.ndarray:
-    """Entry ``key`` as a NumPy array (bfloat16 and float8 as ml_dtypes types); ValueError saying what is wrong
-    for an unknown entry or dtype, or offsets that do not fit the file."""
+def _entry(path, key: str):
+    """(dtype, shape, absolute offset of the entry's data) of entry ``key``, its header checked against the file."""
     meta, start, size = _header(path)
     if key not in meta:
         raise KeyError(key)
@@ -74,7 +74,46 @@ def load_safetensors(path, key: str) -> np.ndarray:
     if hi - lo != n or lo < 0 or start + hi > size:
         raise ValueError(f"entry {key!r} is truncated or corrupt (offsets {lo}..{hi} for {n} bytes of {shape} "
                          f"{e['dtype']}, {size - start} data bytes in the file)")
+    return dt, shape, start + lo
+
+
+def safetensors_entry(path, key: str) -> tuple:
+    """(NumPy dtype, shape) of entry ``key`` from the header (no data read); KeyError or ValueError as
+    :func:`load_safetensors`."""
+    return _entry(path, key)[:2]
+
+
+def _read_into(path, offset: int, out: np.ndarray) -> np.ndarray:
+    """``out`` filled with the file's bytes from ``offset`` (read straight into it: no second copy)."""
+    buf = memoryview(out.reshape(-1).view(np.uint8))
     with open(path, "rb") as f:
-        f.seek(start + lo)
-        buf = f.read(n)
-    return np.frombuffer(buf, dtype=dt).reshape(shape).copy()
+        f.seek(offset)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(buf[got:])
+            if not n:
+                raise ValueError(f"{path}: ended {len(buf) - got} bytes early (truncated while it was read)")
+            got += n
+    return out
+
+
+def load_safetensors(path, key: str) -> np.ndarray:
+    """Entry ``key`` as a NumPy array (bfloat16 and float8 as ml_dtypes types); ValueError saying what is wrong
+    for an unknown entry or dtype, or offsets that do not fit the file."""
+    dt, shape, offset = _entry(path, key)
+    return _read_into(path, offset, np.empty(shape, dt))
+
+
+def load_safetensors_rows(path, key: str, rows: int, r0: int, r1: int) -> np.ndarray:
+    """Rows ``r0`` to ``r1`` of entry ``key`` seen as ``rows`` C-ordered rows (each row the entry's size / rows
+    elements: a weight's rows for its codes, scales or blocks, whatever the entry's own shape), as a
+    (r1 - r0, size / rows) array of the entry's dtype; only those bytes are read. ValueError where the entry does
+    not split into ``rows`` rows or the range is not in it."""
+    dt, shape, offset = _entry(path, key)
+    n = int(np.prod(shape, dtype=np.int64))
+    if rows <= 0 or n % rows:
+        raise ValueError(f"entry {key!r} of shape {shape} does not split into {rows} rows")
+    if not 0 <= r0 <= r1 <= rows:
+        raise ValueError(f"rows {r0}..{r1} are not within the {rows} rows of entry {key!r}")
+    per = n // rows
+    return _read_into(path, offset + r0 * per * dt.itemsize, np.empty((r1 - r0, per), dt))

@@ -67,6 +67,7 @@ def test_a_conversion_reads_as_mlx_dequantizes_it(folders, mode):
     raw = mx.load(str(d / "model.safetensors"))
     theirs = mx.dequantize(raw[f"{DOWN}.weight"], raw[f"{DOWN}.scales"], mode=mode).astype(mx.float32)
     assert np.array_equal(w.values(), np.array(theirs))
+    assert np.array_equal(w.rows(5, 37), np.array(theirs)[5:37])          # a row range reads only its bytes
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -14,7 +14,8 @@ import xarray as xr
 from threadpoolctl import threadpool_limits
 
 from ..threads import numba_threads
-from .inputs import NotATarget, Source, TensorError, discover, is_vector_param, load
+from .lazy import specials
+from .inputs import NotATarget, Source, TensorError, discover, is_vector_param, load, stored_nbytes
 from .metrics import (BLOCK_FIELDS, DEFAULT_SCHEMES, SCALAR_METRICS, SCHEMES_BY_LABEL, scheme_metrics,
                       tensor_amax)
 from .studies import RHT_SCHEMES, RHT_SIGNS, absmax_map, gradient_bias, hadamard_effect, outliers, wgrad_gemm
@@ -44,7 +45,7 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
     ``device``: a :class:`fp4sim.analyze.device.Device` to run the studies on (None: the CPU)."""
     stage = stage or (lambda name: None)
     stage("load")
-    x = load(src, keep_bf16=device is not None)
+    x = load(src, keep_bf16=device is not None, lazy=device is None)
     if not include_vectors and is_vector_param(src.name, x.ndim):
         what = "a 1-D bias or normalization weight (or attention sinks)" if x.ndim == 1 else \
             "a stack of per-expert biases"
@@ -63,7 +64,7 @@ def analyze_tensor(src: Source, schemes=DEFAULT_SCHEMES, seed: int = 0, hadamard
             res["n_nan"], res["n_inf"], amax = dev.specials(device, x)
             run = _OnDevice(device)
         else:
-            res["n_nan"], res["n_inf"] = int(np.count_nonzero(np.isnan(x))), int(np.count_nonzero(np.isinf(x)))
+            res["n_nan"], res["n_inf"] = specials(x)
             amax = tensor_amax(x)
             run = _OnCpu
         shared = {}                 # the chunks' scheme-independent sums, taken once
@@ -145,10 +146,14 @@ def _worker_numba_threads():
 
 
 class _Progress:
-    """Progress over tensors and, within one, its current stage (tqdm on stderr; nothing when quiet)."""
+    """Progress over tensors and their stored bytes and, within one tensor, its current stage (tqdm on stderr;
+    nothing when quiet). ``nbytes``: each source's stored size (:func:`~fp4sim.analyze.inputs.stored_nbytes`)."""
 
-    def __init__(self, n, quiet):
+    def __init__(self, n, quiet, nbytes: dict | None = None):
         self.bar = None
+        self.nbytes = nbytes or {}
+        self.total = sum(self.nbytes.values())
+        self.read = 0
         if not quiet and n:
             from tqdm import tqdm
             self.bar = tqdm(total=n, unit="tensor", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
@@ -156,16 +161,22 @@ class _Progress:
 
     def stage(self, name, what):
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{name}: {what}"[-100:], refresh=True)
+            size = f"{_size(self.read)} of {_size(self.total)} · " if self.total else ""
+            self.bar.set_postfix_str(size + f"{name}: {what}"[-100:], refresh=True)
 
-    def done(self):
+    def done(self, name=None):
+        self.read += self.nbytes.get(name, 0)
         if self.bar is not None:
             self.bar.update(1)
 
     def close(self):
         if self.bar is not None:
-            self.bar.set_postfix_str("")
+            self.bar.set_postfix_str(f"{_size(self.read)} of {_size(self.total)}" if self.total else "")
             self.bar.close()
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 class Parts:
@@ -232,7 +243,8 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
     sources, problems, meta = discover(paths, role_overrides)
     results, skipped = [], [{"tensor": p, "reason": r} for p, r in problems]
     n_pairs = len(meta.get("pairs", {}))
-    prog = _Progress(len(sources) + n_pairs, quiet)        # the weight-gradient GEMMs of the pairs come last
+    prog = _Progress(len(sources) + n_pairs, quiet,        # the weight-gradient GEMMs of the pairs come last
+                     None if quiet else {s.name: stored_nbytes(s) for s in sources})
     parts = None
     if resume is not None:
         parts = Parts(resume, {"schemes": [sp.label for sp in specs], "seed": int(seed), "hadamard": bool(hadamard),
@@ -246,7 +258,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
             continue
         (results if got[0] == "result" else skipped).append(got[1])
         prog.stage(s.name, "read back from an earlier run")
-        prog.done()
+        prog.done(s.name)
 
     def finished(s, kind, value):
         (results if kind == "result" else skipped).append(value)
@@ -276,7 +288,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
                 except KilledWorker as e:
                     skipped.append(_killed(s.name, e))          # not kept: a rerun with more memory tries again
                 prog.stage(s.name, "analysed on the cluster")
-                prog.done()
+                prog.done(s.name)
         finally:
             if own:
                 client.close()
@@ -291,7 +303,7 @@ def analyze(paths, schemes=None, role_overrides=None, seed: int = 0, hadamard: b
                                                      device=dv))
             except TensorError as e:
                 finished(s, "skipped", _skip(s.name, e))
-            prog.done()
+            prog.done(s.name)
     order = {s.name: i for i, s in enumerate(sources)}
     results.sort(key=lambda r: order[r["name"]])
     skipped = ([k for k in skipped if k["tensor"] not in order]            # listing problems, then by source

@@ -329,25 +329,29 @@ def _reason(e) -> str:
     return f"cannot be read: {type(e).__name__}: {_first_line(e)}"
 
 
-def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
+def load(src: Source, keep_bf16: bool = False, lazy: bool = False) -> np.ndarray:
     """The tensor as float32 (float16/bfloat16 widen exactly; float64 rounds), or TensorError saying why not.
-    ``keep_bf16``: a bfloat16 tensor as it is stored (half the bytes to move; the caller widens it)."""
+    ``keep_bf16``: a bfloat16 tensor as it is stored (half the bytes to move; the caller widens it). ``lazy``: a
+    tensor of two axes or more and at least :data:`~fp4sim.analyze.lazy.LAZY_ELEMS` elements, stored in a
+    safetensors entry or as a quantized weight of a checkpoint folder, as a
+    :class:`~fp4sim.analyze.lazy.LazyTensor` that reads its rows when asked (the same values)."""
     path = Path(src.path)
     suf = path.suffix.lower()
+    if lazy:
+        try:
+            got = _lazy(src, path, suf)
+        except TensorError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise TensorError(_reason(e)) from None
+        if got is not None:
+            return got
     try:
         if src.key and src.key.startswith((GPT_OSS, CT_MX, MLX)):
-            from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
-            from ..checkpoints.gpt_oss import read_gpt_oss
-            from ..checkpoints.mlx import read_mlx
-            prefix, read = next((p, r) for p, r in ((GPT_OSS, read_gpt_oss), (CT_MX, read_compressed_tensors_mx),
-                                                    (MLX, read_mlx)) if src.key.startswith(p))
-            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read(src.path, strict=False))
-            w = ck.weights[src.key[len(prefix):]]
+            w = _weight(src)
             a = w.values().reshape(-1, w.shape[-1])
         elif src.key and src.key.startswith(CKPT):
-            from ..checkpoints.nvfp4 import dequantize_weight, read_checkpoint
-            ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read_checkpoint(src.path))
-            a = dequantize_weight(ck.weights[src.key[len(CKPT):]], ck.format)
+            a = _weight(src).values()
         elif suf == ".npz":
             with np.load(path, allow_pickle=False) as z:
                 a = z[src.key]
@@ -383,6 +387,66 @@ def load(src: Source, keep_bf16: bool = False) -> np.ndarray:
     if keep_bf16 and a.dtype == np.dtype(ml_dtypes.bfloat16):
         return np.ascontiguousarray(a)
     return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _weight(src: Source):
+    """The record of a checkpoint folder's quantized weight that ``src`` names (the folder's headers read once
+    per process)."""
+    from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
+    from ..checkpoints.gpt_oss import read_gpt_oss
+    from ..checkpoints.mlx import read_mlx
+    from ..checkpoints.nvfp4 import read_checkpoint
+    prefix, read = next((p, r) for p, r in ((GPT_OSS, lambda d: read_gpt_oss(d, strict=False)),
+                                            (CT_MX, lambda d: read_compressed_tensors_mx(d, strict=False)),
+                                            (MLX, lambda d: read_mlx(d, strict=False)), (CKPT, read_checkpoint))
+                        if src.key.startswith(p))
+    ck = _CKPTS.get(src.path) or _CKPTS.setdefault(src.path, read(src.path))
+    return ck.weights[src.key[len(prefix):]]
+
+
+def stored_nbytes(src: Source) -> int:
+    """The bytes ``src`` takes in its file, from the headers (for progress): a safetensors entry's, a checkpoint
+    weight's entries', a ``.npy`` file's size; 0 where the layout does not say (``.npz``, ``.pt``, GGUF) or the
+    file cannot be read."""
+    try:
+        path = Path(src.path)
+        if src.key and src.key.startswith((GPT_OSS, CT_MX, MLX, CKPT)):
+            from .._safetensors import safetensors_entry
+            total = 0
+            for e in _weight(src).entries.values():
+                dt, shape = safetensors_entry(e[0], e[1])
+                total += int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            return total
+        if path.suffix.lower() == ".safetensors" and src.key is not None:
+            from .._safetensors import safetensors_entry
+            dt, shape = safetensors_entry(path, src.key)
+            return int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if path.suffix.lower() == ".npy":
+            return path.stat().st_size
+    except (OSError, ValueError, KeyError):
+        pass
+    return 0
+
+
+def _lazy(src: Source, path: Path, suf: str):
+    """:func:`load`'s LazyTensor of ``src``, or None where it is small or its layout is read whole."""
+    from .lazy import LAZY_ELEMS, LazyTensor
+    if src.key and src.key.startswith((GPT_OSS, CT_MX, MLX, CKPT)):
+        w = _weight(src)
+        shape = (int(np.prod(w.shape[:-1], dtype=np.int64)), int(w.shape[-1]))
+        if shape[0] * shape[1] < LAZY_ELEMS or not shape[0]:
+            return None
+        return LazyTensor(shape, w.rows, src.name)
+    if suf != ".safetensors" or src.key is None:
+        return None
+    from .._safetensors import load_safetensors_rows, safetensors_entry
+    dt, shape = safetensors_entry(path, src.key)
+    n = int(np.prod(shape, dtype=np.int64))
+    if len(shape) < 2 or n < LAZY_ELEMS or dt not in _OK_DTYPES or not shape[-1]:
+        return None                              # small, or refused (or widened) by the whole-tensor path
+    rows = n // shape[-1]
+    return LazyTensor(shape, lambda r0, r1: load_safetensors_rows(path, src.key, rows, r0, r1).astype(np.float32),
+                      src.name)
 
 
 _GGUFS: dict = {}                   # GGUF files read in this process (headers; the data is memory-mapped)

@@ -15,6 +15,7 @@ from .. import dequantize, quantize
 from ..formats import E4M3
 from .._xp import table, xp_of
 from ..layout import unpack_fp4
+from .lazy import absmax, is_lazy
 
 SCALAR_METRICS = ("mse", "rel_mse", "sqnr_db", "max_abs_err", "blockmax_rel_err", "underflow_frac",
                   "saturation_frac", "zero_code_frac", "frac_blocks_amax_max", "binades_per_block", "scale_std",
@@ -69,6 +70,10 @@ SCHEMES_BY_LABEL = {s.label: s for s in DEFAULT_SCHEMES + EXTRA_SCHEMES}
 
 
 def as_rows(x: np.ndarray) -> np.ndarray:
+    """The (rows, last axis) view of ``x`` (one row for a vector; a :class:`~fp4sim.analyze.lazy.LazyTensor`'s
+    rows view, read chunk by chunk)."""
+    if is_lazy(x):
+        return x.rows_view()
     return x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
 
 
@@ -91,8 +96,9 @@ def quantize_chunk(c, spec: SchemeSpec, role: str, amax, seed: int, stream: int,
 
 def tensor_amax(x: np.ndarray) -> np.float32:
     """max |x| with NaN ignored (0 for an all-NaN tensor): the tensor-wide scale input of chunked schemes."""
-    from ..cpu.backend import CPU
-    return CPU.absmax(as_rows(np.ascontiguousarray(x, np.float32)))[0]
+    if is_lazy(x):
+        return absmax(x.rows_view())
+    return absmax(as_rows(np.ascontiguousarray(x, np.float32)))
 
 
 def _window(spec: SchemeSpec) -> str | None:

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import fake_quantize, rht
 from ..cpu import analysis as ka
+from .lazy import absmax, is_lazy
 from .metrics import as_rows, chunks
 
 RHT_DIMS = (2, 4, 16, 32, 128)
@@ -239,8 +240,7 @@ def outliers(x: np.ndarray, k: float = 6.0, chunk_elems: int = 1 << 20, amax=Non
 
 
 def _amax(x2):
-    from ..cpu.backend import CPU
-    return CPU.absmax(x2)[0]
+    return absmax(x2)
 
 
 def absmax_map(x: np.ndarray, size: int = 64, chunk_elems: int = 1 << 20) -> np.ndarray:
@@ -290,18 +290,30 @@ def hadamard_effect(x: np.ndarray, seed: int = 0, kurt0: float | None = None, ch
             signs = {"te": "te", "random": seed + 1, "none": None}[sg]
             m = _moments(device)
             a_r = np.float32(0)
-            xrs = []                 # the transformed chunks, kept for the second pass (one float32 copy of x)
-            for _, c in chunks(x2, chunk_elems):
-                xr = rht(c, d, signs, out="fp32") if device is None else device.rht(c, d, signs)
+            # the transformed chunks, kept for the second pass (one float32 copy of x), or, for a tensor read
+            # from its file chunk by chunk, transformed again
+            xrs = []
+
+            def transformed():
+                for _, c in chunks(x2, chunk_elems):
+                    yield rht(c, d, signs, out="fp32") if device is None else device.rht(c, d, signs)
+            for xr in transformed():
                 a = m.add1(xr)
                 a_r = max(a_r, amax_of(xr) if a is None else a)
-                xrs.append(xr)
+                if not is_lazy(x2):
+                    xrs.append(xr)
             e = np.zeros((len(RHT_SCHEMES), 2))
-            while xrs:
-                e += _pass2_err_sums(m, xrs.pop(0), a_r, device)
+            for xr in transformed() if is_lazy(x2) else _drain(xrs):
+                e += _pass2_err_sums(m, xr, a_r, device)
             kur[di, si] = m.kurtosis()
             err[di, si, :] = [_ratio(*v) for v in e]
     return dims, err, kur
+
+
+def _drain(items: list):
+    """The items of a list, each dropped from it as it is given."""
+    while items:
+        yield items.pop(0)
 
 
 def _pair_err_sums(c, amax, device=None) -> np.ndarray:

@@ -90,8 +90,23 @@ class MXFP4Weight:
     def values(self) -> np.ndarray:
         """float32 (experts, rows, K): E2M1 x 2^(e - 127), E8M0 255 as NaN (OCP) — ``fs.dequantize`` of
         :meth:`quantized`."""
+        return self._dequantize(self.codes, self.scales).reshape(self.shape)
+
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        """float32 (r1 - r0, K): rows ``r0`` to ``r1`` of the (experts x rows, K) view of :meth:`values`, reading
+        only their bytes (a weight of any size in pieces)."""
+        from .._safetensors import load_safetensors_rows
+        n = self._rows()
+        c, s = (load_safetensors_rows(*self.entries[role], n, r0, r1) for role in ("blocks", "scales"))
+        return self._dequantize(c.view(np.uint8), s.view(np.uint8))
+
+    def _dequantize(self, codes, scales) -> np.ndarray:
+        from ..qtensor import QuantizedTensor
         from ..quantize import dequantize
-        return np.asarray(dequantize(self.quantized()), np.float32).reshape(self.shape)
+        from ..schemes import get_scheme
+        q = QuantizedTensor(codes=codes, scales=scales, global_amax=None, scheme=get_scheme("mxfp4"), axis=1,
+                            shape=(codes.shape[0], self.shape[-1]))
+        return np.asarray(dequantize(q), np.float32)
 
 
 @dataclass

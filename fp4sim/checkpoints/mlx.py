@@ -80,16 +80,23 @@ class MLXWeight:
     def values(self) -> np.ndarray:
         """float32 (out, in): E2M1 (or E4M3) x 2^(e - 127), or E2M1 x E4M3(s) for nvfp4 — MLX's dequantize, which
         returns them in bfloat16 (each such product is exact in bfloat16 where it is in float32's range)."""
+        return self._dequantize(self.codes, self.scales)
+
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        """float32 (r1 - r0, in): rows ``r0`` to ``r1`` of :meth:`values`, reading only their bytes."""
+        from .._safetensors import load_safetensors_rows
+        c, s = (load_safetensors_rows(*self.entries[role], self.shape[0], r0, r1) for role in ("codes", "scales"))
+        return self._dequantize(*(a.view(np.uint8) if a.dtype.itemsize in (1, 4) else a for a in (c, s)))
+
+    def _dequantize(self, codes, s) -> np.ndarray:
         from ..formats import E2M1, E4M3
         from ..layout import unpack_fp4
-        s = self.scales
         if self.mode == "nvfp4":
             f = E4M3.values[s].astype(np.float32)
         else:
             f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.minimum(s, 254).astype(np.int32)
                                                                  - 127)).astype(np.float32)
-        v = (E4M3.values[self.codes] if self.mode == "mxfp8" else E2M1.values[unpack_fp4(self.codes)]).astype(
-            np.float32)
+        v = (E4M3.values[codes] if self.mode == "mxfp8" else E2M1.values[unpack_fp4(codes)]).astype(np.float32)
         with np.errstate(over="ignore"):
             return (v * np.repeat(f, v.shape[1] // f.shape[1], axis=1)).astype(np.float32)
 

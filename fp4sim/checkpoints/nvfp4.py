@@ -82,6 +82,18 @@ class QuantWeight:
         a = load_safetensors(path, key)
         return np.ascontiguousarray(a).view(np.uint8) if a.dtype.itemsize == 1 else a
 
+    def read_rows(self, role, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0`` to ``r1`` of entry ``role`` ("codes", "scales") as bytes, (r1 - r0, bytes per row): only
+        those bytes read."""
+        from .._safetensors import load_safetensors_rows
+        path, key, _ = self.entries[role]
+        a = load_safetensors_rows(path, key, self.shape[0], r0, r1)
+        return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        """float32 (r1 - r0, in): rows ``r0`` to ``r1`` of :meth:`values`, reading only their bytes."""
+        return dequantize_weight(self, self._format(), r0, r1)
+
     @property
     def codes(self) -> np.ndarray:
         return self._read("codes")
@@ -211,20 +223,25 @@ def is_checkpoint(d) -> bool:
         return False
 
 
-def dequantize_weight(w: QuantWeight, fmt: str) -> np.ndarray:
+def dequantize_weight(w: QuantWeight, fmt: str, r0: int = 0, r1: int | None = None) -> np.ndarray:
     """The weight's values, float32 (out, in): E2M1 value x decoded E4M3 block scale x the tensor scale, in the
     format's own operations (ModelOpt: ``fl(s · weight_scale_2)``; compressed-tensors: ``fl(s /
-    weight_global_scale)``, then times the element)."""
+    weight_global_scale)``, then times the element). ``r0``, ``r1``: only those rows (only their bytes read)."""
     from ..formats import E2M1, E4M3
     from ..layout import unpack_fp4
     R, K = w.shape
+    r1 = R if r1 is None else r1
     nb = -(-K // 16)
-    sc = w.scales
-    if sc is None or sc.size != R * nb or w.tensor_scale is None:
+    whole = (r0, r1) == (0, R)
+    ns = (w.scales.size if whole else int(np.prod(w.entries["scales"][2], dtype=np.int64))) \
+        if "scales" in w.entries else None
+    if ns != R * nb or w.tensor_scale is None:
         raise ValueError(f"{w.name}: its block scales or tensor scale are missing or of the wrong size "
                          "(python -m fp4sim.validate checkpoint says which)")
-    s = E4M3.values[np.asarray(sc, np.uint8).reshape(R, nb)].astype(np.float32)
+    sc, codes = (w.scales, w.codes) if whole else (w.read_rows(role, r0, r1) for role in ("scales", "codes"))
+    n = r1 - r0
+    s = E4M3.values[np.asarray(sc, np.uint8).reshape(n, nb)].astype(np.float32)
     with np.errstate(all="ignore"):
         fac = s * np.float32(w.tensor_scale) if fmt == "modelopt" else s / np.float32(w.tensor_scale)
-        v = E2M1.values[unpack_fp4(w.codes)].astype(np.float32)
-        return (v.reshape(R, nb, 16) * fac[:, :, None]).reshape(R, nb * 16)[:, :K].astype(np.float32)
+        v = E2M1.values[unpack_fp4(codes)].astype(np.float32)
+        return (v.reshape(n, nb, 16) * fac[:, :, None]).reshape(n, nb * 16)[:, :K].astype(np.float32)

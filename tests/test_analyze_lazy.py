@@ -1,0 +1,201 @@
+"""analyze on tensors read a few rows at a time (fp4sim.analyze.lazy): a checkpoint folder's quantized weights
+(gpt-oss MXFP4, compressed-tensors MXFP4, ModelOpt NVFP4) and large safetensors entries (bfloat16 with three
+axes, float64, a gradient) analysed as LazyTensors give the Dataset and the per-block records of the same
+analysis with every tensor loaded whole, bit for bit; the row reads are what slicing the whole entry gives; a
+gpt-oss weight far larger than its stored bytes is analysed within three times its stored size and one chunk's
+working set, where loading it whole takes more than its float32 size (measured in fresh processes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import xarray as xr
+
+import fp4sim as fs
+from fp4sim._safetensors import load_safetensors, load_safetensors_rows
+from fp4sim.analyze import analyze, lazy
+from fp4sim.analyze.inputs import discover, load
+from peers import torch_or_skip
+from test_checkpoint import write_modelopt
+from test_checkpoint_ct_mx import write_ct_mx
+from test_gpt_oss import DN, GU, _experts, _pack, write_gpt_oss
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "fp4sim" / "data" / "sample_dump.npz"
+
+
+def _plain(z):
+    """Entries beside the quantized ones: a bfloat16 weight of three axes, a float64 one with Inf and NaN, a
+    gradient (its stochastic rounding and bias study), a vector (not a target)."""
+    w = z["minilm.encoder.layer.5.intermediate.dense.weight"]            # (1536, 384)
+    f64 = z["minilm.encoder.layer.0.attention.self.query.weight"].astype(np.float64) * 3.0
+    f64[5, 7], f64[9, 0], f64[200, 300] = np.inf, np.nan, -np.inf
+    g = next(v for k, v in z.items() if "grad" in k and v.ndim == 2)
+    return {"model.layers.0.mlp.experts.stack.weight": w.reshape(4, 384, 384).astype(ml_dtypes.bfloat16),
+            "model.layers.0.self_attn.q_proj.weight": f64,
+            "model.layers.0.mlp.grad_output": np.ascontiguousarray(g, np.float32),
+            "model.layers.0.input_layernorm.weight": np.ones(384, np.float32)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    torch = torch_or_skip()
+    z = dict(np.load(SAMPLE))
+    base = tmp_path_factory.mktemp("lazy")
+    x = _experts()
+    ent = {}
+    for name, mode in ((GU, "floor"), (DN, "rceil")):
+        ent[name + "_blocks"], ent[name + "_scales"] = _pack(x[name], mode)
+    out = {"gpt-oss": write_gpt_oss(base / "gpt-oss", {**ent, **_plain(z)})}
+    mo, ct = {}, {}
+    for m, w in (("model.layers.0.mlp.up_proj", x[GU].reshape(-1, 384)),
+                 ("model.layers.0.mlp.down_proj", x[DN].reshape(-1, 384))):
+        q = fs.quantize(w, "nvfp4")
+        mo[f"{m}.weight"] = torch.from_numpy(np.asarray(q.codes))
+        mo[f"{m}.weight_scale"] = torch.from_numpy(np.asarray(q.scales)).view(torch.float8_e4m3fn)
+        mo[f"{m}.weight_scale_2"] = torch.tensor(np.float32(q.global_amax) / np.float32(2688.0))
+        qm = fs.quantize(w, "mxfp4")
+        ct[f"{m}.weight_packed"] = torch.from_numpy(np.asarray(qm.codes))
+        ct[f"{m}.weight_scale"] = torch.from_numpy(np.asarray(qm.scales))
+    out["modelopt"] = write_modelopt(base / "modelopt", mo)
+    out["ct-mxfp4"] = write_ct_mx(base / "ct-mxfp4", ct, sharded=True)
+    return out
+
+
+def _same(a: xr.Dataset, b: xr.Dataset):
+    """Every variable, coordinate and attribute equal; floats bit for bit."""
+    assert set(a.variables) == set(b.variables) and a.attrs == b.attrs
+    for v in a.variables:
+        x, y = a[v].values, b[v].values
+        assert x.shape == y.shape and x.dtype == y.dtype, v
+        if x.dtype.kind == "f":
+            assert np.array_equal(x.view(f"u{x.dtype.itemsize}"), y.view(f"u{y.dtype.itemsize}")), v
+        else:
+            assert np.array_equal(x, y), v
+
+
+@pytest.mark.parametrize("layout", ["gpt-oss", "modelopt", "ct-mxfp4"])
+def test_a_lazy_analysis_gives_the_bits_of_the_whole_tensors(folders, layout, tmp_path, monkeypatch):
+    d = folders[layout]
+    kw = dict(chunk_elems=128 * 384, quiet=True, blocks=None)
+    monkeypatch.setattr(lazy, "LAZY_ELEMS", 1 << 62)
+    whole = analyze([d], blocks=str(tmp_path / "whole.nc"), **{k: v for k, v in kw.items() if k != "blocks"})
+    reads = []
+    real = lazy.LazyTensor.__getitem__
+
+    def counted(self, key):
+        reads.append(self.what)
+        return real(self, key)
+    monkeypatch.setattr(lazy, "LAZY_ELEMS", 1)
+    monkeypatch.setattr(lazy, "READ_ELEMS", 5 * 384)             # the module's own walks in several pieces too
+    monkeypatch.setattr(lazy.LazyTensor, "__getitem__", counted)
+    part = analyze([d], blocks=str(tmp_path / "part.nc"), **{k: v for k, v in kw.items() if k != "blocks"})
+    names = list(whole.tensor.values)
+    quantized = [n for n in names if "mlp" in n and "grad" not in n and "stack" not in n]
+    assert len(quantized) == 2
+    assert all(reads.count(n) > 20 for n in names), {n: reads.count(n) for n in names}     # read in pieces
+    _same(whole, part)
+    with xr.open_dataset(tmp_path / "whole.nc") as bw, xr.open_dataset(tmp_path / "part.nc") as bp:
+        _same(bw.load(), bp.load())
+    if layout == "gpt-oss":
+        assert {"model.layers.0.mlp.experts.stack.weight", "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.0.mlp.grad_output"} <= set(names)
+        assert int(part.n_inf.sel(tensor="model.layers.0.self_attn.q_proj.weight")) == 2
+        assert int(part.n_nan.sel(tensor="model.layers.0.self_attn.q_proj.weight")) == 1
+        assert np.isfinite(float(part.grad_bias_sr.sel(tensor="model.layers.0.mlp.grad_output")))
+        assert "input_layernorm" in part.attrs["skipped"]
+
+
+def test_load_gives_a_lazy_tensor_only_where_the_rows_can_be_read(folders, monkeypatch):
+    monkeypatch.setattr(lazy, "LAZY_ELEMS", 1)
+    srcs = {s.name: s for s in discover([folders["gpt-oss"]])[0]}
+    x = load(srcs[GU + ".weight"] if GU + ".weight" in srcs else srcs[GU], lazy=True)
+    assert isinstance(x, lazy.LazyTensor) and x.shape == (2 * 768, 384)
+    v = load(srcs["model.layers.0.input_layernorm.weight"], lazy=True)          # one axis: read whole
+    assert isinstance(v, np.ndarray) and v.shape == (384,)
+    b = load(srcs["model.layers.0.mlp.experts.stack.weight"], lazy=True)
+    assert isinstance(b, lazy.LazyTensor) and b.shape == (4, 384, 384)
+    whole = load(srcs["model.layers.0.mlp.experts.stack.weight"])
+    assert np.array_equal(np.asarray(b), whole) and np.array_equal(b.rows_view()[700:905], whole.reshape(-1, 384)[700:905])
+    with pytest.raises(TypeError, match="rows_view"):
+        b[3]
+
+
+def test_row_reads_are_slices_of_the_entry(tmp_path):
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 10, 8)).astype(np.float32)
+    blocks = rng.integers(0, 256, (2, 6, 3, 16), dtype=np.uint8)
+    f = tmp_path / "t.safetensors"
+    save_file({"a": a, "blocks": blocks}, str(f))
+    assert np.array_equal(load_safetensors(f, "a"), a)
+    for r0, r1 in ((0, 30), (4, 17), (29, 30), (7, 7)):
+        assert np.array_equal(load_safetensors_rows(f, "a", 30, r0, r1), a.reshape(30, 8)[r0:r1])
+    assert np.array_equal(load_safetensors_rows(f, "blocks", 12, 5, 9), blocks.reshape(12, 48)[5:9])
+    with pytest.raises(ValueError, match="does not split into 7 rows"):
+        load_safetensors_rows(f, "a", 7, 0, 1)
+    with pytest.raises(ValueError, match="not within the 30 rows"):
+        load_safetensors_rows(f, "a", 30, 20, 31)
+
+
+def test_a_weight_reads_its_rows_as_the_whole_weight_has_them(folders):
+    from fp4sim.checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
+    from fp4sim.checkpoints.gpt_oss import read_gpt_oss
+    from fp4sim.checkpoints.nvfp4 import read_checkpoint
+    for ck in (read_gpt_oss(folders["gpt-oss"]), read_checkpoint(folders["modelopt"]),
+               read_compressed_tensors_mx(folders["ct-mxfp4"])):
+        for w in ck.weights.values():
+            v = np.asarray(w.values()).reshape(-1, w.shape[-1])
+            for r0, r1 in ((0, v.shape[0]), (3, 130), (v.shape[0] - 1, v.shape[0])):
+                got = w.rows(r0, r1)
+                assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), v[r0:r1].view(np.uint32))
+
+
+PEAK = r"""
+import json, sys
+import torch  # noqa: F401  (first, as a user's script)
+from fp4sim.analyze import analyze, lazy
+if sys.argv[2] == "whole":
+    lazy.LAZY_ELEMS = 1 << 62
+ds = analyze([sys.argv[1]], schemes=["mxfp4_rceil"], hadamard=False, quiet=True)
+# VmHWM: this process's peak (getrusage's ru_maxrss keeps the forking process's peak across exec)
+hwm = next(int(v.split()[1]) for v in open("/proc/self/status") if v.startswith("VmHWM:")) * 1024
+print(json.dumps({"peak": hwm,
+                  "numel": int(ds.numel.sum()), "rel_mse": float(ds.rel_mse.sum())}))
+"""
+
+
+def test_a_weight_larger_than_memory_allows_is_analysed_within_its_stored_size(tmp_path):
+    """One gpt-oss expert weight of 2^26 values: 34 MB stored, 268 MB as float32. Analysed lazily the process
+    grows by less than three times its stored size and one chunk's working set (128 MB) over the same analysis
+    of a small folder (108 MB measured); loaded whole it grows by more than its float32 size and more than that
+    bound (349 MB measured), so the bound tells the two apart."""
+    rng = np.random.default_rng(0)
+    E, R, K = 8, 2048, 4096
+    blocks = rng.integers(0, 256, (E, R, K // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 124, (E, R, K // 32), dtype=np.uint8)
+    big = write_gpt_oss(tmp_path / "big", {GU + "_blocks": blocks, GU + "_scales": scales,
+                                           DN + "_blocks": blocks[:1, :64], DN + "_scales": scales[:1, :64]})
+    small = write_gpt_oss(tmp_path / "small", {GU + "_blocks": blocks[:1, :64], GU + "_scales": scales[:1, :64],
+                                               DN + "_blocks": blocks[:1, :64], DN + "_scales": scales[:1, :64]})
+    stored = blocks.nbytes + scales.nbytes
+
+    def run(d, how):
+        p = subprocess.run([sys.executable, "-c", PEAK, str(d), how], capture_output=True, text=True, cwd=ROOT,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    base = run(small, "lazy")
+    got = run(big, "lazy")
+    assert got["numel"] == E * R * K + 64 * K
+    grew = got["peak"] - base["peak"]
+    chunk = 32 * (1 << 22)              # the working set of one chunk of 2^22 values (a few float32 / float64 copies)
+    assert grew < 3 * stored + chunk, (grew / 2**20, stored / 2**20)
+    whole = run(big, "whole")
+    assert whole["rel_mse"] == got["rel_mse"]
+    assert whole["peak"] - base["peak"] > max(4 * E * R * K, 3 * stored + chunk), (whole["peak"] - base["peak"]) / 2**20
