@@ -9,7 +9,7 @@ L decoder layers, MLP width 4D rounded to a multiple of 256 as Llama's is, D / 6
 key/value heads, vocabulary ``--vocab``, untied head), saved as bfloat16 safetensors with a word-level tokenizer
 trained on the text (the first 200,000 characters of paper_repro's corpus). Each size runs in a fresh process of
 its own: first ``inspect_model`` (what ``fp4sim inspect DIR --text FILE`` runs, with the batch options given),
-its wall time and the process's peak resident memory when it returns (``ru_maxrss``); then, in the same process,
+its wall time and the process's peak resident memory when it returns (VmHWM); then, in the same process,
 plain torch: the model loaded in float32 and one forward and backward pass of each of the same batches (the
 loss inspect uses), timed. Reported per size: parameters, the weights' stored size, inspect's peak memory, that
 peak minus the stored size, bytes per parameter, the memory of the process before the model (Python, torch,
@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20      # kB on Linux
+    from fp4sim.inspect_memory import peak_bytes           # VmHWM: not the starting process's peak, as ru_maxrss
+    return peak_bytes() / 2 ** 30
 
 
 def _current_gb() -> float:

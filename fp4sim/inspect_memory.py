@@ -138,6 +138,22 @@ def _rss() -> int:
         return 0
 
 
+def peak_bytes() -> int:
+    """This process's peak resident memory: VmHWM (Linux), which, unlike ``getrusage``'s ``ru_maxrss``, is not
+    carried over from the process that started this one (``ru_maxrss`` survives ``exec``: a command started from
+    a large process would report that process's peak); ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    import resource
+    import sys
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 def available_bytes() -> int | None:
     """Memory this process may still take: MemAvailable, or less where a cgroup (a container's limit) allows
     less; None where neither can be read (not Linux)."""

@@ -498,10 +498,8 @@ def verdict(names, rel, rel_b, keep, losses, losses_ref, share, n_below) -> dict
 
 def _memory(est) -> dict:
     """The estimate made before loading and the process's peak resident memory so far, in GB."""
-    import resource
-    import sys as _sys
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if _sys.platform == "darwin" else 1024)
-    out = {"peak_gb": round(peak / 2 ** 30, 3)}
+    from .inspect_memory import peak_bytes
+    out = {"peak_gb": round(peak_bytes() / 2 ** 30, 3)}
     if est:
         e = est[0]
         out.update(estimate_gb=round(e.total / 2 ** 30, 3), weights_gb=round(e.weights / 2 ** 30, 3),

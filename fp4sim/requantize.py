@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .analyze.inputs import reference_sources, reference_weight
+from .analyze.inputs import TensorError, load, reference_names, reference_source, reference_sources
+from .analyze.metrics import as_rows
 from .checkpoints.gguf import read_gguf
-from .checkpoints.gpt_oss import is_gpt_oss, match_readings, read_gpt_oss, reference_orientations, reference_rows
+from .checkpoints.gpt_oss import STORED, TRANSPOSED, is_gpt_oss, read_gpt_oss
 from .checkpoints.mlx import is_mlx, read_mlx
 from .checkpoints.compressed_tensors_mx import is_compressed_tensors_mx, read_compressed_tensors_mx
-from .checkpoints.rules import BITS_PER_VALUE, COST_RULES, candidates, rule_costs
+from .checkpoints.rules import (BITS_PER_VALUE, COST_RULES, Requantized, add_sums, candidates, cost_ratios,
+                                exact_dtypes, reproducing, rule_cost_sums, title_of)
 from .formats import E4M3
 
 __all__ = ["fp4_tensors", "requantize_study", "requantize_table"]
@@ -50,19 +52,57 @@ def fp4_tensors(paths, broken: list | None = None) -> list:
     return out
 
 
-def _oriented(t, x) -> tuple:
-    """``(x2, rules, requantized)``: the reference ``x`` of tensor ``t`` as (rows, K) float32 in the file's order
-    (:func:`fp4sim.checkpoints.gpt_oss.reference_orientations`; a square gpt-oss weight's reference in the reading
-    its bytes match), the titles of the registry's rules that reproduce the tensor's bytes from it, and its
-    :class:`~fp4sim.checkpoints.rules.Requantized` (each rule computed once: the costs reuse it); ValueError
-    saying why the rules cannot be compared on it."""
-    if t.shape[-1] % 64:
-        raise ValueError(f"K = {t.shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
-    gguf = getattr(t, "type", None) in ("MXFP4", "NVFP4")
-    readings = [(None, reference_rows(t, x))] if gguf else reference_orientations(t, x)
-    keys = candidates("gguf" if gguf else t.layout.format, t.layout.family, readings[0][1])
-    rules, i, rq = match_readings(t.codes, t.scales, readings, keys)
-    return readings[i][1], rules, rq
+PIECE_ELEMS = 1 << 21
+"""Reference values per piece: the study holds a few float64 copies of one piece per rule, never the weight."""
+
+
+def _readings(t, x) -> list:
+    """``[(orientation, pieces)]``: the readings of ``t``'s reference ``x`` (an array or a
+    :class:`~fp4sim.analyze.lazy.LazyTensor`) in the file's (rows, K) order, as
+    :func:`fp4sim.checkpoints.gpt_oss.reference_orientations` gives them (a GGUF tensor: the first only), each a
+    function yielding ``(r0, r1, x2)``: rows ``r0`` to ``r1`` of that reading, float32, in pieces of about
+    :data:`PIECE_ELEMS` (a transposed reading one expert's slab at a time); ValueError naming the shapes."""
+    shape, K = tuple(t.shape), int(t.shape[-1])
+    alt = shape[:-2] + (shape[-1], shape[-2])
+    if tuple(x.shape) != shape and not (len(shape) == 3 and tuple(x.shape) == alt):
+        also = f" (or {alt} as transformers lays it out)" if len(shape) == 3 else ""
+        raise ValueError(f"reference: shape {tuple(x.shape)}; {t.name} holds {shape}{also}")
+    x2 = as_rows(x)
+    rows = max(1, PIECE_ELEMS // K)
+
+    def stored():
+        for r0 in range(0, x2.shape[0], rows):
+            yield r0, min(r0 + rows, x2.shape[0]), np.ascontiguousarray(x2[r0:r0 + rows], np.float32)
+
+    def transposed():                              # reference [experts, K, R]: an expert's (R, K) is its slab's .T
+        E, R = shape[0], shape[1]
+        for e in range(E):
+            slab = np.ascontiguousarray(x2[e * K:(e + 1) * K], np.float32).T
+            for r0 in range(0, R, rows):
+                yield e * R + r0, e * R + min(r0 + rows, R), np.ascontiguousarray(slab[r0:r0 + rows])
+    out = []
+    if tuple(x.shape) == shape:
+        out.append((STORED, stored))
+    if len(shape) == 3 and tuple(x.shape) == alt:
+        out.append((TRANSPOSED, transposed))
+    return out[:1] if getattr(t, "type", None) in ("MXFP4", "NVFP4") else out
+
+
+def _first_pass(t, x) -> tuple:
+    """(amax, the dtypes every value is exact in) of the reference ``x``, read in pieces; ValueError for NaN or
+    Inf, as :func:`~fp4sim.checkpoints.gpt_oss.reference_orientations` says it."""
+    x2 = as_rows(x)
+    rows = max(1, PIECE_ELEMS // int(t.shape[-1]))
+    amax, exact = np.float32(0), None
+    for r0 in range(0, x2.shape[0], rows):
+        p = np.ascontiguousarray(x2[r0:r0 + rows], np.float32)
+        if not np.isfinite(p).all():
+            raise ValueError(f"reference: {t.name}'s reference holds NaN or Inf")
+        if p.size:
+            amax = max(amax, np.float32(np.abs(p).max()))
+        got = exact_dtypes(p)
+        exact = got if exact is None else [d for d in exact if d in got]
+    return amax, exact or ["float32"]
 
 
 def _family(t) -> str:
@@ -70,16 +110,54 @@ def _family(t) -> str:
     return getattr(t, "type", None) or t.layout.family
 
 
-def _stored_clipped(t, x2) -> float:
-    """Share of the file's blocks whose reference amax exceeds 6 x the stored scale."""
-    s = t.scales
+def _clipped_count(t, s, x2) -> int:
+    """Blocks of ``x2`` (rows of the reference) whose amax exceeds 6 x the stored scale bytes ``s`` of those rows."""
     n = x2.shape[1] // s.shape[1]
     amax = np.abs(x2).reshape(s.shape[0], s.shape[1], n).max(-1).astype(np.float64)
     if _family(t) == "NVFP4":
         scale = np.where((s & 0x7F) == 0x7F, 0.0, E4M3.values[s & 0x7F]).astype(np.float64)
     else:
         scale = np.ldexp(1.0, s.astype(np.int64) - 127)
-    return float((amax > 6 * scale).mean())
+    return int((amax > 6 * scale).sum())
+
+
+def _study_tensor(f, t, x) -> dict:
+    """One tensor's row of :func:`requantize_study` from its reference ``x`` (an array or a LazyTensor), reading
+    the reference in pieces of rows: each rule's bytes of a piece are compared with the file's bytes of those rows
+    (a rule reproduces the tensor when it reproduces every piece) and its errors summed, so that memory holds the
+    tensor's stored bytes and a few copies of one piece. The first reading some rule reproduces is the tensor's
+    (a square gpt-oss weight's reference may be in either order); where none does, the first reading's costs."""
+    if t.shape[-1] % 64:
+        raise ValueError(f"K = {t.shape[-1]} is no multiple of 64 (NVFP4's GGUF blocks): the rules cannot be compared")
+    readings = _readings(t, x)
+    amax, dtypes = _first_pass(t, x)
+    gguf = getattr(t, "type", None) in ("MXFP4", "NVFP4")
+    codes, scales = t.codes, t.scales
+    chosen = None
+    for i, (_, pieces) in enumerate(readings):
+        keys = candidates("gguf" if gguf else t.layout.format, t.layout.family, None, dtypes)
+        alive, sums, st, clipped, nblk = list(keys), None, 0.0, 0, 0
+        for r0, r1, x2 in pieces():
+            rq = Requantized(x2)
+            alive = [k for k in alive if reproducing(codes[r0:r1], scales[r0:r1], [k], rq)]
+            if not alive and i:                       # another reading is only wanted where some rule matches
+                break
+            sums = add_sums(sums, rule_cost_sums(rq, amax))
+            a = x2.astype(np.float64)
+            st += float(((np.asarray(t.decode(codes[r0:r1], scales[r0:r1]), np.float64) - a) ** 2).sum())
+            clipped += _clipped_count(t, scales[r0:r1], x2)
+            nblk += scales[r0:r1].size
+        if i == 0 or alive:
+            chosen = (alive, sums, st, clipped, nblk)
+        if alive:
+            break
+    alive, sums, st, clipped, nblk = chosen
+    c = cost_ratios(sums)
+    ref = sums["sx2"]
+    return {"tensor": t.name, "file": str(f), "type": _family(t), "shape": list(t.shape),
+            "file_rule": [title_of(k) for k in alive], "stored": st / ref if ref else 0.0, "rel_mse": c["rel_mse"],
+            "clipped_stored": clipped / nblk if nblk else float("nan"),
+            "clipped_ggml_mxfp4": c["clipped_blocks"], "bits_per_value": c["bits_per_value"]}
 
 
 def requantize_study(paths, reference) -> dict:
@@ -88,7 +166,10 @@ def requantize_study(paths, reference) -> dict:
     "not_compared": [[name, why]]}``; a row: ``tensor``, ``file``, ``type``, ``shape``, ``file_rule`` (the rules
     that reproduce its bytes, [] for none), ``stored`` (its stored values' relative error), ``rel_mse``
     ({rule: relative error}), ``clipped_stored`` and ``clipped_ggml_mxfp4`` (shares of blocks), and
-    ``bits_per_value``. ValueError when ``paths`` hold no FP4 tensor or the reference no tensor."""
+    ``bits_per_value``. ValueError when ``paths`` hold no FP4 tensor or the reference no tensor. A large
+    reference tensor is read a piece of rows at a time (:func:`fp4sim.analyze.inputs.load`'s lazy tensors), so
+    memory holds one FP4 tensor's stored bytes and a few copies of one piece; a tensor's sums over the pieces
+    equal the whole tensor's to the last bits of the float64 additions (one piece: bit for bit)."""
     skipped = []
     found = fp4_tensors(paths, skipped)
     if not found:
@@ -97,23 +178,17 @@ def requantize_study(paths, reference) -> dict:
     refs = reference_sources(reference)
     rows = []
     for f, t in found:
-        x, why = reference_weight(t, refs)
+        src = reference_source(t, refs)
         try:
-            if x is None:
-                raise ValueError(why)
-            x2, file_rules, rq = _oriented(t, x)
-            stored = np.asarray(t.values(), np.float64).reshape(x2.shape)
+            if src is None:
+                raise ValueError("no reference tensor " + " or ".join(reference_names(t)))
+            try:
+                x = load(src, lazy=True)
+            except TensorError as e:
+                raise ValueError(f"the reference {src.name} {e}") from None
+            rows.append(_study_tensor(f, t, x))
         except ValueError as e:
             skipped.append([t.name, str(e)])
-            continue
-        a = x2.astype(np.float64)
-        ref = float((a * a).sum())
-        c = rule_costs(x2, rq)
-        rows.append({"tensor": t.name, "file": str(f), "type": _family(t),
-                     "shape": list(t.shape), "file_rule": file_rules,
-                     "stored": float(((stored - a) ** 2).sum() / ref) if ref else 0.0, "rel_mse": c["rel_mse"],
-                     "clipped_stored": _stored_clipped(t, x2), "clipped_ggml_mxfp4": c["clipped_blocks"],
-                     "bits_per_value": c["bits_per_value"]})
     ratio = {}
     if rows:
         ratio = {k: float(np.median([r["rel_mse"][k] / r["stored"] if r["stored"] else np.nan for r in rows]))

@@ -199,3 +199,39 @@ def test_a_weight_larger_than_memory_allows_is_analysed_within_its_stored_size(t
     whole = run(big, "whole")
     assert whole["rel_mse"] == got["rel_mse"]
     assert whole["peak"] - base["peak"] > max(4 * E * R * K, 3 * stored + chunk), (whole["peak"] - base["peak"]) / 2**20
+
+
+@pytest.mark.parametrize("case", ["experts", "square"])
+def test_requantize_in_pieces_is_the_study_of_the_whole_tensors(tmp_path, monkeypatch, case):
+    """analyze --requantize reads the reference a piece of rows at a time (an expert's slab transposed at a time
+    for transformers' layout) and compares each rule piece by piece: the rules it names and the clipped shares are
+    those of the study on whole tensors, its errors the same to the last bits of the float64 sums. "square": a
+    square weight whose transformers-layout reference matches only in its second reading."""
+    from fp4sim import requantize
+    from test_gpt_oss import SQ, _reference, _square
+    x = _experts() if case == "experts" else {SQ: _square()}
+    ent = {}
+    for name, mode in zip(x, ("floor", "rceil") if case == "experts" else ("rceil",)):
+        ent[name + "_blocks"], ent[name + "_scales"] = _pack(x[name], mode)
+    d = write_gpt_oss(tmp_path / "ck", ent)
+    ref = _reference(tmp_path / "ref", x)                                   # transformers' [experts, K, rows]
+    whole = requantize.requantize_study([d], ref)
+    pieces = []
+
+    class Counted(requantize.Requantized):
+        def __init__(self, a):
+            pieces.append(a.shape)
+            super().__init__(a)
+    monkeypatch.setattr(requantize, "Requantized", Counted)
+    monkeypatch.setattr(requantize, "PIECE_ELEMS", 384 * 50)                # 50 rows: a partial last piece
+    monkeypatch.setattr(lazy, "LAZY_ELEMS", 1)
+    part = requantize.requantize_study([d], ref)
+    sizes = {p[0] for p in pieces}
+    assert len(pieces) >= 30 and 50 in sizes and min(sizes) < 50, sizes
+    assert len(whole["tensors"]) == len(part["tensors"]) == len(x) and not part["not_compared"]
+    for w, p in zip(whole["tensors"], part["tensors"]):
+        assert w["file_rule"] == p["file_rule"] and p["file_rule"], (w["file_rule"], p["file_rule"])
+        assert (w["clipped_stored"], w["clipped_ggml_mxfp4"]) == (p["clipped_stored"], p["clipped_ggml_mxfp4"])
+        assert p["stored"] == pytest.approx(w["stored"], rel=1e-12, abs=0)
+        assert p["rel_mse"] == pytest.approx(w["rel_mse"], rel=1e-12, abs=0)
+        assert p["rel_mse"][p["file_rule"][0].replace("MXFP4, scale mode ", "MXFP4 ")] == p["stored"]

@@ -178,10 +178,14 @@ class GGUFTensor:
         """The stored values as ggml reads them, float32 (rows, K): E2M1 x 2^(e - 127) (MXFP4; E8M0 255 is NaN,
         as OCP defines it) or E2M1 x E4M3(s) (NVFP4; byte 0x7F reads as zero and the scale's sign bit is not
         read); code 8 (E2M1's -0) reads as +0, as ggml's integer table has it."""
+        return self.decode(self.codes, self.scales)
+
+    def decode(self, codes, s) -> np.ndarray:
+        """float32 (rows, K) of ``codes`` and scales ``s``: rows of :attr:`codes` and :attr:`scales` (a piece of the
+        tensor) as :meth:`values` reads them."""
         from ..formats import E2M1, E4M3
         from ..layout import unpack_fp4
-        c = unpack_fp4(self.codes)
-        s = self.scales
+        c = unpack_fp4(codes)
         if self.type == "MXFP4":       # (byte 255 is NaN: 2^128 is never formed, so no overflow is warned of)
             f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.minimum(s, 254).astype(np.int32)
                                                                  - 127))

@@ -90,7 +90,7 @@ class MXFP4Weight:
     def values(self) -> np.ndarray:
         """float32 (experts, rows, K): E2M1 x 2^(e - 127), E8M0 255 as NaN (OCP) — ``fs.dequantize`` of
         :meth:`quantized`."""
-        return self._dequantize(self.codes, self.scales).reshape(self.shape)
+        return self.decode(self.codes, self.scales).reshape(self.shape)
 
     def rows(self, r0: int, r1: int) -> np.ndarray:
         """float32 (r1 - r0, K): rows ``r0`` to ``r1`` of the (experts x rows, K) view of :meth:`values`, reading
@@ -98,9 +98,11 @@ class MXFP4Weight:
         from .._safetensors import load_safetensors_rows
         n = self._rows()
         c, s = (load_safetensors_rows(*self.entries[role], n, r0, r1) for role in ("blocks", "scales"))
-        return self._dequantize(c.view(np.uint8), s.view(np.uint8))
+        return self.decode(c.view(np.uint8), s.view(np.uint8))
 
-    def _dequantize(self, codes, scales) -> np.ndarray:
+    def decode(self, codes, scales) -> np.ndarray:
+        """float32 (rows, K) of ``codes`` and ``scales``: rows of :attr:`codes` and :attr:`scales` (a piece of the
+        weight) as :meth:`values` reads them."""
         from ..qtensor import QuantizedTensor
         from ..quantize import dequantize
         from ..schemes import get_scheme

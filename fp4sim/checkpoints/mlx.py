@@ -80,15 +80,17 @@ class MLXWeight:
     def values(self) -> np.ndarray:
         """float32 (out, in): E2M1 (or E4M3) x 2^(e - 127), or E2M1 x E4M3(s) for nvfp4 — MLX's dequantize, which
         returns them in bfloat16 (each such product is exact in bfloat16 where it is in float32's range)."""
-        return self._dequantize(self.codes, self.scales)
+        return self.decode(self.codes, self.scales)
 
     def rows(self, r0: int, r1: int) -> np.ndarray:
         """float32 (r1 - r0, in): rows ``r0`` to ``r1`` of :meth:`values`, reading only their bytes."""
         from .._safetensors import load_safetensors_rows
         c, s = (load_safetensors_rows(*self.entries[role], self.shape[0], r0, r1) for role in ("codes", "scales"))
-        return self._dequantize(*(a.view(np.uint8) if a.dtype.itemsize in (1, 4) else a for a in (c, s)))
+        return self.decode(*(a.view(np.uint8) if a.dtype.itemsize in (1, 4) else a for a in (c, s)))
 
-    def _dequantize(self, codes, s) -> np.ndarray:
+    def decode(self, codes, s) -> np.ndarray:
+        """float32 (rows, in) of ``codes`` and scales ``s``: rows of :attr:`codes` and :attr:`scales` (a piece of the
+        weight) as :meth:`values` reads them."""
         from ..formats import E2M1, E4M3
         from ..layout import unpack_fp4
         if self.mode == "nvfp4":

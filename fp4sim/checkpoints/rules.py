@@ -129,13 +129,14 @@ def ggml_nvfp4_quantize(x) -> tuple:
 
 
 
-def te_nvfp4_blocks(x, n: int = 16) -> tuple:
+def te_nvfp4_blocks(x, n: int = 16, amax=None) -> tuple:
     """TransformerEngine's NVFP4 rule with one E4M3 scale per ``n`` elements of a row: ``(codes, scales)``, codes
     unpacked (uint8 (rows, K), one per element), scales the E4M3 bytes (rows, K / n). The FP32 tensor scale
     ``S_enc = 2688 / amax`` (1 for an all-zero tensor), each block's byte ``E4M3(amax_b · fl(S_enc / 6))``, the
     elements ``E2M1(x · fl(1 / fl(E4M3(s) · fl(1 / S_enc))))``, round-to-nearest-even throughout. ``n = 16`` is
     fp4sim's ``nvfp4`` (the codes and bytes of ``fs.quantize(x, "nvfp4")``); ``n = 32`` spends MXFP4's 4.25 bits
-    per value on NVFP4's scale format. A value decodes as ``E2M1 · E4M3(s) · fl(1 / S_enc)``."""
+    per value on NVFP4's scale format. A value decodes as ``E2M1 · E4M3(s) · fl(1 / S_enc)``. ``amax``: the
+    tensor's amax where ``x`` is a piece of it (default: the amax of ``x``)."""
     from ..elements import encode
     from ..formats import E4M3
     f32 = np.float32
@@ -143,7 +144,7 @@ def te_nvfp4_blocks(x, n: int = 16) -> tuple:
     if a.ndim != 2 or a.shape[1] % n or not np.isfinite(a).all():
         raise ValueError(f"x: a finite 2-D array (rows, K) with K a multiple of {n} is needed")
     R, K = a.shape
-    amax = f32(np.abs(a).max()) if a.size else f32(0)
+    amax = (f32(np.abs(a).max()) if a.size else f32(0)) if amax is None else f32(amax)
     s_enc = f32(1) if amax == 0 else f32(min(f32(2688.0) / amax, np.finfo(f32).max))
     s_dec = f32(f32(1) / s_enc)
     blk = a.reshape(R, K // n, n)
@@ -496,9 +497,9 @@ def _ocp_mxfp4(mode):
     return fn
 
 
-def _te_nvfp4_32(x):
+def _te_nvfp4_32(x, amax=None):
     from ..layout import pack_fp4
-    c, s, s_dec = te_nvfp4_blocks(x, 32)
+    c, s, s_dec = te_nvfp4_blocks(x, 32, amax)
     return RuleBytes(pack_fp4(c), s, F32(s_dec))
 
 
@@ -559,7 +560,7 @@ RULES: dict = {r.key: r for r in [
     ExporterRule("te-nvfp4-32", "NVFP4's scales per 32 elements (TE's rule)", "NVFP4/32 (TE)", "NVFP4", 32,
                  "E4M3", "S_dec = 1 / S_enc", (),
                  "TE's rule with one E4M3 scale per 32 elements: NVFP4's scale format at MXFP4's 4.25 bits per "
-                 "value, a study's what-if; with 16 it is fs.quantize(x, 'nvfp4') byte for byte (tested)", (),
+                 "value, a study's what-if; with 16 it is fs.quantize(x, 'nvfp4') byte for byte (tested)", ("amax",),
                  _te_nvfp4_32, _decode_te32),
     ExporterRule("ggml-nvfp4", "ggml's NVFP4 quantizer", "ggml NVFP4", "NVFP4", 16, "UE4M3 (ggml's, x 0.5 "
                  "in its integer table)", None, ("gguf",),
@@ -600,13 +601,15 @@ def exact_dtypes(x) -> list:
     return out + ["float32"]
 
 
-def candidates(fmt: str, family: str, x) -> list:
+def candidates(fmt: str, family: str, x, dtypes: list | None = None) -> list:
     """The rules to try on a ``fmt`` checkpoint's ``family`` tensor whose reference is ``x``: :func:`rules_for`,
-    a rule computed in the weight's own dtype once per dtype ``x`` is exact in (``(key, {"dtype": ...})``)."""
+    a rule computed in the weight's own dtype once per dtype ``x`` is exact in (``(key, {"dtype": ...})``;
+    ``dtypes``: those dtypes where the caller has them, :func:`exact_dtypes` of the whole reference when ``x`` is
+    a piece of it)."""
     out = []
     for k in rules_for(fmt, family):
         if "dtype" in rule(k).options:
-            out += [(k, {"dtype": dt}) for dt in exact_dtypes(x)]
+            out += [(k, {"dtype": dt}) for dt in (exact_dtypes(x) if dtypes is None else dtypes)]
         else:
             out.append(k)
     return out
@@ -696,17 +699,45 @@ def rule_costs(x, requantized: Requantized | None = None) -> dict:
     rq = requantized if requantized is not None else Requantized(a)
     if rq.x.shape != a.shape or not np.array_equal(rq.x, a):
         raise ValueError("requantized: made from another weight than x")
+    return cost_ratios(rule_cost_sums(rq))
+
+
+def rule_cost_sums(rq: Requantized, amax=None) -> dict:
+    """The sums behind :func:`rule_costs` for the weight of ``rq`` or a piece of rows of it: ``{"sq_err": {rule:
+    sum (y - x)^2}, "sx2": sum x^2, "clipped": blocks clipped under ggml's MXFP4 rule, "blocks": blocks}``, the
+    sums in float64 (NumPy's). ``amax``: the whole weight's amax where ``rq`` holds a piece of it (the rules with
+    a tensor scale take it; the others work block by block). The pieces' sums add up to the whole weight's, to
+    the last bits of the float64 additions."""
+    a = rq.x
     R, K = a.shape
     a64 = a.astype(np.float64)
-    ref = float((a64 * a64).sum())
-    rel = {}
+    out = {"sq_err": {}, "sx2": float((a64 * a64).sum())}
     for label in COST_RULES:
-        y = rq.values(_COST_KEY[label])
-        rel[label] = float(((y - a64) ** 2).sum() / ref) if ref else 0.0
+        key = _COST_KEY[label]
+        y = rq.values(key, amax=amax) if amax is not None and "amax" in rule(key).options else rq.values(key)
+        out["sq_err"][label] = float(((y - a64) ** 2).sum())
     e8 = rq.bytes("ggml-mxfp4").scales
     blk = np.abs(a).reshape(R, K // 32, 32).max(-1).astype(np.float64)
-    clipped = float((blk > 6 * np.ldexp(1.0, e8.astype(np.int64) - 127)).mean())
-    return {"rel_mse": rel, "clipped_blocks": clipped, "bits_per_value": dict(BITS_PER_VALUE)}
+    out["clipped"] = int((blk > 6 * np.ldexp(1.0, e8.astype(np.int64) - 127)).sum())
+    out["blocks"] = int(blk.size)
+    return out
+
+
+def add_sums(total: dict | None, part: dict) -> dict:
+    """The sums of two :func:`rule_cost_sums` (``total`` None: ``part``)."""
+    if total is None:
+        return {**part, "sq_err": dict(part["sq_err"])}
+    return {"sq_err": {k: total["sq_err"][k] + v for k, v in part["sq_err"].items()},
+            "sx2": total["sx2"] + part["sx2"], "clipped": total["clipped"] + part["clipped"],
+            "blocks": total["blocks"] + part["blocks"]}
+
+
+def cost_ratios(sums: dict) -> dict:
+    """:func:`rule_costs`' dict from the (added) :func:`rule_cost_sums`."""
+    ref = sums["sx2"]
+    return {"rel_mse": {k: (v / ref if ref else 0.0) for k, v in sums["sq_err"].items()},
+            "clipped_blocks": sums["clipped"] / sums["blocks"] if sums["blocks"] else float("nan"),
+            "bits_per_value": dict(BITS_PER_VALUE)}
 
 
 def rules_table() -> str:
