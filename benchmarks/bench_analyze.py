@@ -3,7 +3,7 @@
     python benchmarks/bench_analyze.py [--size 4096] [--repeat 2] [--json out.json]
     python benchmarks/bench_analyze.py --checkpoint-elems 1e9 [--workers 1,2] [--json out.json]
     python benchmarks/bench_analyze.py --checkpoint-elems 1e9 --device cuda [--json out.json]
-    python benchmarks/bench_analyze.py --checkpoint-elems 4.4e9 --layout gpt-oss [--tools validate,analyze]
+    python benchmarks/bench_analyze.py --checkpoint-elems 4.4e9 --layout gpt-oss [--tools validate,analyze,requantize]
 
 1. One size x size float32 tensor (Gaussian, heavy-tailed rows) analysed as an activation and as a gradient,
    with every default scheme and study and with ``hadamard=False``, each stage timed (the schemes, the outlier
@@ -15,10 +15,12 @@
    the workers), and the scaling from 1 to 2 workers.
 3. ``--checkpoint-elems N --layout gpt-oss``: a gpt-oss MXFP4 folder of about N elements in gpt-oss-20b's shapes
    (32 experts; ``gate_up_proj`` 5760 x 2880 and ``down_proj`` 2880 x 2880 per layer, two weights per shard; one
-   Gaussian expert quantized with ``mxfp4`` and repeated with each expert's scale bytes shifted by -2..2), checked
-   by ``python -m fp4sim.validate checkpoint DIR`` and analysed by ``python -m fp4sim.analyze DIR --no-hadamard``
-   (``--tools``), each in a fresh process: seconds, elements and stored bytes per second, the process's peak
-   resident size (VmHWM) beside the bound 2 GB + 3 x the largest tensor's stored size.
+   Gaussian expert in bfloat16 quantized with ``mxfp4``'s floor mode and repeated with each expert's scale bytes
+   shifted by -2..2), checked by ``python -m fp4sim.validate checkpoint DIR``, analysed by ``python -m
+   fp4sim.analyze DIR --no-hadamard`` and, with ``requantize`` among ``--tools``, costed against a bfloat16
+   reference (the Gaussian experts in transformers' [experts, K, rows] order) by ``analyze DIR --requantize REF
+   --schemes mxfp4_rceil --no-hadamard``, each in a fresh process: seconds, elements and stored bytes per second,
+   the process's peak resident size (VmHWM) beside the bound 2 GB + 3 x the largest tensor's stored size.
 
 ``--device cuda``: the same on the current CUDA device (``analyze(..., device="cuda")``). Part 1's baseline is then
 one NVFP4 quantize of the tensor on the device; part 2 analyses the checkpoint on the device (the kernels compiled by
@@ -222,13 +224,15 @@ GPT_OSS_20B = (("gate_up_proj", 5760), ("down_proj", 2880))     # per layer, 32 
 
 def gpt_oss(a, out):
     """Part 3: a gpt-oss MXFP4 folder checked by validate and analysed by analyze, each in its own process."""
+    import ml_dtypes
     from safetensors.numpy import save_file
     n = int(float(a.checkpoint_elems))
     E, K = 32, 2880
     rng = np.random.default_rng(1)
-    first = {}
+    first, gauss = {}, {}
     for proj, rows in GPT_OSS_20B:                          # one Gaussian expert per projection, quantized once
-        q = fs.quantize(rng.standard_normal((rows, K), np.float32) * np.float32(0.02), "mxfp4")
+        gauss[proj] = (rng.standard_normal((rows, K), np.float32) * np.float32(0.02)).astype(ml_dtypes.bfloat16)
+        q = fs.quantize(gauss[proj].astype(np.float32), "mxfp4", scale_mode="floor")
         first[proj] = (np.asarray(q.codes).reshape(1, rows, K // 32, 16), np.asarray(q.scales).reshape(1, rows, -1))
     names, elems = [], 0
     while elems < n or not names:
@@ -255,6 +259,11 @@ def gpt_oss(a, out):
         (Path(d) / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"],
                                                          "quantization_config": {"quant_method": "mxfp4"}}))
         stored = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+        ref = Path(d) / "reference"
+        if "requantize" in a.tools.split(","):          # the experts' bfloat16 values, transformers' [E, K, rows]
+            ref.mkdir()
+            save_file({name: np.ascontiguousarray(np.repeat(gauss[proj].T[None], E, 0)) for name, proj in names},
+                      str(ref / "model.safetensors"))
         bound = 2.0 + 3 * largest / 1e9
         print(f"wrote {len(names)} gpt-oss MXFP4 weights ({elems:.3g} elements, {stored / 1e9:.2f} GB in {shards} "
               f"shards; the largest {largest / 1e9:.2f} GB stored) in {time.perf_counter() - t:.0f} s; the memory "
@@ -264,9 +273,12 @@ def gpt_oss(a, out):
         for tool in a.tools.split(","):
             args = {"validate": ("fp4sim.validate", ["checkpoint", d]),
                     "analyze": ("fp4sim.analyze", [d, "--no-hadamard", "--quiet", "--json", Path(d) / "a.json",
-                                                   "--threads", a.threads])}
+                                                   "--threads", a.threads]),
+                    "requantize": ("fp4sim.analyze", [d, "--requantize", ref, "--schemes", "mxfp4_rceil",
+                                                      "--no-hadamard", "--quiet", "--json", Path(d) / "r.json",
+                                                      "--threads", a.threads])}
             if tool not in args:
-                raise SystemExit(f"--tools: {tool!r} is neither validate nor analyze")
+                raise SystemExit(f"--tools: {tool!r} is none of validate, analyze, requantize")
             r = _tool(*args[tool], d)
             r.update(elems_per_s=elems / r["s"], gb_per_s=stored / 1e9 / r["s"], within_bound=r["peak_gb"] <= bound)
             res[tool] = r

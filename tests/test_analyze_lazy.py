@@ -3,7 +3,9 @@
 axes, float64, a gradient) analysed as LazyTensors give the Dataset and the per-block records of the same
 analysis with every tensor loaded whole, bit for bit; the row reads are what slicing the whole entry gives; a
 gpt-oss weight far larger than its stored bytes is analysed within three times its stored size and one chunk's
-working set, where loading it whole takes more than its float32 size (measured in fresh processes)."""
+working set, where loading it whole takes more than its float32 size, and validated within twice its stored size
+and one piece's working set (measured in fresh processes); analyze --requantize in pieces names the rules and
+costs of the whole-tensor study."""
 from __future__ import annotations
 
 import json
@@ -170,35 +172,64 @@ print(json.dumps({"peak": hwm,
 """
 
 
-def test_a_weight_larger_than_memory_allows_is_analysed_within_its_stored_size(tmp_path):
-    """One gpt-oss expert weight of 2^26 values: 34 MB stored, 268 MB as float32. Analysed lazily the process
-    grows by less than three times its stored size and one chunk's working set (128 MB) over the same analysis
-    of a small folder (108 MB measured); loaded whole it grows by more than its float32 size and more than that
-    bound (349 MB measured), so the bound tells the two apart."""
+E, R, K = 8, 2048, 4096                     # one gpt-oss expert weight of 2^26 values: 34 MB stored, 268 MB float32
+CHUNK = 32 * (1 << 22)                      # one chunk's working set: a few float32 / float64 copies of 2^22 values
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """(a folder with the 2^26-value weight, a folder with only small ones, the big weight's stored bytes)."""
     rng = np.random.default_rng(0)
-    E, R, K = 8, 2048, 4096
     blocks = rng.integers(0, 256, (E, R, K // 32, 16), dtype=np.uint8)
     scales = rng.integers(118, 124, (E, R, K // 32), dtype=np.uint8)
-    big = write_gpt_oss(tmp_path / "big", {GU + "_blocks": blocks, GU + "_scales": scales,
-                                           DN + "_blocks": blocks[:1, :64], DN + "_scales": scales[:1, :64]})
-    small = write_gpt_oss(tmp_path / "small", {GU + "_blocks": blocks[:1, :64], GU + "_scales": scales[:1, :64],
-                                               DN + "_blocks": blocks[:1, :64], DN + "_scales": scales[:1, :64]})
-    stored = blocks.nbytes + scales.nbytes
+    base = tmp_path_factory.mktemp("big")
+    small = {"_blocks": blocks[:1, :64], "_scales": scales[:1, :64]}
+    b = write_gpt_oss(base / "big", {GU + "_blocks": blocks, GU + "_scales": scales,
+                                     **{DN + k: v for k, v in small.items()}})
+    s = write_gpt_oss(base / "small", {**{GU + k: v for k, v in small.items()}, **{DN + k: v for k, v in small.items()}})
+    return b, s, blocks.nbytes + scales.nbytes
 
-    def run(d, how):
-        p = subprocess.run([sys.executable, "-c", PEAK, str(d), how], capture_output=True, text=True, cwd=ROOT,
-                           timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        return json.loads(p.stdout.strip().splitlines()[-1])
-    base = run(small, "lazy")
-    got = run(big, "lazy")
+
+def _run(*args) -> dict:
+    p = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode in (0, 1), p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_weight_larger_than_memory_allows_is_analysed_within_its_stored_size(big):
+    """Analysed lazily the process grows by less than three times the weight's stored size and one chunk's
+    working set (128 MB) over the same analysis of a small folder (108 MB measured); loaded whole it grows by more
+    than its float32 size and more than that bound (349 MB measured), so the bound tells the two apart."""
+    d, small, stored = big
+    base = _run(PEAK, str(small), "lazy")
+    got = _run(PEAK, str(d), "lazy")
     assert got["numel"] == E * R * K + 64 * K
     grew = got["peak"] - base["peak"]
-    chunk = 32 * (1 << 22)              # the working set of one chunk of 2^22 values (a few float32 / float64 copies)
-    assert grew < 3 * stored + chunk, (grew / 2**20, stored / 2**20)
-    whole = run(big, "whole")
+    assert grew < 3 * stored + CHUNK, (grew / 2**20, stored / 2**20)
+    whole = _run(PEAK, str(d), "whole")
     assert whole["rel_mse"] == got["rel_mse"]
-    assert whole["peak"] - base["peak"] > max(4 * E * R * K, 3 * stored + chunk), (whole["peak"] - base["peak"]) / 2**20
+    assert whole["peak"] - base["peak"] > max(4 * E * R * K, 3 * stored + CHUNK), (whole["peak"] - base["peak"]) / 2**20
+
+
+VALIDATE = r"""
+import json, sys
+from fp4sim.validate.checkpoint import check_checkpoint
+rep = check_checkpoint(sys.argv[1])
+hwm = next(int(v.split()[1]) for v in open("/proc/self/status") if v.startswith("VmHWM:")) * 1024
+print(json.dumps({"peak": hwm, "ok": rep.ok, "checked": sorted(rep.tensors)}))
+"""
+
+
+def test_validate_checks_a_weight_within_its_stored_size(big):
+    """validate checkpoint grows by less than twice the weight's stored size and one piece's working set (32 MB)
+    over checking a small folder: it holds the weight's codes and scale bytes as stored and unpacks the codes a
+    piece of rows at a time (45 MB measured; unpacking them whole, as it did, took 226 MB)."""
+    d, small, stored = big
+    base = _run(VALIDATE, str(small))
+    got = _run(VALIDATE, str(d))
+    assert got["ok"] and got["checked"] == [DN, GU]
+    grew = got["peak"] - base["peak"]
+    assert grew < 2 * stored + 8 * (1 << 22), (grew / 2**20, stored / 2**20)
 
 
 @pytest.mark.parametrize("case", ["experts", "square"])

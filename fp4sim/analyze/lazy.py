@@ -79,7 +79,8 @@ def specials(x) -> tuple:
 
 
 def absmax(x) -> np.float32:
-    """max |x| with NaN ignored (0 for an all-NaN tensor) of a (rows, K) array or LazyTensor, by the CPU kernel."""
+    """The largest magnitude of a (rows, K) array or LazyTensor, NaN ignored (0 for an all-NaN tensor), by the CPU
+    kernel."""
     from ..cpu.backend import CPU
     if not is_lazy(x):
         return CPU.absmax(x)[0]

@@ -346,15 +346,19 @@ def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist
     scale values (arrays of the module ``xp``)."""
     mse = acc["se2"] / max(acc["n"], 1)
     ms = acc["sx2"] / max(acc["n"], 1)
+    # the per-block arrays are as large as a float64 per block: each list is dropped once joined, and each joined
+    # array once its statistics are taken, so that no two of them are held at once beside the lists
     be = xp.concatenate(blk_errs) if blk_errs else xp.zeros(1)
+    blk_errs.clear()
     ntop = max(1, be.size // 100)
     if xp is np:
-        top = np.partition(be, be.size - ntop)[be.size - ntop:]
+        top = np.partition(be, be.size - ntop)[be.size - ntop:].sum()        # (the partitioned copy dropped)
         pct = [float(np.percentile(be, q)) for q in (50, 90, 99)]
     else:                        # on a device: sorted there, NumPy's interpolation on the host
         be = xp.sort(be)
-        top = be[be.size - ntop:]
+        top = be[be.size - ntop:].sum()
         pct = [percentile_of_sorted(be, q) for q in (50, 90, 99)]
+    total = be.sum()
     out = dict(mse=mse, rel_mse=mse / ms if ms else np.nan,
                sqnr_db=10 * np.log10(ms / mse) if mse > 0 and ms > 0 else np.inf,
                max_abs_err=acc["max_err"], blockmax_rel_err=acc["bm_err"] / max(acc["bm_n"], 1),
@@ -363,15 +367,17 @@ def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist
                frac_blocks_amax_max=acc["blk_max"] / acc["nblk"] if acc["nblk"] else np.nan,
                binades_per_block=acc["binades"] / acc["nblk"] if acc["nblk"] else np.nan,
                block_err_p50=pct[0], block_err_p90=pct[1], block_err_p99=pct[2],
-               worst1pct_block_err_share=float(top.sum() / be.sum()) if be.sum() > 0 else 0.0,
+               worst1pct_block_err_share=float(top / total) if total > 0 else 0.0,
                map_to_4_frac=acc["map4"] / acc["map4_n"] if acc.get("map4_n") else np.nan,
                lost_frac=acc["lost"] / acc["fin"] if acc["fin"] else 0.0,
                gamax_window_out_frac=acc["win_out"] / acc["bm_n"] if win is not None and acc["bm_n"] else np.nan,
                dead_zone_frac=acc["dead"] / acc["nz"] if win is not None and acc["nz"] else np.nan)
+    del be, top
     if acc["lost"]:                     # finite values the scheme turns into Inf / NaN: an unbounded error
         out.update(mse=np.inf, rel_mse=np.inf, sqnr_db=-np.inf, max_abs_err=np.inf)
     if scale_vals:
         sv = xp.concatenate(scale_vals)
+        scale_vals.clear()
         out.update(scale_std=float(xp.std(sv)), scale_min=float(sv.min()), scale_max=float(sv.max()))
         if spec.scheme.startswith("nvfp4"):
             out.update(n_scale_subnormal=int(scale_hist[1:8].sum()), n_scale_zero=int(scale_hist[0]))

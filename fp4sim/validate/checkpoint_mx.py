@@ -172,11 +172,18 @@ def _check_bytes(w, t):
         if n:
             t["faults"].append(f"{n} E4M3 element bytes are NaN (0x7F / 0xFF)")
         return
-    c = unpack_fp4(w.codes)
-    g = w.layout.block
-    zero = ((c & 7) == 0).reshape(s.shape[0], s.shape[1], g).all(-1) & (s > 0)
-    if zero.any():
-        t["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
+    codes, g = w.codes, w.layout.block
+    step = max(1, PIECE_ELEMS // max(2 * codes.shape[1], 1))        # unpacked a piece of rows at a time
+    zero = 0
+    for r0 in range(0, codes.shape[0], step):
+        c, sp = unpack_fp4(codes[r0:r0 + step]), s[r0:r0 + step]
+        zero += int((((c & 7) == 0).reshape(sp.shape[0], sp.shape[1], g).all(-1) & (sp > 0)).sum())
+    if zero:
+        t["notes"].append(f"{zero} blocks hold only zeros under a non-zero scale byte")
+
+
+PIECE_ELEMS = 1 << 22
+"""Values per piece where a weight's codes are unpacked to check them (memory: a few bytes per value of one piece)."""
 
 
 def _undo(w) -> list:
