@@ -14,7 +14,7 @@
    2 worker processes (one thread each): elements per second, the peak resident size of the process (and of
    the workers), and the scaling from 1 to 2 workers.
 3. ``--checkpoint-elems N --layout gpt-oss``: a gpt-oss MXFP4 folder of about N elements in gpt-oss-20b's shapes
-   (32 experts; ``gate_up_proj`` 5760 x 2880 and ``down_proj`` 2880 x 2880 per layer, two weights per shard; one
+   (32 experts, or ``--experts``; ``gate_up_proj`` 5760 x 2880 and ``down_proj`` 2880 x 2880 per layer, two weights per shard; one
    Gaussian expert in bfloat16 quantized with ``mxfp4``'s floor mode and repeated with each expert's scale bytes
    shifted by -2..2), checked by ``python -m fp4sim.validate checkpoint DIR``, analysed by ``python -m
    fp4sim.analyze DIR --no-hadamard`` and, with ``requantize`` among ``--tools``, costed against a bfloat16
@@ -227,7 +227,7 @@ def gpt_oss(a, out):
     import ml_dtypes
     from safetensors.numpy import save_file
     n = int(float(a.checkpoint_elems))
-    E, K = 32, 2880
+    E, K = a.experts, 2880
     rng = np.random.default_rng(1)
     first, gauss = {}, {}
     for proj, rows in GPT_OSS_20B:                          # one Gaussian expert per projection, quantized once
@@ -280,6 +280,10 @@ def gpt_oss(a, out):
             if tool not in args:
                 raise SystemExit(f"--tools: {tool!r} is none of validate, analyze, requantize")
             r = _tool(*args[tool], d)
+            if tool == "analyze":                              # what the run covered, from its own summary
+                r["analysed"] = len(json.loads((Path(d) / "a.json").read_text())["tensors"])
+            if tool == "requantize":
+                r["compared"] = len(json.loads((Path(d) / "r.json").read_text())["requantize"]["tensors"])
             r.update(elems_per_s=elems / r["s"], gb_per_s=stored / 1e9 / r["s"], within_bound=r["peak_gb"] <= bound)
             res[tool] = r
             print(f"{tool:8}: {r['s']:7.1f} s, {r['elems_per_s'] / 1e6:6.1f} M elements/s, {r['gb_per_s']:.3f} GB/s "
@@ -297,6 +301,7 @@ def main():
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--layout", choices=("bf16", "gpt-oss"), default="bf16", help="part 2 (bf16) or part 3")
     ap.add_argument("--tools", default="validate,analyze", help="part 3's tools, in order")
+    ap.add_argument("--experts", type=int, default=32, help="part 3: experts per weight (gpt-oss-20b: 32)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="part 3: analyze's Numba threads (default: every core, not the idle ones the load average "
                          "gives, so that runs compare)")

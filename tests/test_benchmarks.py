@@ -95,3 +95,21 @@ def test_inspect_benchmark_runs_small(tmp_path):
     assert row["peak_gb"] >= row["base_gb"] + 0.0 and row["peak_gb"] > row["stored_gb"]
     assert row["estimate_gb"] >= row["peak_gb"]
     assert row["inspect_s"] > 0 and row["torch_s"] > 0 and math.isclose(row["ratio"], row["inspect_s"] / row["torch_s"])
+
+
+def test_the_checkpoint_benchmark_runs_each_tool_on_a_small_gpt_oss_folder(tmp_path):
+    """bench_analyze.py's part 3 with one expert per weight: validate, analyze and analyze --requantize each run in
+    a fresh process on the folder it writes, and each peak is measured and within the bound it states."""
+    js = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_analyze.py"), "--checkpoint-elems", "1",
+                        "--layout", "gpt-oss", "--experts", "1", "--tools", "validate,analyze,requantize",
+                        "--threads", "1", "--tmp", str(tmp_path), "--json", str(js)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(js.read_text())["checkpoint"]
+    assert res["elements"] == 5760 * 2880 and res["bound_gb"] == pytest.approx(2 + 3 * res["largest_gb"])
+    for tool in ("validate", "analyze", "requantize"):
+        t = res[tool]
+        assert t["rc"] == 0 and 0.1 < t["peak_gb"] < res["bound_gb"] and t["within_bound"], (tool, t)
+        assert t["elems_per_s"] == pytest.approx(res["elements"] / t["s"])
+    assert res["requantize"]["compared"] == 1 and res["analyze"]["analysed"] == 1
