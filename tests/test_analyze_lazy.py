@@ -1,6 +1,6 @@
 """analyze on tensors read a few rows at a time (fp4sim.analyze.lazy): a checkpoint folder's quantized weights
-(gpt-oss MXFP4, compressed-tensors MXFP4, ModelOpt NVFP4) and large safetensors entries (bfloat16 with three
-axes, float64, a gradient) analysed as LazyTensors give the Dataset and the per-block records of the same
+(gpt-oss MXFP4, compressed-tensors MXFP4, ModelOpt NVFP4), a GGUF file's MXFP4 and NVFP4 tensors and large
+safetensors entries (bfloat16 with three axes, float64, a gradient) analysed as LazyTensors give the Dataset and the per-block records of the same
 analysis with every tensor loaded whole, bit for bit; the row reads are what slicing the whole entry gives; a
 gpt-oss weight far larger than its stored bytes is analysed within three times its stored size and one chunk's
 working set, where loading it whole takes more than its float32 size, and validated within twice its stored size
@@ -22,7 +22,7 @@ import fp4sim as fs
 from fp4sim._safetensors import load_safetensors, load_safetensors_rows
 from fp4sim.analyze import analyze, lazy
 from fp4sim.analyze.inputs import discover, load
-from peers import torch_or_skip
+from peers import torch_or_skip, write_gguf
 from test_checkpoint import write_modelopt
 from test_checkpoint_ct_mx import write_ct_mx
 from test_gpt_oss import DN, GU, _experts, _pack, write_gpt_oss
@@ -66,6 +66,13 @@ def folders(tmp_path_factory):
         ct[f"{m}.weight_scale"] = torch.from_numpy(np.asarray(qm.scales))
     out["modelopt"] = write_modelopt(base / "modelopt", mo)
     out["ct-mxfp4"] = write_ct_mx(base / "ct-mxfp4", ct, sharded=True)
+    from fp4sim.checkpoints.gguf import to_gguf_blocks
+    from fp4sim.checkpoints.rules import ggml_mxfp4_quantize, ggml_nvfp4_quantize
+    up, down = x[GU].reshape(-1, 384), x[DN].reshape(-1, 384)
+    out["gguf"] = write_gguf(base / "m.gguf", {
+        "model.layers.0.mlp.up_proj.weight": (to_gguf_blocks(*ggml_mxfp4_quantize(up), "MXFP4"), "MXFP4"),
+        "model.layers.0.mlp.down_proj.weight": (to_gguf_blocks(*ggml_nvfp4_quantize(down), "NVFP4"), "NVFP4"),
+        "model.layers.0.self_attn.q_proj.weight": z["minilm.encoder.layer.0.attention.self.query.weight"]})
     return out
 
 
@@ -81,7 +88,7 @@ def _same(a: xr.Dataset, b: xr.Dataset):
             assert np.array_equal(x, y), v
 
 
-@pytest.mark.parametrize("layout", ["gpt-oss", "modelopt", "ct-mxfp4"])
+@pytest.mark.parametrize("layout", ["gpt-oss", "modelopt", "ct-mxfp4", "gguf"])
 def test_a_lazy_analysis_gives_the_bits_of_the_whole_tensors(folders, layout, tmp_path, monkeypatch):
     d = folders[layout]
     kw = dict(chunk_elems=128 * 384, quiet=True, blocks=None)
@@ -100,7 +107,8 @@ def test_a_lazy_analysis_gives_the_bits_of_the_whole_tensors(folders, layout, tm
     names = list(whole.tensor.values)
     quantized = [n for n in names if "mlp" in n and "grad" not in n and "stack" not in n]
     assert len(quantized) == 2
-    assert all(reads.count(n) > 20 for n in names), {n: reads.count(n) for n in names}     # read in pieces
+    lazy_ones = quantized if layout == "gguf" else names          # GGUF's float tensors are read whole
+    assert all(reads.count(n) > 20 for n in lazy_ones), {n: reads.count(n) for n in names}     # read in pieces
     _same(whole, part)
     with xr.open_dataset(tmp_path / "whole.nc") as bw, xr.open_dataset(tmp_path / "part.nc") as bp:
         _same(bw.load(), bp.load())
@@ -149,9 +157,12 @@ def test_a_weight_reads_its_rows_as_the_whole_weight_has_them(folders):
     from fp4sim.checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
     from fp4sim.checkpoints.gpt_oss import read_gpt_oss
     from fp4sim.checkpoints.nvfp4 import read_checkpoint
+    from fp4sim.checkpoints.gguf import read_gguf
     for ck in (read_gpt_oss(folders["gpt-oss"]), read_checkpoint(folders["modelopt"]),
-               read_compressed_tensors_mx(folders["ct-mxfp4"])):
-        for w in ck.weights.values():
+               read_compressed_tensors_mx(folders["ct-mxfp4"]), read_gguf(folders["gguf"])):
+        ws = ck.fp4 if hasattr(ck, "fp4") else ck.weights
+        assert len(ws) == 2
+        for w in ws.values():
             v = np.asarray(w.values()).reshape(-1, w.shape[-1])
             for r0, r1 in ((0, v.shape[0]), (3, 130), (v.shape[0] - 1, v.shape[0])):
                 got = w.rows(r0, r1)

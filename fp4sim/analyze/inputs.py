@@ -333,7 +333,7 @@ def load(src: Source, keep_bf16: bool = False, lazy: bool = False) -> np.ndarray
     """The tensor as float32 (float16/bfloat16 widen exactly; float64 rounds), or TensorError saying why not.
     ``keep_bf16``: a bfloat16 tensor as it is stored (half the bytes to move; the caller widens it). ``lazy``: a
     tensor of two axes or more and at least :data:`~fp4sim.analyze.lazy.LAZY_ELEMS` elements, stored in a
-    safetensors entry or as a quantized weight of a checkpoint folder, as a
+    safetensors entry, as a quantized weight of a checkpoint folder or as a GGUF FP4 tensor, as a
     :class:`~fp4sim.analyze.lazy.LazyTensor` that reads its rows when asked (the same values)."""
     path = Path(src.path)
     suf = path.suffix.lower()
@@ -437,6 +437,12 @@ def _lazy(src: Source, path: Path, suf: str):
         if shape[0] * shape[1] < LAZY_ELEMS or not shape[0]:
             return None
         return LazyTensor(shape, w.rows, src.name)
+    if suf == ".gguf" and src.key is not None:
+        t = _gguf_file(path).tensors[src.key]
+        rows = int(np.prod(t.shape[:-1], dtype=np.int64))
+        if not t.fp4 or t.truncation or rows * int(t.shape[-1]) < LAZY_ELEMS or not rows:
+            return None                              # read whole (a cut tensor is refused there, with its reason)
+        return LazyTensor((rows, int(t.shape[-1])), t.rows, src.name)
     if suf != ".safetensors" or src.key is None:
         return None
     from .._safetensors import load_safetensors_rows, safetensors_entry

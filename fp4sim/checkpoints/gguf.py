@@ -157,6 +157,16 @@ class GGUFTensor:
         q = np.ascontiguousarray(b[:, :, ns:]).reshape(rows, -1)
         return pack_fp4(from_ggml_order(q, _SUB[self.type]))
 
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        """float32 (r1 - r0, K): rows ``r0`` to ``r1`` of :meth:`values`, converting only their bytes (the file is
+        memory-mapped: a tensor of any size in pieces)."""
+        from ..layout import pack_fp4
+        b, ns, rows, K = self._blocks()
+        part = b[r0:r1]
+        s = np.ascontiguousarray(part[:, :, :ns]).reshape(part.shape[0], -1)
+        q = np.ascontiguousarray(part[:, :, ns:]).reshape(part.shape[0], -1)
+        return self.decode(pack_fp4(from_ggml_order(q, _SUB[self.type])), s)
+
     def quantized(self):
         """The tensor as an fp4sim :class:`~fp4sim.QuantizedTensor` (rows, K) along K, for ``fs.dequantize``,
         ``fs.gemm`` and the validators: MXFP4 as fp4sim's ``mxfp4``; NVFP4 as ``nvfp4`` without a tensor scale

@@ -172,18 +172,24 @@ def _check_bytes(w, t):
         if n:
             t["faults"].append(f"{n} E4M3 element bytes are NaN (0x7F / 0xFF)")
         return
-    codes, g = w.codes, w.layout.block
-    step = max(1, PIECE_ELEMS // max(2 * codes.shape[1], 1))        # unpacked a piece of rows at a time
-    zero = 0
-    for r0 in range(0, codes.shape[0], step):
-        c, sp = unpack_fp4(codes[r0:r0 + step]), s[r0:r0 + step]
-        zero += int((((c & 7) == 0).reshape(sp.shape[0], sp.shape[1], g).all(-1) & (sp > 0)).sum())
+    zero = _zero_blocks(w.codes, s, w.layout.block)
     if zero:
         t["notes"].append(f"{zero} blocks hold only zeros under a non-zero scale byte")
 
 
 PIECE_ELEMS = 1 << 22
 """Values per piece where a weight's codes are unpacked to check them (memory: a few bytes per value of one piece)."""
+
+
+def _zero_blocks(codes, s, g: int) -> int:
+    """Blocks of ``g`` values whose codes are all zero magnitudes under a non-zero scale byte ``s``, the packed
+    ``codes`` unpacked a piece of rows at a time."""
+    step = max(1, PIECE_ELEMS // max(2 * codes.shape[1], 1))
+    zero = 0
+    for r0 in range(0, codes.shape[0], step):
+        c, sp = unpack_fp4(codes[r0:r0 + step]), s[r0:r0 + step]
+        zero += int((((c & 7) == 0).reshape(sp.shape[0], sp.shape[1], g).all(-1) & (sp > 0)).sum())
+    return zero
 
 
 def _undo(w) -> list:
@@ -376,11 +382,10 @@ def check_gguf(path, reference=None):
             if m:
                 e["faults"].append(f"{m} scale bytes are 0x7F, which ggml reads as zero and its quantizer never "
                                    "writes")
-        c = unpack_fp4(t.codes)
         sub = 32 if t.type == "MXFP4" else 16
-        zero = ((c & 7) == 0).reshape(s.shape[0], s.shape[1], sub).all(-1) & (s > 0)
-        if zero.any():
-            e["notes"].append(f"{int(zero.sum())} blocks hold only zeros under a non-zero scale byte")
+        zero = _zero_blocks(t.codes, s, sub)
+        if zero:
+            e["notes"].append(f"{zero} blocks hold only zeros under a non-zero scale byte")
         x2 = _gguf_reference(t, refs, e) if refs is not None else None
         if x2 is not None:
             _, rq = _verdict(e, t.codes, s, [(None, x2)], _keys("gguf", t.type),
