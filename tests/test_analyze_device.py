@@ -184,22 +184,29 @@ def test_device_sums_are_the_exact_sums_to_the_tolerance(device):
 
 
 def test_percentiles_from_a_sorted_array_are_numpys():
-    """A device's block-error percentiles come from its sorted copy with NumPy's interpolation rule applied on the
-    host: np.percentile's bits, for every size, ties, Inf and the edges (NumPy itself is the oracle)."""
-    from fp4sim.analyze.metrics import percentile_of_sorted
+    """A device's block-error percentiles come from its sorted copy, the CPU's from one partition at the order
+    statistics they read, with NumPy's interpolation rule applied on the host: np.percentile's bits, for every
+    size, ties, Inf, NaN and the edges (NumPy itself is the oracle)."""
+    from fp4sim.analyze.metrics import percentile_indices, percentile_of_sorted
     rng = np.random.default_rng(0)
+    qs = (0, 1, 33.3, 50, 90, 99, 100)
     for n in list(range(1, 140)) + [1000, 4097, 65536]:
-        for kind in range(3):
+        for kind in range(4):
             a = rng.standard_normal(n) ** 2
             if kind == 1:
                 a = np.round(a, 1)                           # ties
             if kind == 2 and n > 3:
                 a[:2] = np.inf
-            for q in (0, 1, 33.3, 50, 90, 99, 100):
+            if kind == 3 and n > 3:
+                a[n // 2] = np.nan
+            part = np.partition(a, percentile_indices(n, qs))
+            for q in qs:
                 with np.errstate(invalid="ignore"):
                     want = np.float64(np.percentile(a, q))
-                got = np.float64(percentile_of_sorted(np.sort(a), q))
-                assert want.view(np.int64) == got.view(np.int64) or np.isnan(want) and np.isnan(got), (n, kind, q)
+                for got in (np.float64(percentile_of_sorted(np.sort(a), q)),
+                            np.float64(percentile_of_sorted(part, q))):
+                    assert want.view(np.int64) == got.view(np.int64) or np.isnan(want) and np.isnan(got), \
+                        (n, kind, q)
 
 
 def test_summaries_on_a_device_module_equal_numpys():

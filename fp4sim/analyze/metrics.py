@@ -321,9 +321,10 @@ def scheme_metrics(x: np.ndarray, spec: SchemeSpec, role: str, seed: int = 0, ch
 
 
 def percentile_of_sorted(sb, q) -> float:
-    """``np.percentile(a, q)`` (its default 'linear' method) from ``sb``, ``a`` sorted (a NumPy or device array):
-    NumPy's virtual index and interpolation rule applied on the host to the two order statistics around it, so that
-    a device's percentiles are NumPy's bit for bit (reading two values, not the array)."""
+    """``np.percentile(a, q)`` (its default 'linear' method) from ``sb``, ``a`` sorted (a NumPy or device array),
+    or partitioned at :func:`percentile_indices`: NumPy's virtual index and interpolation rule applied on the host
+    to the two order statistics around it, so that a device's percentiles are NumPy's bit for bit (reading two
+    values, not the array)."""
     n = sb.size
     v = (n - 1) * np.true_divide(q, 100)
     if np.isnan(float(sb[n - 1])):
@@ -341,6 +342,21 @@ def percentile_of_sorted(sb, q) -> float:
     return b - d * (1 - g) if g >= 0.5 else a + d * g
 
 
+def percentile_indices(n: int, qs) -> list:
+    """The order statistics :func:`percentile_of_sorted` reads for the percentiles ``qs`` of ``n`` values, and the
+    largest (``n - 1``, whose NaN makes every percentile NaN): an array partitioned at these (``np.partition(a,
+    idx)``) gives the percentiles of a sorted one, with one partial sort instead of one per percentile."""
+    out = {n - 1}
+    for q in qs:
+        v = (n - 1) * np.true_divide(q, 100)
+        if 0 <= v < n - 1:
+            i0 = int(np.floor(v))
+            out.update((i0, i0 + 1))
+        else:
+            out.add(0 if v < 0 else n - 1)
+    return sorted(out)
+
+
 def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist, spec: SchemeSpec, win, xp=np):
     """The metrics dict and histograms of :func:`scheme_metrics` from its chunks' sums ``acc``, block errors and
     scale values (arrays of the module ``xp``)."""
@@ -353,7 +369,9 @@ def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist
     ntop = max(1, be.size // 100)
     if xp is np:
         top = np.partition(be, be.size - ntop)[be.size - ntop:].sum()        # (the partitioned copy dropped)
-        pct = [float(np.percentile(be, q)) for q in (50, 90, 99)]
+        part = np.partition(be, percentile_indices(be.size, (50, 90, 99)))   # np.percentile's bits, one partition
+        pct = [percentile_of_sorted(part, q) for q in (50, 90, 99)]
+        del part
     else:                        # on a device: sorted there, NumPy's interpolation on the host
         be = xp.sort(be)
         top = be[be.size - ntop:].sum()
