@@ -368,9 +368,11 @@ def summarise(acc: dict, blk_errs: list, scale_vals: list, scale_hist, code_hist
     blk_errs.clear()
     ntop = max(1, be.size // 100)
     if xp is np:
-        top = np.partition(be, be.size - ntop)[be.size - ntop:].sum()        # (the partitioned copy dropped)
-        part = np.partition(be, percentile_indices(be.size, (50, 90, 99)))   # np.percentile's bits, one partition
+        # one partition at the percentiles' order statistics (np.percentile's bits) and at the worst 1%'s edge;
+        # the worst 1% summed in ascending order, as the device path sums them from its sorted copy
+        part = np.partition(be, sorted(set(percentile_indices(be.size, (50, 90, 99))) | {be.size - ntop}))
         pct = [percentile_of_sorted(part, q) for q in (50, 90, 99)]
+        top = np.sort(part[be.size - ntop:]).sum()
         del part
     else:                        # on a device: sorted there, NumPy's interpolation on the host
         be = xp.sort(be)
