@@ -22,10 +22,12 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
     Parameters
     ----------
     x : array of float32, float16, bfloat16 (ml_dtypes) or float64 (rounded to float32 first, RNE).
-    fmt : Format or name (``E2M1``, ``E4M3``, ``E5M2``, ``UE8M0``, ``BF16``).
+    fmt : Format or name (``E2M1``, ``E4M3``, ``E5M2``, ``UE8M0``, ``BF16``, ``E2M3``, ``E3M2``, ``INT8``, ``E4M3FNUZ``,
+        ``binary8p3``, ...: ``fp4sim.FORMATS``).
     rounding : ``"rne"`` (nearest, ties to even code), ``"rz"``, ``"ru"``/``"rp"``, ``"rd"``, ``"sr"``.
     saturate : overflow gives +-max (True, CUDA ``.satfinite``) or the format's Inf/NaN code (False).
-        E2M1 always saturates; stochastic rounding always saturates (the hardware instruction does).
+        Formats with neither Inf nor NaN (E2M1, FP6, INT8) always saturate; stochastic rounding always saturates
+        (the hardware instruction does).
     rbits, seed, sr_bits, stream, rbits_mapping : stochastic rounding bits (SPEC §1.3): ``rbits`` uint8 per
         element or uint32 words (4 elements per word, byte k of word j for element 4j+k with the ``"te"``
         mapping, byte 3-k with ``"msb_first"``), or ``seed`` for Philox4x32-10 bits; ``sr_bits`` = n.
@@ -33,7 +35,7 @@ def encode(x, fmt, rounding: str = "rne", saturate: bool = True, rbits=None, see
 
     Returns
     -------
-    uint8 codes (uint16 for BF16) with the shape of ``x``.
+    uint8 codes (uint16 for BF16; FP6 in the low six bits; INT8 as two's complement bytes) with the shape of ``x``.
     """
     if is_cupy(x):
         from .gpu import ops

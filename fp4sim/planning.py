@@ -78,7 +78,8 @@ def kernel_params(fmt: Format) -> tuple:
     else:
         nosat = fmt.max_code
     nan = fmt.nan_code if fmt.nan_code is not None else fmt.max_code
-    return (fmt.mbits, fmt.emin, fmt.bias, fmt.max_code, nosat, nan, fmt.sign_mask)
+    sign = -fmt.sign_mask if fmt.twos_complement else fmt.sign_mask   # (how encode_one writes a sign)
+    return (fmt.mbits, fmt.emin, fmt.bias, fmt.max_code, nosat, nan, sign)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def plan_encode(shape, size, fmt, rounding, saturate, rbits, seed, sr_bits, stre
             raise ValueError("rounding='sr' is not defined for UE8M0 scales; use 'rz', 'rp'/'ru' or 'rne'")
         if mode == ids.RD:
             mode = ids.RZ  # UE8M0 ignores the sign, so rounding down is rounding toward zero
-    if mode == ids.SR and not saturate and fmt.name != "e2m1":
+    if mode == ids.SR and not saturate and not fmt.always_saturates:
         raise ValueError("saturate=False is not defined with rounding='sr': stochastic rounding is satfinite "
                          "(as the hardware cvt.rs instruction); use saturate=True")
     sr = plan_sr(size, shape, rounding, rbits, seed, sr_bits, stream, rbits_mapping)

@@ -78,7 +78,7 @@ def cuda_convert(tmp_path_factory):
     subprocess.run([cxx, "-O2", "-std=c++17", f"-I{inc}", str(ORACLE_SRC), "-o", str(exe)], check=True)
 
     names8 = ["e2m1_rn", "e2m1_rz", "e4m3_sat", "e4m3_nosat", "e5m2_sat", "e5m2_nosat", "e8m0_rz_sat",
-              "e8m0_rp_sat", "e8m0_rz_nosat", "e8m0_rp_nosat"]
+              "e8m0_rp_sat", "e8m0_rz_nosat", "e8m0_rp_nosat", "e2m3_rn", "e2m3_rz", "e3m2_rn", "e3m2_rz"]
     names16 = ["bf16_rn", "bf16_rz", "bf16_ru", "bf16_rd"]
 
     def run(x: np.ndarray) -> dict[str, np.ndarray]:
@@ -87,8 +87,9 @@ def cuda_convert(tmp_path_factory):
         (d / "in.f32").write_bytes(x.tobytes())
         subprocess.run([str(exe), str(d / "in.f32"), str(d / "out.bin")], check=True)
         raw = (d / "out.bin").read_bytes()
-        p8 = np.frombuffer(raw[: 10 * n], dtype=np.uint8).reshape(10, n)
-        p16 = np.frombuffer(raw[10 * n:], dtype=np.uint16).reshape(4, n)
+        k = len(names8)
+        p8 = np.frombuffer(raw[: k * n], dtype=np.uint8).reshape(k, n)
+        p16 = np.frombuffer(raw[k * n:], dtype=np.uint16).reshape(4, n)
         return {**dict(zip(names8, p8)), **dict(zip(names16, p16))}
 
     return run

@@ -172,7 +172,8 @@ def test_ue8m0_against_reference(sweep, saturate, mode):
     assert np.array_equal(got, want), _diff(got, want, sub)
 
 
-@pytest.mark.parametrize("fmt", SIGNED, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", SIGNED + [f for f in fs.FORMATS.values() if f not in SIGNED and f.bits <= 8 and f.signed],
+                         ids=lambda f: f.name)
 def test_reference_twins_agree(sweep, fmt):
     """The exact scalar reference (fractions) vouches for its vectorised twin used on 1M patterns."""
     sub = sweep[:: 331]

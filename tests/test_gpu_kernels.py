@@ -74,7 +74,9 @@ def same_bits(a, b):
 SWEEP = float32_sweep(per_binade=200, seed=1)  # 102k patterns: every exponent, sign, subnormals, specials
 
 
-@pytest.mark.parametrize("fmt", [fs.E2M1, fs.E4M3, fs.E5M2, fs.UE8M0, fs.UE5M3, fs.BF16], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [fs.E2M1, fs.E4M3, fs.E5M2, fs.UE8M0, fs.UE5M3, fs.BF16, fs.E2M3, fs.E3M2, fs.E3M4,
+                                 fs.E4M3FNUZ, fs.E5M2FNUZ, fs.E4M3B11FNUZ, fs.INT8, *fs.formats.P3109],
+                         ids=lambda f: f.name)
 def test_encode_every_mode(dev, fmt):
     modes = ["rne", "rz", "ru", "rd"] + (["sr"] if fmt is not fs.UE8M0 else [])
     r = np.random.default_rng(2).integers(0, 256, SWEEP.shape, dtype=np.uint8)

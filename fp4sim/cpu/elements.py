@@ -57,15 +57,22 @@ def round_magnitude(a, neg, mode, r, nsr, mbits, emin, bias):
 
 @nb.njit(inline="always", cache=True)
 def encode_one(u, mode, r, nsr, mbits, emin, bias, maxmag, sat, nosat_code, nan_code, sign_bit):
-    """Full code (sign included) of one float32 given as its uint32 bit pattern ``u``."""
+    """Full code (sign included) of one float32 given as its uint32 bit pattern ``u``.
+
+    ``sign_bit`` says how a sign is written (``planning.kernel_params``): a positive bit is ORed in, except on a
+    zero where the format's NaN is that bit alone (FNUZ, P3109: no -0); a negative ``-b`` stores the two's
+    complement of the magnitude code modulo ``2b`` (INT8)."""
     u = np.uint32(u)
     a = np.int32(u & np.uint32(0x7FFFFFFF))
     neg = (u >> np.uint32(31)) != 0
-    sgn = np.int32(sign_bit) * np.int32(neg)
     mag = round_magnitude(min(a, np.int32(0x7F7FFFFF)), neg, mode, r, nsr, mbits, emin, bias)
     over = (mag > maxmag) | (a == 0x7F800000)
     over_code = np.int32(maxmag) if (sat or mode == 4) else np.int32(nosat_code)
-    code = (over_code if over else mag) | sgn
+    m = np.int32(over_code if over else mag)
+    sb = np.int32(sign_bit)
+    keep = np.int32(neg & ((m != 0) | (nan_code != sign_bit)))      # (no sign on a zero without -0)
+    tc = np.int32(np.int32(-m) & np.int32(np.int32(-2) * sb - np.int32(1)))      # the two's complement (sb < 0)
+    code = (tc if sb < 0 else np.int32(m | sb)) if keep else m
     return np.int32(nan_code) if a > 0x7F800000 else code
 
 

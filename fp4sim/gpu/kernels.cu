@@ -101,9 +101,11 @@ __device__ int encode_one(u32 u, int mode, int r, int nsr, int mbits, int emin, 
     bool neg = (u >> 31) != 0;
     if (a > 0x7F800000u) return nanc;
     int mag = a == 0x7F800000u ? maxmag + 1 : round_magnitude(a, neg, mode, r, nsr, mbits, emin, bias);
-    int sgn = neg ? signbit : 0;
-    if (mag > maxmag) return ((sat || mode == MODE_SR) ? maxmag : nosat) | sgn;
-    return mag | sgn;
+    int m = mag > maxmag ? ((sat || mode == MODE_SR) ? maxmag : nosat) : mag;
+    // signbit > 0: ORed in, except on a zero where the NaN is that bit alone (FNUZ, P3109: no -0);
+    // signbit = -b: the two's complement of the magnitude modulo 2b (INT8)
+    if (!neg || (m == 0 && nanc == signbit)) return m;
+    return signbit < 0 ? (-m) & (-2 * signbit - 1) : m | signbit;
 }
 
 __device__ int encode_ue8m0(u32 u, int mode, bool sat) {

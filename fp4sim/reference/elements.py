@@ -75,16 +75,15 @@ def encode_scalar(x: float, fmt: Format, rounding: str = "rne", saturate: bool =
     if math.isnan(x):
         return fmt.nan_code if fmt.nan_code is not None else maxc      # E2M1: NaN -> +6 (cuda_fp4.h)
     negative = math.copysign(1.0, x) < 0
-    sign = fmt.sign_mask if negative else 0
     if math.isinf(x):
         idx = len(g) - 1
     else:
         idx = _round_on_grid(Fraction(abs(x)), g, rounding, negative, r, n)
     if idx > maxc:  # overflow
-        if saturate or rounding.startswith("sr") or fmt.name == "e2m1":
-            return maxc | sign
-        return (fmt.inf_code if fmt.has_inf else fmt.nan_code) | sign
-    return idx | sign
+        if saturate or rounding.startswith("sr") or fmt.always_saturates:
+            return fmt.signed_code(maxc, negative)
+        return fmt.signed_code(fmt.inf_code if fmt.has_inf else fmt.nan_code, negative)
+    return fmt.signed_code(idx, negative)
 
 
 def ue8m0_scalar(x: float, rounding: str = "rz", saturate: bool = True) -> int:
@@ -148,13 +147,16 @@ def encode_array(x: np.ndarray, fmt: Format, rounding: str = "rne", saturate: bo
         raise ValueError(rounding)
     idx = np.where(exact, lo, lo + up)
     idx = np.where(mag >= g[-1], len(g) - 1, idx)  # includes Inf
-    sign = np.where(neg, fmt.sign_mask, 0)
     over = idx > maxc
-    if saturate or rounding.startswith("sr") or fmt.name == "e2m1":
+    if saturate or rounding.startswith("sr") or fmt.always_saturates:
         over_code = maxc
     else:
         over_code = fmt.inf_code if fmt.has_inf else fmt.nan_code
-    code = np.where(over, over_code, idx) | sign
+    mc = np.where(over, over_code, idx).astype(np.int64)
+    if fmt.twos_complement:
+        code = np.where(neg, (-mc) % fmt.n_codes, mc)
+    else:
+        code = np.where(neg & ((mc != 0) | fmt.has_neg_zero), mc | fmt.sign_mask, mc)
     nan_code = fmt.nan_code if fmt.nan_code is not None else maxc
     code = np.where(np.isnan(x), nan_code, code)
     return code.astype(fmt.code_dtype)

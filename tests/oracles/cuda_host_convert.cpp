@@ -1,9 +1,10 @@
-// Runs NVIDIA's own host-side conversions (cuda_fp4.h, cuda_fp8.h, cuda_bf16.h) over float32 inputs, as an
-// independent oracle for fp4sim's encoders. Usage: cuda_host_convert IN.f32 OUT.bin
-// OUT holds, for N inputs, 10 planes of N uint8 codes followed by 4 planes of N uint16 codes, in the order
-// of PLANES8 / PLANES16 below.
+// Runs NVIDIA's own host-side conversions (cuda_fp4.h, cuda_fp6.h, cuda_fp8.h, cuda_bf16.h) over float32 inputs,
+// as an independent oracle for fp4sim's encoders. Usage: cuda_host_convert IN.f32 OUT.bin
+// OUT holds, for N inputs, 14 planes of N uint8 codes followed by 4 planes of N uint16 codes, in the order
+// of the assignments below (tests/conftest.py names them).
 #include <cuda_bf16.h>
 #include <cuda_fp4.h>
+#include <cuda_fp6.h>
 #include <cuda_fp8.h>
 #include <cstdio>
 #include <cstring>
@@ -18,7 +19,7 @@ int main(int argc, char **argv) {
     while (std::fread(&v, sizeof v, 1, f) == 1) x.push_back(v);
     std::fclose(f);
     const size_t n = x.size();
-    std::vector<unsigned char> o8(10 * n);
+    std::vector<unsigned char> o8(14 * n);
     std::vector<unsigned short> o16(4 * n);
     for (size_t i = 0; i < n; ++i) {
         const float a = x[i];
@@ -32,6 +33,10 @@ int main(int argc, char **argv) {
         o8[7 * n + i] = __nv_cvt_float_to_e8m0(a, __NV_SATFINITE, cudaRoundPosInf);
         o8[8 * n + i] = __nv_cvt_float_to_e8m0(a, __NV_NOSAT, cudaRoundZero);
         o8[9 * n + i] = __nv_cvt_float_to_e8m0(a, __NV_NOSAT, cudaRoundPosInf);
+        o8[10 * n + i] = __nv_cvt_float_to_fp6(a, __NV_E2M3, cudaRoundNearest);
+        o8[11 * n + i] = __nv_cvt_float_to_fp6(a, __NV_E2M3, cudaRoundZero);
+        o8[12 * n + i] = __nv_cvt_float_to_fp6(a, __NV_E3M2, cudaRoundNearest);
+        o8[13 * n + i] = __nv_cvt_float_to_fp6(a, __NV_E3M2, cudaRoundZero);
         __nv_bfloat16 b[4] = {__float2bfloat16_rn(a), __float2bfloat16_rz(a), __float2bfloat16_ru(a),
                               __float2bfloat16_rd(a)};
         for (int k = 0; k < 4; ++k) std::memcpy(&o16[k * n + i], &b[k], 2);
