@@ -325,7 +325,8 @@ def _matmul(qa, qb, recipe, a_axis, b_axis):
     that upcasts each quantized operand to its float32 values and multiplies in float32."""
     fa, fb = _family(qa), _family(qb)
     acc, grid = recipe.accumulate, recipe.accumulate_grid
-    if fa is not None and fb is not None and fa[0] is fb[0] is FP8Tensor and acc in TENSOR_CORE:
+    if (fa is not None and fb is not None and fa[0] is fb[0] is FP8Tensor and (acc in TENSOR_CORE or acc == "cdna3")
+            and covers(acc, qa.scheme) and covers(acc, qb.scheme)):
         return gemm(qa, qb, accumulate=acc)    # a tensor core multiplies E4M3 by E5M2 (the hybrid FP8 GEMMs)
     if fa is not None and fa == fb:
         if not covers(acc, qa.scheme):

@@ -154,9 +154,12 @@ NVFP4_MODELS = ("exact_sum", "k64_rtz", "k64_rne") + tuple(
     f"k{g}_{r}" for g in GROUPS if g != 64 for r in ("rtz", "rne"))
 # the tensor-core models of fp4sim.tensorcore: FP8 (per-tensor and blockwise) and BF16 operands
 TENSOR_CORE = ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200_mma", "ampere")
-MODELS = ("te_reference",) + NVFP4_MODELS + ("tcgen05",) + TENSOR_CORE
+# AMD's CDNA3 (MI300) matrix cores: per-tensor FP8 FNUZ operands (either mix) and BF16
+CDNA3_KINDS = ("fp8_e4m3fnuz", "fp8_e5m2fnuz", "bf16")
+MODELS = ("te_reference",) + NVFP4_MODELS + ("tcgen05",) + TENSOR_CORE + ("cdna3",)
 _TC_KINDS = ("fp8_e4m3", "fp8_e5m2", "fp8_blockwise", "bf16")
-_TCGEN05_KINDS = ("nvfp4", "mxfp4", "mx_e4m3", "mx_e5m2")
+_TCGEN05_KINDS = ("nvfp4", "mxfp4", "mx_e4m3", "mx_e5m2", "mx_e2m3", "mx_e3m2")
+_MXF8F6F4 = {"mx_e4m3", "mx_e5m2", "mx_e2m3", "mx_e3m2"}      # kind::mxf8f6f4 takes any pair of these
 
 
 def covers(accumulate: str, scheme) -> bool:
@@ -173,6 +176,8 @@ def covers(accumulate: str, scheme) -> bool:
         return kind == "nvfp4"
     if model == "tcgen05":
         return kind in _TCGEN05_KINDS
+    if model == "cdna3":
+        return kind in CDNA3_KINDS
     if model in TENSOR_CORE:
         from .tensorcore import get_model
         fam = "bf16" if kind == "bf16" else "fp8"
@@ -224,7 +229,8 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
     model, grid = parse_accumulate(accumulate, grid)
     ka, kb = _kind(qa.scheme), _kind(qb.scheme)
     if ((model in TENSOR_CORE and {ka, kb} <= {"fp8_e4m3", "fp8_e5m2"})
-            or (model == "tcgen05" and {ka, kb} <= {"mx_e4m3", "mx_e5m2"})):   # tensor cores mix E4M3 and E5M2
+            or (model == "tcgen05" and {ka, kb} <= _MXF8F6F4)   # tensor cores mix E4M3, E5M2 (and FP6 on B200)
+            or (model == "cdna3" and {ka, kb} <= {"fp8_e4m3fnuz", "fp8_e5m2fnuz"})):
         kb = ka
     if ka != kb:
         raise ValueError(f"qa is {qa.scheme.name} and qb is {qb.scheme.name}: a block-scaled GEMM takes two operands "
@@ -233,7 +239,7 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
         raise ValueError(f"the dot-product lengths differ: qa has K={qa.K} (axis {qa.axis} of {qa.shape}), qb has "
                          f"K={qb.K} (axis {qb.axis} of {qb.shape})")
     xp = xp_of(qa.codes, qb.codes)
-    if model == "tcgen05" or model in TENSOR_CORE:
+    if model == "tcgen05" or model in TENSOR_CORE or model == "cdna3":
         return _tensor_core(qa, qb, model, ka, xp, backend)
     if model not in ("te_reference", "fast"):
         if ka != "nvfp4":
@@ -249,7 +255,7 @@ def gemm(qa: QuantizedTensor, qb: QuantizedTensor, accumulate: str = "exact", gr
 
 
 def _tensor_core(qa, qb, model, kind, xp, backend=None):
-    """The hardware models of fp4sim.tensorcore (its docstring): ``tcgen05`` for NVFP4 / MXFP4 / MXFP8, the chip
+    """The hardware models of fp4sim.tensorcore (its docstring): ``tcgen05`` for NVFP4 / MXFP4 / MXFP8 / MXFP6, the chip
     models for FP8 (per-tensor: cuBLAS's K walk then RN32(acc · fl(s_a · s_b)); blockwise: each 128-element
     block's chain from +0 promoted to float32 as the exact rule does) and BF16 (one chain over K)."""
     from . import tensorcore as tc
@@ -258,8 +264,8 @@ def _tensor_core(qa, qb, model, kind, xp, backend=None):
                          "kernels on a CUDA backend")
     if model == "tcgen05":
         if kind not in _TCGEN05_KINDS:
-            raise ValueError(f"accumulate='tcgen05' models Blackwell's block-scaled instructions: NVFP4, MXFP4 and "
-                             f"MXFP8 operands, not {qa.scheme.name}")
+            raise ValueError(f"accumulate='tcgen05' models Blackwell's block-scaled instructions: NVFP4, MXFP4, "
+                             f"MXFP8 and MXFP6 operands, not {qa.scheme.name}")
         va, vb = _values(qa, np), _values(qb, np)
         sa, sb = _block_scales(qa, np), _block_scales(qb, np)
         if kind == "nvfp4":
@@ -269,6 +275,15 @@ def _tensor_core(qa, qb, model, kind, xp, backend=None):
         if kind == "mxfp4":
             return tc.tcgen05_fp4(va, sa, vb, sb, 32, "ue8m0", backend)
         return tc.tcgen05_fp8(va, qa.scheme.elem.name, sa, vb, qb.scheme.elem.name, sb, backend)
+    if model == "cdna3":
+        if kind not in CDNA3_KINDS:
+            raise ValueError(f"accumulate='cdna3' models AMD's CDNA3 (MI300) matrix cores for FP8 FNUZ "
+                             f"(fp8_e4m3fnuz / fp8_e5m2fnuz) and BF16 operands, not {qa.scheme.name}")
+        va, vb = _values(qa, np), _values(qb, np)
+        if kind == "bf16":
+            return tc.mfma(va, vb, "bf16", "bf16")
+        acc = tc.mfma(va, vb, qa.scheme.elem.name, qb.scheme.elem.name)
+        return _per_tensor_epilogue(acc, qa, qb)
     name = model.replace("_fast_accum", "")
     if kind not in _TC_KINDS or not covers(model, qa.scheme):
         have = "FP8 and BF16" if "fp8" in tc.get_model(name).steps else "BF16"
@@ -294,6 +309,11 @@ def _tensor_core(qa, qb, model, kind, xp, backend=None):
         return y
     fast = model.endswith("_fast_accum") or tc.get_model(name).slow_chunk is None     # b200_mma: one chain
     acc = tc.accumulate(va, vb, fa, fb, name, "fp8", fast=fast, backend=backend)
+    return _per_tensor_epilogue(acc, qa, qb)
+
+
+def _per_tensor_epilogue(acc, qa, qb):
+    """RN32(acc · fl(s_a · s_b)) of two per-tensor scaled operands (an exact zero is +0)."""
     sab = f32(f32(float(qa.scales.reshape(-1)[0])) * f32(float(qb.scales.reshape(-1)[0])))
     with np.errstate(over="ignore", invalid="ignore"):
         return (acc.astype(np.float64) * np.float64(sab) + 0.0).astype(np.float32)
@@ -362,7 +382,7 @@ def _blockwise(qa, qb, ka, xp):
         bk, exact_dot = 128, False
     Kp = -(-qa.K // bk) * bk
     va, vb = _pad(va, Kp, xp), _pad(vb, Kp, xp)
-    per_tensor = ka in ("fp8_e4m3", "fp8_e5m2")
+    per_tensor = ka in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
     sa = sb = None
     if not per_tensor:
         sa, sb = _block_scales(qa, xp), _block_scales(qb, xp)

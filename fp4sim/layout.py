@@ -5,7 +5,8 @@ import numpy as np
 
 from ._xp import xp_of
 
-__all__ = ["pack_fp4", "unpack_fp4", "swizzle_scales", "unswizzle_scales", "swizzled_size"]
+__all__ = ["pack_fp4", "unpack_fp4", "pack_fp6", "unpack_fp6", "FP6_ORDERS", "swizzle_scales", "unswizzle_scales",
+           "swizzled_size"]
 
 
 def pack_fp4(codes: np.ndarray) -> np.ndarray:
@@ -38,6 +39,63 @@ def unpack_fp4(packed: np.ndarray, nibble_order: str = "low_first") -> np.ndarra
     out = xp.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
     out[..., 0::2], out[..., 1::2] = lo, hi
     return out
+
+
+FP6_ORDERS = ("little", "big")
+
+
+def _fp6_order(order):
+    if order not in FP6_ORDERS:
+        raise ValueError(f"order={order!r}: use 'little' (compressed-tensors, a little-endian bit stream) or 'big' "
+                         "(torchao's former pack_uint6: the first code in the high bits)")
+    return order
+
+
+def _fp6_groups(a, n: int, name: str, fix: str):
+    """(array module, ``a``'s last axis as groups of ``n`` uint32, the leading shape) after the checks every FP6
+    packing call makes."""
+    xp = xp_of(a)
+    a = xp.asarray(a)
+    if a.dtype != np.uint8:
+        raise TypeError(f"{name} must be uint8, not {a.dtype}")
+    if a.shape[-1] % n:
+        raise ValueError(f"the last axis has length {a.shape[-1]}, not a multiple of {n}: {fix}")
+    return xp, a.reshape(a.shape[:-1] + (-1, n)).astype(np.uint32), a.shape[:-1]
+
+
+def pack_fp6(codes: np.ndarray, order: str = "little") -> np.ndarray:
+    """Pack 6-bit codes (FP6 E2M3 / E3M2, one per uint8) four to three bytes along the last axis.
+
+    ``order="little"``: codes c0..c3 form the 24-bit word c0 | c1 << 6 | c2 << 12 | c3 << 18, stored low byte
+    first (compressed-tensors' ``mxfp6-pack-quantized``; the bits read as one little-endian stream);
+    ``order="big"``: c0 << 18 | c1 << 12 | c2 << 6 | c3 stored high byte first (torchao's former ``pack_uint6``).
+    The last axis must be a multiple of 4 long (pad with code 0 first).
+    """
+    _fp6_order(order)
+    xp, c, lead = _fp6_groups(codes, 4, "codes", "pad it with zero codes (FP6 packs four codes into three bytes)")
+    if c.size and int(c.max()) > 63:
+        raise ValueError("codes hold values above 63, which are not 6-bit codes")
+    if order == "little":
+        w = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+        parts = (w, w >> 8, w >> 16)
+    else:
+        w = (c[..., 0] << 18) | (c[..., 1] << 12) | (c[..., 2] << 6) | c[..., 3]
+        parts = (w >> 16, w >> 8, w)
+    return xp.stack([p & 0xFF for p in parts], axis=-1).astype(np.uint8).reshape(lead + (-1,))
+
+
+def unpack_fp6(packed: np.ndarray, order: str = "little") -> np.ndarray:
+    """Inverse of :func:`pack_fp6`: one 6-bit code per uint8; the last axis must be a multiple of 3 bytes."""
+    _fp6_order(order)
+    xp, b, lead = _fp6_groups(packed, 3, "packed codes", "packed FP6 holds four codes in every three bytes "
+                              "(a truncated buffer, or not FP6)")
+    if order == "little":
+        w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        shifts = (0, 6, 12, 18)
+    else:
+        w = (b[..., 0] << 16) | (b[..., 1] << 8) | b[..., 2]
+        shifts = (18, 12, 6, 0)
+    return xp.stack([(w >> s) & 0x3F for s in shifts], axis=-1).astype(np.uint8).reshape(lead + (-1,))
 
 
 def swizzled_size(rows: int, cols: int) -> int:

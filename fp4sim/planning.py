@@ -258,14 +258,20 @@ def fp8_tensor_scale(fmt, amax):
     return f32(min(scale, FLT_MAX))
 
 
-NAN_E2M1 = ("NaN in the input: E2M1 has no NaN, so it encodes as +6 (CUDA's satfinite rule, code 0x7) and "
-            "leaves the tensor as a finite value; find where it came from (fp4sim.validate and the torch bridge's "
-            "on_nonfinite='raise' stop at it)")
+def nan_into_no_nan(fmt: Format) -> str:
+    """The warning for a NaN quantized into elements that have none (E2M1, FP6, INT8)."""
+    return (f"NaN in the input: {fmt.name.upper()} has no NaN, so it encodes as +{fmt.max:g} (CUDA's satfinite "
+            f"rule, code {fmt.max_code:#x}) and leaves the tensor as a finite value; find where it came from "
+            "(fp4sim.validate and the torch bridge's on_nonfinite='raise' stop at it)")
+
+
+NAN_E2M1 = nan_into_no_nan(E2M1)
+NAN_NO_NAN_RE = r"NaN in the input: \w+ has no NaN, so it encodes"     # (matches every such warning)
 
 
 def warn_specials(sch, amax_g, has_nan, has_inf, stacklevel=4):
-    if has_nan and isinstance(sch, (NVFP4, MX)) and sch.elem.bits == 4:
-        warnings.warn(NAN_E2M1, RuntimeWarning, stacklevel)
+    if has_nan and isinstance(sch, (NVFP4, MX)) and sch.elem.always_saturates:
+        warnings.warn(nan_into_no_nan(sch.elem), RuntimeWarning, stacklevel)
     if isinstance(sch, NVFP4):
         if not np.isfinite(amax_g):
             warnings.warn("the tensor (or global_amax) is not finite: NVFP4 encodes with S_enc = 1 but "

@@ -76,8 +76,9 @@ def quantize(x, scheme="nvfp4", axis: int = -1, rounding: str = "rne", flavor: s
     Parameters
     ----------
     x : float32/float16/bfloat16/float64 array, any shape with at least one axis.
-    scheme : ``"nvfp4"``, ``"nvfp4_2d"``, ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"fp8_e4m3"``,
-        ``"fp8_e5m2"``, ``"fp8_blockwise"``, ``"bf16"`` or a scheme object from :mod:`fp4sim.schemes`.
+    scheme : ``"nvfp4"``, ``"nvfp4_2d"``, ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``,
+        ``"mxfp6_e3m2"``, ``"mxint8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"fp8_blockwise"``, ``"bf16"`` or a scheme
+        object from :mod:`fp4sim.schemes`.
     axis : the block axis (the GEMM reduction dimension K); lengths not a multiple of the block are
         zero-padded for the computation. 16x16 / 128x128 tiles span ``axis`` and the rows formed by all other
         axes flattened in order.

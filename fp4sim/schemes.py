@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .formats import BF16, E2M1, E4M3, E5M2, UE5M3, UE8M0, Format
+from .formats import BF16, E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, INT8, UE5M3, UE8M0, Format
 
-__all__ = ["NVFP4", "NVFP4UE5M3", "MX", "FP8Tensor", "FP8Blockwise", "BF16Cast", "Scheme", "SCHEMES", "get_scheme",
+__all__ = ["NVFP4", "NVFP4UE5M3", "MX", "MX_ELEMS", "FP8Tensor", "FP8Blockwise", "BF16Cast", "Scheme", "SCHEMES", "get_scheme",
            "FLAVORS", "SCALE_MODES"]
 
 FLAVORS = ("te", "paper", "torchao", "modelopt")
@@ -81,6 +81,11 @@ class NVFP4:
         return "nvfp4_2d" if self.block[0] == 16 else "nvfp4"
 
 
+# the OCP Microscaling v1.0 element types and the concrete format each one makes
+MX_ELEMS = {E2M1: "mxfp4", E4M3: "mxfp8_e4m3", E5M2: "mxfp8_e5m2", E2M3: "mxfp6_e2m3", E3M2: "mxfp6_e3m2",
+            INT8: "mxint8"}
+
+
 @dataclass(frozen=True)
 class MX:
     """OCP microscaling: ``elem`` elements, 32-element blocks, UE8M0 power-of-two scales."""
@@ -94,12 +99,13 @@ class MX:
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode={self.scale_mode!r} is not an MX scale mode; use one of "
                              f"{list(SCALE_MODES)}")
-        if self.elem not in (E2M1, E4M3, E5M2):
-            raise ValueError("MX elements must be E2M1, E4M3 or E5M2")
+        if self.elem not in MX_ELEMS:
+            raise ValueError(f"elem={self.elem!r}: MX elements are {', '.join(MX_ELEMS.values())}'s "
+                             f"({', '.join(f.name.upper() for f in MX_ELEMS)})")
 
     @property
     def name(self) -> str:
-        return {"e2m1": "mxfp4", "e4m3": "mxfp8_e4m3", "e5m2": "mxfp8_e5m2"}[self.elem.name]
+        return MX_ELEMS[self.elem]
 
 
 @dataclass(frozen=True)
@@ -129,8 +135,13 @@ class NVFP4UE5M3:
 
 @dataclass(frozen=True)
 class FP8Tensor:
-    """FP8 with one FP32 scale per tensor from the current amax ("current scaling")."""
+    """FP8 with one FP32 scale per tensor from the current amax ("current scaling"): OCP's E4M3 / E5M2, or the
+    FNUZ formats of AMD's CDNA3 (E4M3FNUZ, max 240; E5M2FNUZ), as TransformerEngine on ROCm scales them."""
     elem: Format = E4M3
+
+    def __post_init__(self):
+        if self.elem not in (E4M3, E5M2, E4M3FNUZ, E5M2FNUZ):
+            raise ValueError(f"elem={self.elem!r}: per-tensor FP8 takes E4M3, E5M2, E4M3FNUZ or E5M2FNUZ elements")
 
     @property
     def name(self) -> str:
@@ -167,7 +178,9 @@ Scheme = NVFP4 | NVFP4UE5M3 | MX | FP8Tensor | FP8Blockwise | BF16Cast
 SCHEMES: dict[str, Scheme] = {
     "nvfp4": NVFP4(), "nvfp4_2d": NVFP4(block=(16, 16)),
     "mxfp4": MX(E2M1), "mxfp8_e4m3": MX(E4M3), "mxfp8_e5m2": MX(E5M2),
+    "mxfp6_e2m3": MX(E2M3), "mxfp6_e3m2": MX(E3M2), "mxint8": MX(INT8),
     "fp8_e4m3": FP8Tensor(E4M3), "fp8_e5m2": FP8Tensor(E5M2),
+    "fp8_e4m3fnuz": FP8Tensor(E4M3FNUZ), "fp8_e5m2fnuz": FP8Tensor(E5M2FNUZ),
     "fp8_blockwise": FP8Blockwise(), "bf16": BF16Cast(),
     "nvfp4_ue5m3": NVFP4UE5M3(), "nvfp4_ue5m3_2d": NVFP4UE5M3(block=(16, 16)),
 }

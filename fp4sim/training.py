@@ -32,12 +32,12 @@ class SlowPathWarning(UserWarning):
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 GEMM_OF = {"fprop_x": "fprop", "fprop_w": "fprop", "dgrad_dy": "dgrad", "dgrad_w": "dgrad", "wgrad_x": "wgrad",
            "wgrad_dy": "wgrad"}
-_SCHEMES = ("nvfp4", "nvfp4_ue5m3", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise", "fp8_e4m3", "fp8_e5m2",
-            "bf16")
+_SCHEMES = ("nvfp4", "nvfp4_ue5m3", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxint8",
+            "fp8_blockwise", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "bf16")
 SIGNS = ("te", "fixed", "per_transform", "per_layer", "none")
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 AMAX_MODES = ("current", "delayed", "history")
-TENSOR_SCALED = ("nvfp4", "nvfp4_ue5m3", "fp8_e4m3", "fp8_e5m2")   # the schemes with a per-tensor amax
+TENSOR_SCALED = ("nvfp4", "nvfp4_ue5m3", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")   # the schemes with a per-tensor amax
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ class Recipe:
         """A named recipe with switches and field overrides.
 
         Names: ``"none"`` (no quantization: exactly ``nn.Linear``), ``"bf16"``, ``"nvfp4_paper"``, ``"mxfp4_paper"``,
-        ``"mxfp8"``, ``"fp8_blockwise"``. Switches (TransformerEngine's names, then the paper's ablations):
+        ``"mxfp8"``, ``"mxfp6"`` (every operand MXFP6 E3M2, round to nearest), ``"fp8_blockwise"``. Switches (TransformerEngine's names, then the paper's ablations):
         ``disable_rht``, ``disable_stochastic_rounding``, ``disable_2d_quantization``, ``sr_activations``,
         ``sr_weights``, ``sr_backward`` (SR on every backward operand), ``rht_fprop``, ``rht_dgrad``,
         ``rht_size=d``, ``rht_signs=`` ``"te" | "fixed" | "per_transform" | "none"``, ``weights_1d_reuse``
@@ -544,6 +544,7 @@ PRESETS = {
     "nvfp4_paper": lambda: _paper("nvfp4", 16, "te", (16, 16), (1, 16)),
     "mxfp4_paper": lambda: _paper("mxfp4", 32, "fixed", None, None),
     "mxfp8": lambda: _uniform(Operand("mxfp8_e4m3"), "mxfp8"),
+    "mxfp6": lambda: _uniform(Operand("mxfp6_e3m2"), "mxfp6"),
     "fp8_blockwise": lambda: Recipe(fprop_x=Operand("fp8_blockwise", (1, 128)),
                                     fprop_w=Operand("fp8_blockwise", (128, 128)),
                                     dgrad_dy=Operand("fp8_blockwise", (1, 128)),

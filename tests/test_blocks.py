@@ -210,11 +210,12 @@ def _check_quantize_peak(x, scheme, chunk):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("elem,mode", [(fs.E2M1, m) for m in ("rceil", "floor", "ceil", "even")]
+@pytest.mark.parametrize("elem,mode", [(e, m) for e in (fs.E2M1, fs.E2M3, fs.E3M2, fs.INT8)
+                                       for m in ("rceil", "floor", "ceil", "even")]
                          + [(fs.E4M3, "rceil"), (fs.E4M3, "floor"), (fs.E5M2, "rceil"), (fs.E5M2, "even")])
 def test_mx_matches_reference(case, elem, mode):
     x = CASES[case]
-    name = {"e2m1": "mxfp4", "e4m3": "mxfp8_e4m3", "e5m2": "mxfp8_e5m2"}[elem.name]
+    name = fs.schemes.MX_ELEMS[elem]
     q = fs.quantize(x, name, scale_mode=mode)
     codes, scales = ref.mx_ref(x, elem, mode)
     np.testing.assert_array_equal(q.linear_scales(), scales)
@@ -225,7 +226,8 @@ def test_mx_matches_reference(case, elem, mode):
 def test_mx_sr_matches_reference():
     x = CASES["heavy"]
     r = np.random.default_rng(6).integers(0, 256, x.shape, dtype=np.uint8)
-    for elem, name in ((fs.E2M1, "mxfp4"), (fs.E4M3, "mxfp8_e4m3")):
+    for elem, name in ((fs.E2M1, "mxfp4"), (fs.E4M3, "mxfp8_e4m3"), (fs.E2M3, "mxfp6_e2m3"), (fs.E3M2, "mxfp6_e3m2"),
+                       (fs.INT8, "mxint8")):
         q = fs.quantize(x, name, rounding="sr", rbits=r)
         codes, _ = ref.mx_ref(x, elem, "rceil", rounding="sr", rb=r)
         got = _codes(q) if elem is fs.E2M1 else q.codes.reshape(codes.shape)
@@ -353,7 +355,8 @@ def test_mx_reads_its_input_once_and_reports_the_tensor_amax(fmt, mode, K):
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_schemes_match_reference(case):
     x = CASES[case]
-    for elem, name in ((fs.E4M3, "fp8_e4m3"), (fs.E5M2, "fp8_e5m2")):
+    for elem, name in ((fs.E4M3, "fp8_e4m3"), (fs.E5M2, "fp8_e5m2"), (fs.E4M3FNUZ, "fp8_e4m3fnuz"),
+                       (fs.E5M2FNUZ, "fp8_e5m2fnuz")):
         q = fs.quantize(x, name)
         codes, sinv = ref.fp8_tensor_ref(x, elem)
         np.testing.assert_array_equal(q.codes, codes)
@@ -366,7 +369,7 @@ def test_fp8_schemes_match_reference(case):
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_e4m3",
-                                    "fp8_e5m2", "fp8_blockwise", "bf16"])
+                                    "fp8_e5m2", "fp8_blockwise", "bf16", "mxfp6_e2m3", "mxfp6_e3m2", "mxint8"])
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_fake_quantize_equals_dequantize_of_quantize(scheme, axis):
     x = heavy((3, 40, 24), 7)

@@ -15,6 +15,7 @@ definition (bias, no -0, NaN at 0x80), and the decode check against ml_dtypes vo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -302,3 +303,112 @@ def test_a_format_name_that_does_not_exist_lists_the_known_ones():
     # formats without Inf or NaN always saturate, so SR with saturate=False is the same call
     np.testing.assert_array_equal(fs.encode(np.full(4, 9.0, np.float32), fs.E2M3, rounding="sr", seed=1,
                                             saturate=False), [0x1F] * 4)
+
+
+# ----------------------------------------------------------------------------------------- MX block schemes
+def _mx_cases(fmt):
+    """Rows of 32-element blocks: real-looking values, midpoints of the element grid at several scales (ties),
+    all-zero and all-equal blocks, power-of-two amaxes, float32 subnormals (scales clamped at 2^-127) and values
+    near float32's top (scale bytes near 254)."""
+    from blockcases import heavy
+    rng = np.random.default_rng(21)
+    rows = [heavy((4, 256), 3).reshape(-1, 32)]
+    v = fmt.finite_values
+    mids = np.concatenate([v, (v[:-1] + v[1:]) / 2])
+    for k in (-3, 0, 5):
+        blk = rng.choice(mids, (4, 32)) * rng.choice([-1, 1], (4, 32)) * 2.0**k
+        blk[:, 0] = fmt.max * 2.0**k                      # the amax on the grid's top: scale 2^k
+        rows.append(blk)
+    rows += [np.zeros((1, 32)), np.full((1, 32), 3.3), np.full((1, 32), -0.7),
+             rng.standard_normal((2, 32)) * 1e-39, rng.uniform(-3.4e38, 3.4e38, (2, 32)),
+             np.concatenate([[2.0**-126], rng.standard_normal(31) * 1e-3])[None]]
+    return np.concatenate(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", [fs.E2M3, fs.E3M2, fs.INT8], **ids)
+def test_mx_schemes_against_gfloat_blocks(fmt):
+    """MXFP6 and MXINT8 with the OCP specification's scale (X = 2^(floor(log2 amax) - emax_elem), the "floor"
+    mode) against gfloat's MX encoder: its compute_scale_amax and encode_block (RNE, saturating) for every block,
+    scale byte and element codes; and fs.dequantize against gfloat's decode_block. INT8's one difference is
+    gfloat's -2 (test_int8_is_symmetric)."""
+    from gfloat import RoundMode, encode_block, decode_block
+    from gfloat.block import compute_scale_amax
+    from gfloat.formats import format_info_mxfp6_e2m3, format_info_mxfp6_e3m2, format_info_mxint8
+    bfi = {"e2m3": format_info_mxfp6_e2m3, "e3m2": format_info_mxfp6_e3m2, "int8": format_info_mxint8}[fmt.name]
+    x = _mx_cases(fmt)
+    q = fs.quantize(x, fs.schemes.MX_ELEMS[fmt], scale_mode="floor")
+    assert q.codes.shape == x.shape and q.scales.shape == (x.shape[0], 1)
+    deq = fs.dequantize(q)
+    for i, blk in enumerate(x.astype(np.float64)):
+        scale = compute_scale_amax(bfi.etype.emax, blk)
+        enc = list(encode_block(bfi, scale, blk / scale, RoundMode.TiesToEven))
+        assert q.scales[i, 0] == enc[0], (i, blk[:4])
+        want = np.array(enc[1:])
+        if fmt is fs.INT8:
+            want = np.where(want == 0x80, 0x81, want)                   # gfloat's -2, fp4sim's -1 63/64
+        np.testing.assert_array_equal(q.codes[i], want, err_msg=f"block {i}")
+        theirs = np.fromiter(decode_block(bfi, [int(q.scales[i, 0]), *map(int, q.codes[i])]), float)
+        assert np.all(_same_values(deq[i], theirs.astype(np.float32))), i
+    assert np.any(q.codes == fmt.max_code) and np.any(q.scales == 0) and np.any(q.scales >= 250)
+
+
+def test_fp6_packing_against_compressed_tensors_and_known_bytes():
+    """pack_fp6 / unpack_fp6: little-endian is compressed-tensors' mxfp6-pack-quantized packing (its own
+    pack_fp6_to_uint8 on the decoded values, and back through its unpack); both orders by bytes worked out by
+    hand; a length that is not a multiple of 3 bytes (or 4 codes) is named."""
+    from fp4sim.layout import pack_fp6, unpack_fp6
+    c = np.random.default_rng(3).integers(0, 64, (6, 64), dtype=np.uint8)
+    try:
+        import torch
+        from compressed_tensors.compressors.mxfp6.helpers import pack_fp6_to_uint8, unpack_fp6_from_uint8
+    except ImportError as e:
+        oracle_missing(f"compressed-tensors is not installed ({e}): pip install '.[test]'")
+    vals = fs.decode(c, fs.E2M3)
+    theirs = pack_fp6_to_uint8(torch.from_numpy(vals)).numpy()
+    np.testing.assert_array_equal(pack_fp6(c), theirs)
+    np.testing.assert_array_equal(unpack_fp6(theirs), c)
+    back = unpack_fp6_from_uint8(torch.from_numpy(pack_fp6(c)), 6, 64, torch.float32).numpy()
+    assert np.all(_same_values(back, vals))
+    one = np.array([0x3F, 0x01, 0x20, 0x15], np.uint8)
+    # little: word = 0x3F | 0x01 << 6 | 0x20 << 12 | 0x15 << 18 = 0x3F + 0x40 + 0x20000 + 0x540000 = 0x56007F
+    assert pack_fp6(one).tolist() == [0x7F, 0x00, 0x56]
+    # big: 111111 000001 100000 010101 -> 11111100 00011000 00010101
+    assert pack_fp6(one, order="big").tolist() == [0xFC, 0x18, 0x15]
+    np.testing.assert_array_equal(unpack_fp6(pack_fp6(c, "big"), "big"), c)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        unpack_fp6(np.zeros(5, np.uint8))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_fp6(np.zeros(6, np.uint8))
+    with pytest.raises(ValueError, match="above 63"):
+        pack_fp6(np.full(4, 64, np.uint8))
+    with pytest.raises(ValueError, match="order="):
+        pack_fp6(one, order="middle")
+
+
+def test_mx_element_errors_and_nan_warning():
+    with pytest.raises(ValueError, match="mxfp6_e2m3"):
+        fs.schemes.MX(fs.E4M3FNUZ)
+    x = np.ones((1, 32), np.float32)
+    x[0, 3] = np.nan
+    for name, fmt in (("mxfp6_e2m3", fs.E2M3), ("mxint8", fs.INT8)):
+        with pytest.warns(RuntimeWarning, match=f"{fmt.name.upper()} has no NaN, so it encodes as"):
+            q = fs.quantize(x, name)
+        assert q.codes[0, 3] == fmt.max_code
+
+
+def test_analyze_takes_the_mx_formats():
+    """analyze's scheme columns mxfp6_e2m3, mxfp6_e3m2 and mxint8: the error sums are those of fake_quantize (checked
+    against torchao and gfloat above), an exactly representable MXINT8 tensor has no error at all."""
+    from blockcases import heavy
+    from fp4sim.analyze.metrics import SCHEMES_BY_LABEL, scheme_metrics
+    x = heavy((64, 96), 8)
+    for label in ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8"):
+        m, _, _ = scheme_metrics(x, SCHEMES_BY_LABEL[label], "weight")
+        err = fs.fake_quantize(x, label).astype(np.float64) - x.astype(np.float64)
+        assert m["mse"] == pytest.approx(np.mean(err**2), rel=1e-12) and m["max_abs_err"] == np.abs(err).max()
+    k = np.random.default_rng(1).integers(-127, 128, (8, 64))
+    k[:, ::32] = 127                                     # every block's amax on INT8's top: scale 2^0 under floor
+    exact = (k / 64.0 * 2.0 ** np.random.default_rng(2).integers(-4, 4, (8, 1))).astype(np.float32)
+    m, _, _ = scheme_metrics(exact, dataclasses.replace(SCHEMES_BY_LABEL["mxint8"], kwargs={"scale_mode": "floor"}),
+                             "weight")
+    assert m["mse"] == 0 and m["sqnr_db"] == np.inf

@@ -215,6 +215,8 @@ SPECIALS[1, 3], SPECIALS[2, 9], SPECIALS[4, 40] = np.nan, -np.inf, 1e-40
     ("nvfp4", {"flavor": "torchao", "global_amax": 1e-40}), ("mxfp4", {"scale_layout": "swizzled"}),
     ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}), ("mxfp4", {"scale_mode": "ceil"}),
     ("mxfp4", {"scale_mode": "even"}), ("mxfp8_e4m3", {}), ("mxfp8_e5m2", {"scale_mode": "even"}),
+    ("mxfp6_e2m3", {}), ("mxfp6_e3m2", {"scale_mode": "floor"}), ("mxint8", {}), ("mxint8", {"scale_mode": "even"}),
+    ("fp8_e4m3fnuz", {}), ("fp8_e5m2fnuz", {}),
     ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("fp8_blockwise", {}), ("fp8_blockwise", {"block": (128, 128)}),
     ("bf16", {}), ("nvfp4", {"row_scaled": True}), ("nvfp4", {"flavor": "paper", "row_scaled": True}),
     ("nvfp4", {"flavor": "torchao", "per_tensor_scale": False}),

@@ -5,7 +5,7 @@
                                 RHT (_apply_rht) on bf16 inputs           rht(d=16, signs="te")
   torchao 0.18 nvfp4_quantize   packed codes + scales, all-zero tensor    flavor="torchao"
   nvidia-modelopt 0.47          packed codes + scales, all-zero tensor    flavor="modelopt"
-  torchao to_mx                 MX scale bytes + codes, 4 modes            mxfp4 / mxfp8_e4m3
+  torchao to_mx                 MX scale bytes + codes, 4 modes            mxfp4 / mxfp8_e4m3 / mxfp6_e2m3 / _e3m2
   torchao to_blocked            swizzled scale layout                      layout.swizzle_scales
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_modelopt_flavour_matches_modelopt(name):
 
 
 @pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
-@pytest.mark.parametrize("elem", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("elem", ["e2m1", "e4m3", "e2m3", "e3m2"])
 def test_mx_scale_modes_against_torchao_to_mx(mode, elem):
     torch = torch_or_skip()
     mx = import_or_missing("torchao.prototype.mx_formats.mx_tensor")
@@ -143,15 +143,16 @@ def test_mx_scale_modes_against_torchao_to_mx(mode, elem):
     rng = np.random.default_rng(5)
     x = heavy((64, 256), 6)
     # blocks whose amax sits exactly on / just above a power of two (times 6 or 448): log2's weak spot
-    lim = 6.0 if elem == "e2m1" else 448.0
+    fmt = fs.get_format(elem)
     for i in range(16):
-        x[i, 0] = np.float32(lim * 2.0 ** rng.integers(-8, 8)) * (np.float32(1) + np.float32(2.0**-23) * (i % 3))
-    tdt = torch.float4_e2m1fn_x2 if elem == "e2m1" else torch.float8_e4m3fn
+        x[i, 0] = np.float32(fmt.max * 2.0 ** rng.integers(-8, 8)) * (np.float32(1) + np.float32(2.0**-23) * (i % 3))
+    from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2
+    tdt = {"e2m1": torch.float4_e2m1fn_x2, "e4m3": torch.float8_e4m3fn, "e2m3": DTYPE_FP6_E2M3,
+           "e3m2": DTYPE_FP6_E3M2}[elem]
     ts, td = mx.to_mx(torch.from_numpy(x), tdt, 32, ScaleCalculationMode[mode.upper()])
     theirs_s = ts.view(torch.uint8).numpy()
-    theirs_d = td.view(torch.uint8).numpy()
-    name = "mxfp4" if elem == "e2m1" else "mxfp8_e4m3"
-    q = fs.quantize(x, name, scale_mode=mode)
+    theirs_d = td.view(torch.uint8).numpy()                 # (FP6: one unpacked code per byte, as fp4sim's)
+    q = fs.quantize(x, fs.schemes.MX_ELEMS[fmt], scale_mode=mode)
     ours_s = q.scales
     bad = ours_s != theirs_s
     if mode != "rceil":
@@ -159,7 +160,6 @@ def test_mx_scale_modes_against_torchao_to_mx(mode, elem):
         np.testing.assert_array_equal(q.codes, theirs_d)
         return
     # rceil: torchao computes it with float32 log2, which is off by one binade just above powers of two
-    fmt = fs.E2M1 if elem == "e2m1" else fs.E4M3
     amax = np.abs(x.reshape(64, 8, 32)).max(-1)
     for r, j in np.argwhere(bad):
         assert ours_s[r, j] == mx_scale_ref(amax[r, j], "rceil", fmt) == theirs_s[r, j] + 1

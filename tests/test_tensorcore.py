@@ -390,6 +390,87 @@ def test_tcgen05_mxfp4_and_mxfp8_equal_mmasim():
         assert fs.gemm(qa, qb, accumulate="tcgen05").tobytes() == C.numpy().tobytes(), (sch_a, sch_b)
 
 
+def _mx_codes(q, rows, K):
+    """An MX operand's codes as MMA-Sim takes them: FP8 as torch float8, FP6 one per uint8 (bits 5:0)."""
+    c = torch.from_numpy(np.ascontiguousarray(q.codes.reshape(rows, K)))
+    return {"e4m3": lambda: c.view(E4), "e5m2": lambda: c.view(E5)}.get(q.scheme.elem.name, lambda: c)()
+
+
+def _mmasim_mxf8f6f4(qa, qb, M, N, K, C=None):
+    """MMA-Sim's tcgen05 kind::mxf8f6f4 chain over K, one K32 instruction per scale block."""
+    fa, fb = qa.scheme.elem.name, qb.scheme.elem.name
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", f"m128n8k32.kind::mxf8f6f4.block32.f32.{fa}.{fb}.ue8m0")
+    A, B = _mx_codes(qa, M, K), _mx_codes(qb, N, K).T.contiguous()
+    sa, sb = qa.linear_scales(), qb.linear_scales()
+    C = torch.zeros(M, N) if C is None else C
+    for k in range(K // 32):
+        C = op(A[:, 32 * k:32 * k + 32], B[32 * k:32 * k + 32], C,
+               torch.from_numpy(np.ascontiguousarray(sa[:, k:k + 1])).view(torch.float8_e8m0fnu),
+               torch.from_numpy(np.ascontiguousarray(sb[:, k:k + 1].T)).view(torch.float8_e8m0fnu))
+    return C.numpy()
+
+
+@pytest.mark.parametrize("pair", [("mxfp6_e2m3", "mxfp6_e2m3"), ("mxfp6_e3m2", "mxfp6_e3m2"),
+                                  ("mxfp6_e3m2", "mxfp6_e2m3"), ("mxfp6_e2m3", "mxfp8_e4m3"),
+                                  ("mxfp8_e5m2", "mxfp6_e3m2")])
+def test_tcgen05_mxfp6_equals_mmasim(pair):
+    """fs.gemm(accumulate='tcgen05') on MXFP6 operands, alone and mixed with MXFP8 (kind::mxf8f6f4 takes any pair),
+    equals MMA-Sim's Blackwell model over random blocks with spread scales, blocks holding mostly FP6 subnormals,
+    groups that cancel exactly and all-zero groups under large scales."""
+    import fp4sim as fs
+    rng = np.random.default_rng(31)
+    M, N, K = 16, 8, 320
+    x = rng.standard_normal((M, K)) * np.exp2(rng.integers(-20, 20, (M, K // 32))).repeat(32, 1)
+    y = rng.standard_normal((N, K)) * np.exp2(rng.integers(-20, 20, (N, K // 32))).repeat(32, 1)
+    x[:, 32:64] = rng.standard_normal((M, 32)) * 1e-3      # one large element per block: the rest are
+    x[:, 32] = 100.0                                         # FP6 subnormals after scaling
+    y[:, 32:64] = rng.standard_normal((N, 32)) * 1e-2
+    y[:, 33] = 50.0
+    x[:, 64:96], y[:, 64:96] = 1.0, np.tile([1.0, -1.0], 16)  # products cancelling exactly
+    x[:, 96:128] = 0.0                                       # an all-zero block ...
+    y[:, 96:128] = 3e30                                      # ... against a large scale
+    qa, qb = fs.quantize(x.astype(np.float32), pair[0]), fs.quantize(y.astype(np.float32), pair[1])
+    want = _mmasim_mxf8f6f4(qa, qb, M, N, K)
+    got = fs.gemm(qa, qb, accumulate="tcgen05")
+    assert got.tobytes() == want.tobytes(), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("fmt", ["e2m3", "e3m2"])
+def test_tcgen05_fp6_subnormal_blocks_equal_mmasim(fmt, monkeypatch):
+    """Blocks of FP6 subnormals only (their products' exponents clamp at the element's smallest normal exponent,
+    0 for E2M3 and -2 for E3M2, which sets the step's alignment) after blocks that leave a full-precision
+    accumulator: tc.tcgen05_fp8 equals MMA-Sim, and moving either clamp by one breaks the equality."""
+    import importlib
+    import fp4sim as fs
+    acc_mod = importlib.import_module("fp4sim.tensorcore.accumulate")
+    rng = np.random.default_rng(5)
+    F, M, N, K = fs.get_format(fmt), 8, 8, 256
+    ca, cb = rng.integers(0, 64, (M, K)).astype(np.uint8), rng.integers(0, 64, (N, K)).astype(np.uint8)
+    for c in (ca, cb):
+        for k in range(1, K // 32, 2):                   # odd blocks: exponent field 0, nonzero, either sign
+            c[:, 32 * k:32 * k + 32] = rng.integers(1, 1 << F.mbits, (c.shape[0], 32)) | (
+                rng.integers(0, 2, (c.shape[0], 32)) << 5)
+    ea = rng.integers(100, 140, (M, K // 32)).astype(np.uint8)
+    eb = rng.integers(100, 140, (N, K // 32)).astype(np.uint8)
+    ea[:, 1::2] += 12                                   # the subnormal blocks' products above the accumulator
+    eb[:, 1::2] += 12
+    op = _mmasim("TCGen05MMABlockScale", "Blackwell", f"m128n8k32.kind::mxf8f6f4.block32.f32.{fmt}.{fmt}.ue8m0")
+    A, B = torch.from_numpy(ca), torch.from_numpy(np.ascontiguousarray(cb.T))
+    C = torch.zeros(M, N)
+    for k in range(K // 32):
+        C = op(A[:, 32 * k:32 * k + 32], B[32 * k:32 * k + 32], C,
+               torch.from_numpy(np.ascontiguousarray(ea[:, k:k + 1])).view(torch.float8_e8m0fnu),
+               torch.from_numpy(np.ascontiguousarray(eb[:, k:k + 1].T)).view(torch.float8_e8m0fnu))
+
+    def ours():
+        return tc.tcgen05_fp8(fs.decode(ca, F), fmt, np.exp2(ea - 127.0), fs.decode(cb, F), fmt, np.exp2(eb - 127.0))
+
+    assert ours().tobytes() == C.numpy().tobytes()
+    for d in (-1, 1):
+        monkeypatch.setitem(acc_mod.EMIN, fmt, {"e2m3": 0, "e3m2": -2}[fmt] + d)
+        assert ours().tobytes() != C.numpy().tobytes(), d
+
+
 @pytest.mark.parametrize("model,cls,arch,shapes", [
     ("hopper", "WGMMA", "Hopper", {"bf16": "m64n8k16.f32.bf16.bf16", "fp16": "m64n8k16.f32.f16.f16",
                                    "tf32": "m64n8k8.f32.tf32.tf32", "e4m3": "m64n8k32.f32.e4m3.e5m2"}),
@@ -416,6 +497,100 @@ def test_chip_models_equal_mmasim_instructions(model, cls, arch, shapes):
         step = tc.get_model(model).step(FAMILY.get(fmt, fmt))
         got = tc.chain(A.float().numpy(), B.float().numpy(), fmt, fb, step, C=c.numpy())
         assert got.tobytes() == want.tobytes(), (model, fmt)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AMD CDNA3 (MI300) matrix cores against MMA-Sim's MFMA models
+_FNUZ = {"e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz, "bf16": torch.bfloat16,
+         "fp16": torch.float16}
+_MFMA = {("e4m3fnuz", "e4m3fnuz"): "f32_16x16x32_fp8_fp8", ("e4m3fnuz", "e5m2fnuz"): "f32_16x16x32_fp8_bf8",
+         ("e5m2fnuz", "e4m3fnuz"): "f32_32x32x16_bf8_fp8", ("e5m2fnuz", "e5m2fnuz"): "f32_32x32x16_bf8_bf8",
+         ("bf16", "bf16"): "f32_16x16x16_bf16", ("fp16", "fp16"): "f32_32x32x8_f16"}
+
+
+def _cdna3_operands(rng, fmt, rows, K):
+    """Values of ``fmt`` as a torch tensor: exponents spread over the format's range (FNUZ subnormals included),
+    a pair-cancelling stretch, zeros, and the format's largest value."""
+    lim = {"e4m3fnuz": 240.0, "e5m2fnuz": 57344.0, "bf16": 3e38, "fp16": 65504.0}[fmt]
+    lo = {"e4m3fnuz": -12, "e5m2fnuz": -20, "bf16": -40, "fp16": -26}[fmt]
+    x = rng.standard_normal((rows, K)) * np.exp2(rng.integers(lo, 8, (rows, K)))
+    x[:, :16] = np.tile([1.0, -1.0], 8) * 3.0
+    x[:, 16:24] = 0.0
+    x[0, 30] = lim
+    return torch.from_numpy(np.clip(x, -lim, lim).astype(np.float32)).to(_FNUZ[fmt])
+
+
+@pytest.mark.parametrize("fa,fb", list(_MFMA))
+def test_cdna3_mfma_equals_mmasim(fa, fb):
+    """tc.mfma (the CDNA3 instruction model chained over K) equals MMA-Sim's MFMA instruction on the same operands
+    and accumulators: spread exponents, FNUZ subnormals, cancelling products, zero groups, accumulators far above
+    and far below the products (FP8's drop rule) and in float32's subnormal range; a NaN gives 0x7FFFFFFF."""
+    from mmasim.amd.sim import MFMA
+    rng = np.random.default_rng(41)
+    M, N, K = 16, 16, 96
+    A, B = _cdna3_operands(rng, fa, M, K), _cdna3_operands(rng, fb, N, K)
+    c = rng.standard_normal((M, N)) * np.exp2(rng.integers(-60, 40, (M, N)))
+    c[0, :4] = [1e-40, -3e-39, 0.0, -0.0]
+    C = torch.from_numpy(c.astype(np.float32))
+    want = MFMA("CDNA3", _MFMA[fa, fb])(A, B.t().contiguous(), C).numpy()
+    got = tc.mfma(A.float().numpy(), B.float().numpy(), fa, fb, C=C.numpy())
+    assert got.tobytes() == want.tobytes(), np.abs(got.astype(np.float64) - want).max()
+    A2 = A.float().clone()
+    A2[3, 40] = float("nan")
+    got = tc.mfma(A2.numpy(), B.float().numpy(), fa, fb, C=C.numpy())
+    assert np.all(got.view(np.uint32)[3] == 0x7FFFFFFF) and not np.isnan(np.delete(got, 3, 0)).any()
+
+
+def test_cdna3_is_not_a_nvidia_model():
+    """The witness for the two vendors: the same E4M3-valued operands (every value is both an E4M3 and an
+    E4M3FNUZ value) give different float32 sums under CDNA3's model and Hopper's, whose steps align 32 products
+    to 13 fraction bits."""
+    rng = np.random.default_rng(42)
+    a = np.abs(rng.standard_normal((16, 1024))) * 4
+    b = np.abs(rng.standard_normal((16, 1024))) * 4
+    A = fs.decode(fs.encode(a.astype(np.float32), fs.E4M3FNUZ), fs.E4M3FNUZ)
+    B = fs.decode(fs.encode(b.astype(np.float32), fs.E4M3FNUZ), fs.E4M3FNUZ)
+    amd = tc.mfma(A, B, "e4m3fnuz", "e4m3fnuz")
+    nv = tc.chain(A, B, "e4m3", "e4m3", tc.get_model("hopper").step("fp8"))
+    assert (amd != nv).mean() > 0.5
+    exact = A.astype(np.float64) @ B.astype(np.float64).T
+    assert np.abs(amd - exact).max() < np.abs(nv - exact).max()
+
+
+def test_gemm_and_scaled_mm_take_fnuz_fp8_on_cdna3():
+    """fp8_e4m3fnuz / fp8_e5m2fnuz per-tensor schemes: fs.gemm(accumulate='cdna3') is MMA-Sim's chain times
+    RN32(s_a · s_b); fs.scaled_mm(model='cdna3') the same on torch's FNUZ tensors; BF16 operands chain alone; the
+    other vendor's operands and models are refused with the fix named."""
+    from mmasim.amd.sim import MFMA
+    rng = np.random.default_rng(43)
+    x = (rng.standard_normal((16, 256)) * 3).astype(np.float32)
+    w = (rng.standard_normal((32, 256)) * 0.02).astype(np.float32)
+    qa, qb = fs.quantize(x, "fp8_e4m3fnuz"), fs.quantize(w, "fp8_e5m2fnuz")
+    A = torch.from_numpy(qa.codes.reshape(16, 256)).view(torch.float8_e4m3fnuz)
+    B = torch.from_numpy(qb.codes.reshape(32, 256)).view(torch.float8_e5m2fnuz)
+    acc = MFMA("CDNA3", "f32_16x16x32_fp8_bf8")(A, B.t().contiguous(), torch.zeros(16, 32)).numpy()
+    sa, sb = np.float32(qa.scales.reshape(-1)[0]), np.float32(qb.scales.reshape(-1)[0])
+    want = (acc.astype(np.float64) * np.float64(np.float32(sa * sb)) + 0.0).astype(np.float32)
+    assert fs.gemm(qa, qb, accumulate="cdna3").tobytes() == want.tobytes()
+    y = fs.scaled_mm(A, B.t(), torch.tensor(sa), torch.tensor(sb), model="cdna3", out_dtype=torch.float32)
+    assert y.numpy().tobytes() == want.tobytes()
+    qa16, qb16 = fs.quantize(x, "bf16"), fs.quantize(w, "bf16")
+    want16 = MFMA("CDNA3", "f32_16x16x16_bf16")(torch.from_numpy(x).bfloat16(),
+                                                 torch.from_numpy(w).bfloat16().t().contiguous(),
+                                                 torch.zeros(16, 32)).numpy()
+    assert fs.gemm(qa16, qb16, accumulate="cdna3").tobytes() == want16.tobytes()
+    assert np.abs(fs.gemm(qa, fs.quantize(w, "fp8_e4m3fnuz")) - x @ w.T).max() < 0.05 * np.abs(x @ w.T).max()
+    with pytest.raises(ValueError, match="accumulate='cdna3' models AMD"):
+        fs.gemm(fs.quantize(x, "fp8_e4m3"), fs.quantize(w, "fp8_e4m3"), accumulate="cdna3")
+    with pytest.raises(TypeError, match="model='cdna3'"):
+        fs.scaled_mm(A, B.t(), torch.tensor(sa), torch.tensor(sb))
+    with pytest.raises(TypeError, match="NVIDIA's models"):
+        fs.scaled_mm(A.float().to(E4), B.t().float().to(E4), torch.tensor(sa), torch.tensor(sb), model="cdna3",
+                     out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="pass out_dtype"):
+        fs.scaled_mm(A, B.t(), torch.tensor(sa), torch.tensor(sb), model="cdna3")
+    with pytest.raises(ValueError, match="takes two FP8"):
+        tc.mfma(x, w, "e4m3fnuz", "bf16")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -738,3 +913,18 @@ def test_h200_recordings_are_the_hopper_model():
                     ada = tc.accumulate(A, W, fam, fam, "ada", fam, fast=True)
                     assert (ada.astype(npdt).view(np.int16) != want).any(), (i, fam)
                 i += 1
+
+
+def test_training_step_under_cdna3():
+    """A recipe of FNUZ FP8 operands (E4M3FNUZ forward, E5M2FNUZ gradients, as FP8 training on an MI300 scales
+    them) with accumulate='cdna3': its Fprop is fs.gemm's CDNA3 model on the operands it quantized."""
+    from fp4sim.emulate import fprop
+    from fp4sim.training import Operand, Recipe
+    rng = np.random.default_rng(44)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    w = (rng.standard_normal((48, 64)) * 0.05).astype(np.float32)
+    f, g = Operand("fp8_e4m3fnuz"), Operand("fp8_e5m2fnuz")
+    r = Recipe(fprop_x=f, fprop_w=f, dgrad_dy=g, dgrad_w=f, wgrad_x=f, wgrad_dy=g, accumulate="cdna3", name="mi300")
+    y, qw, qx = fprop(x, w, r, return_qx=True)
+    assert qx.scheme.name == "fp8_e4m3fnuz" and y.tobytes() == fs.gemm(qx, qw, accumulate="cdna3").tobytes()
+    assert not np.array_equal(y, fs.gemm(qx, qw))

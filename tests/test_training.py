@@ -108,7 +108,7 @@ def test_per_tensor_scale_flavour_gemm_alpha_equals_te_reference_qgemm(te_ref, c
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4_2d", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "fp8_blockwise",
-                                    "fp8_e4m3", "bf16"])
+                                    "fp8_e4m3", "bf16", "mxfp6_e2m3", "mxfp6_e3m2", "mxint8", "fp8_e4m3fnuz"])
 def test_gemm_agrees_with_float64_product_and_padding_contributes_nothing(scheme):
     A, B = heavy((40, 200), 1), heavy((24, 200), 2)      # K = 200: not a multiple of any block
     qa, qb = fs.quantize(A, scheme), fs.quantize(B, scheme)
@@ -371,7 +371,7 @@ def _data(n=8, T=32, vocab=32):
     return (start + torch.arange(T + 1)) % vocab            # counting sequences: learnable in a few steps
 
 
-@pytest.mark.parametrize("preset", ["none", "bf16", "nvfp4_paper", "mxfp4_paper", "mxfp8", "fp8_blockwise"])
+@pytest.mark.parametrize("preset", ["none", "bf16", "nvfp4_paper", "mxfp4_paper", "mxfp8", "mxfp6", "fp8_blockwise"])
 def test_tiny_transformer_trains_under_every_preset(preset):
     torch.manual_seed(0)
     model = convert(TinyGPT(), Recipe.preset(preset, keep=("head",)) if preset != "none" else "none")

@@ -65,6 +65,11 @@ EXTRA_SCHEMES = (
                roles=("weight", "activation"), fp4=True, block=16),
     SchemeSpec("nvfp4_torchao_no_tensor_scale", "nvfp4", {"flavor": "torchao", "per_tensor_scale": False}, fp4=True,
                block=16),
+    # the other OCP MX formats: FP6 (E2M3, E3M2) and INT8 elements, 32-element blocks, UE8M0 scales
+    SchemeSpec("mxfp6_e2m3", "mxfp6_e2m3", block=32),
+    SchemeSpec("mxfp6_e3m2", "mxfp6_e3m2", block=32),
+    SchemeSpec("mxint8", "mxint8", block=32),
+    SchemeSpec("mxfp8_e5m2", "mxfp8_e5m2", block=32),
 )
 SCHEMES_BY_LABEL = {s.label: s for s in DEFAULT_SCHEMES + EXTRA_SCHEMES}
 

@@ -10,7 +10,7 @@ from .models import BlockFMA, TensorCoreModel, get_model
 
 __all__ = ["EMIN", "chain", "chain_runs", "chain_exp", "plan", "accumulate", "exponents"]
 
-EMIN = {"e4m3": -6, "e5m2": -14, "bf16": -126, "fp16": -14, "tf32": -126}
+EMIN = {"e4m3": -6, "e5m2": -14, "e2m3": 0, "e3m2": -2, "bf16": -126, "fp16": -14, "tf32": -126}
 _CANON_NAN32 = np.uint32(0x7FFFFFFF)
 
 

@@ -9,7 +9,8 @@
   to the largest exponent, each truncated toward zero to 35 fraction bits below it, summed exactly, and the sum
   truncated to a float32 (23 fraction bits below its exponent, at least -126) that the next instruction adds to.
   A UE4M3 scale is the E4M3 code without its sign bit; a subnormal one keeps exponent -6.
-- ``kind::mxf8f6f4`` with UE8M0 block scales (MXFP8, 32-element blocks), K = 32 per instruction: a block-FMA
+- ``kind::mxf8f6f4`` with UE8M0 block scales (MXFP8 and MXFP6, 32-element blocks, any pair of E4M3, E5M2,
+  E2M3 and E3M2 operands), K = 32 per instruction: a block-FMA
   step (``BlockFMA(32, 25, 23, -133)``, the addend's exponent clamped below at -126) on the products
   a·b·s_a·s_b, whose exponents are the elements' (clamped at their format's smallest normal exponent) plus the
   scales'.
@@ -69,8 +70,9 @@ def tcgen05_fp4(va, sa, vb, sb, block: int, scale_fmt: str, backend=None) -> np.
 
 
 def tcgen05_fp8(va, fmt_a: str, sa, vb, fmt_b: str, sb, backend=None) -> np.ndarray:
-    """float32 (M, N) accumulator of ``kind::mxf8f6f4`` with UE8M0 scales: va (M, K), vb (N, K) FP8 values of
-    formats fmt_a / fmt_b ("e4m3" / "e5m2"); sa (M, K/32), sb (N, K/32) the decoded power-of-two scales."""
+    """float32 (M, N) accumulator of ``kind::mxf8f6f4`` with UE8M0 scales: va (M, K), vb (N, K) FP8 or FP6 values
+    of formats fmt_a / fmt_b ("e4m3", "e5m2", "e2m3", "e3m2"); sa (M, K/32), sb (N, K/32) the decoded power-of-two
+    scales."""
     K = va.shape[1]
     Kp = -(-K // 32) * 32
     va, vb = _pad(np.asarray(va, np.float32), Kp), _pad(np.asarray(vb, np.float32), Kp)

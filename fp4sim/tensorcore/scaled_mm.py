@@ -7,13 +7,16 @@ import numpy as np
 from .accumulate import accumulate
 from .models import MODELS, get_model
 
-__all__ = ["scaled_mm", "FP8_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
+__all__ = ["scaled_mm", "FP8_OPERANDS", "FNUZ_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
            "epilogue"]
 
 # what scaled_mm and fp4sim.validate's compare_scaled_mm share: the FP8 operand dtypes (name -> (format, ml_dtypes
 # dtype, largest finite value)), the output dtypes (name -> NumPy / ml_dtypes dtype) and the readers below
 FP8_OPERANDS = {"float8_e4m3fn": ("e4m3", ml_dtypes.float8_e4m3fn, 448.0),
         "float8_e5m2": ("e5m2", ml_dtypes.float8_e5m2, 57344.0)}
+# AMD's CDNA3 FP8 (torch.float8_e4m3fnuz / float8_e5m2fnuz on ROCm), for model="cdna3"
+FNUZ_OPERANDS = {"float8_e4m3fnuz": ("e4m3fnuz", ml_dtypes.float8_e4m3fnuz, 240.0),
+                 "float8_e5m2fnuz": ("e5m2fnuz", ml_dtypes.float8_e5m2fnuz, 57344.0)}
 _OUT = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 OUT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
            "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
@@ -30,23 +33,33 @@ def _dtype_name(dt) -> str:
     return {"float": "float32", "half": "float16", "<class 'numpy.float32'>": "float32"}.get(s, s)
 
 
-def fp8_operand(x, name: str):
-    """(float32 values, FP8 format, dtype name, is_torch) of an FP8 matrix (torch tensor or ml_dtypes array)."""
+def fp8_operand(x, name: str, fnuz: bool = False):
+    """(float32 values, FP8 format, dtype name, is_torch) of an FP8 matrix (torch tensor or ml_dtypes array):
+    OCP's E4M3 / E5M2, or with ``fnuz`` AMD's E4M3FNUZ / E5M2FNUZ."""
+    table = FNUZ_OPERANDS if fnuz else FP8_OPERANDS
+    want = ("float8_e4m3fnuz or float8_e5m2fnuz (model='cdna3' is AMD's MI300)" if fnuz
+            else "float8_e4m3fn or float8_e5m2")
+    other = FP8_OPERANDS if fnuz else FNUZ_OPERANDS
     if _is_torch(x):
         n = _dtype_name(x.dtype)
-        if n not in FP8_OPERANDS:
-            raise TypeError(f"{name} is a {n} tensor: scaled_mm takes FP8 operands (torch.float8_e4m3fn or "
-                            f"torch.float8_e5m2), as torch._scaled_mm does; quantize it first")
+        if n not in table:
+            hint = ("; FNUZ FP8 runs on AMD's matrix cores: model='cdna3'" if n in FNUZ_OPERANDS else
+                    "; OCP FP8 runs on NVIDIA's models: model='hopper', 'ada' or 'b200_mma'" if n in other else
+                    "; quantize it first")
+            raise TypeError(f"{name} is a {n} tensor: scaled_mm takes FP8 operands ({want}), as torch._scaled_mm "
+                            f"does{hint}")
         import torch
         codes = x.detach().cpu().contiguous().view(torch.uint8).numpy()
-        vals = codes.view(FP8_OPERANDS[n][1]).astype(np.float32)
-        return vals, FP8_OPERANDS[n][0], n, True
+        vals = codes.view(table[n][1]).astype(np.float32)
+        return vals, table[n][0], n, True
     a = np.asarray(x)
     n = _dtype_name(a.dtype)
-    if n not in FP8_OPERANDS:
-        raise TypeError(f"{name} has dtype {a.dtype}: scaled_mm takes FP8 operands (ml_dtypes.float8_e4m3fn or "
-                        f"float8_e5m2 arrays, or torch float8 tensors)")
-    return a.astype(np.float32), FP8_OPERANDS[n][0], n, False
+    if n not in table:
+        hint = ("; FNUZ FP8 runs on AMD's matrix cores: model='cdna3'" if n in FNUZ_OPERANDS else
+                "; OCP FP8 runs on NVIDIA's models" if n in other else "")
+        raise TypeError(f"{name} has dtype {a.dtype}: scaled_mm takes FP8 operands (ml_dtypes {want} arrays, or "
+                        f"torch float8 tensors){hint}")
+    return a.astype(np.float32), table[n][0], n, False
 
 
 def per_tensor_scale(s, name: str, finite: bool = False) -> np.float32:
@@ -127,14 +140,17 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     FP8 outputs saturate, after multiplication by ``scale_result`` if given.
 
     model: ``"hopper"`` (H100 / H200, cuBLAS's FP8 GEMMs), ``"ada"`` (sm_89), ``"b200_mma"`` (B200 mma.sync; fast
-    accumulation only) or ``"exact"`` (fp4sim's exact rule: each 128-element block's exact inner product rounded to
+    accumulation only), ``"cdna3"`` (AMD MI300's MFMA model, :mod:`fp4sim.tensorcore.cdna`, on float8_e4m3fnuz /
+    float8_e5m2fnuz operands in any mix: one chain of instructions over K from +0, then this epilogue; hipBLASLt's
+    own K walk and split-K are not characterised, and FP8 outputs are not modelled) or ``"exact"`` (fp4sim's exact rule: each 128-element block's exact inner product rounded to
     float32, the blocks added in float32, the scales applied once). use_fast_accum=False restarts the chain every
     128 K elements and adds the restarts in float32 (cuBLAS's slow accumulation). split_k: 1, or (S, scheme) with a
     scheme the model's library uses ("contiguous" on hopper, "serial" / "pairwise" on ada); which split cuBLAS
     picks for a shape is its heuristic and is not modelled. See docs/validation.md for the evidence behind each
     model."""
-    A, fa, na, ta = fp8_operand(a, "a")
-    Bk, fb, nb_, tb = fp8_operand(b, "b")
+    cdna3 = model == "cdna3"
+    A, fa, na, ta = fp8_operand(a, "a", fnuz=cdna3)
+    Bk, fb, nb_, tb = fp8_operand(b, "b", fnuz=cdna3)
     if ta != tb:
         raise TypeError("a and b must both be torch tensors or both NumPy arrays")
     if A.ndim != 2 or Bk.ndim != 2:
@@ -149,6 +165,9 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     if fa == "e5m2" and fb == "e5m2":
         raise ValueError("a and b are both float8_e5m2: torch._scaled_mm refuses E5M2 x E5M2; use E4M3 for one")
     sa, sb = per_tensor_scale(scale_a, "scale_a"), per_tensor_scale(scale_b, "scale_b")
+    if cdna3 and (out_dtype is None or out_dtype_name(out_dtype, na) in FP8_OPERANDS):
+        raise ValueError("model='cdna3': pass out_dtype float32, bfloat16 or float16 (an FP8 output of hipBLASLt's "
+                         "epilogue is not modelled)")
     out = out_dtype_name(out_dtype, na)
     if fa == fb == "e4m3" and out == "float8_e5m2":
         raise ValueError("out_dtype=float8_e5m2 with two E4M3 operands: cuBLASLt refuses this combination "
@@ -158,7 +177,12 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     if not isinstance(use_fast_accum, (bool, np.bool_)):
         raise TypeError(f"use_fast_accum={use_fast_accum!r}: pass True or False")
     Bt = np.ascontiguousarray(Bk.T)
-    if model == "exact":
+    if cdna3:
+        if split_k != 1 or use_fast_accum:
+            raise ValueError("model='cdna3' is one MFMA chain over K: split_k=1 and use_fast_accum=False")
+        from .cdna import mfma
+        acc = mfma(A, Bt, fa, fb)
+    elif model == "exact":
         if split_k != 1:
             raise ValueError(f"split_k={split_k!r}: the exact rule has no split")
         acc = _exact(A, Bt)

@@ -4,7 +4,6 @@ CUDA stream."""
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 
 import numpy as np
@@ -12,7 +11,7 @@ import torch
 
 from .. import emulate, threads
 from .._xp import matmul_by
-from ..planning import NAN_E2M1
+from ..planning import NAN_NO_NAN_RE
 from .distributed import _amax_reducer, _check_ranks_agree, _dp_rank
 from .nonfinite import _check_finite
 from .views import _to_array, _to_tensor
@@ -30,7 +29,7 @@ def _kernel_threads():
     before = torch.get_num_threads()
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=re.escape(NAN_E2M1[:60]), category=RuntimeWarning)
+            warnings.filterwarnings("ignore", message=NAN_NO_NAN_RE, category=RuntimeWarning)
             with threads.numba_threads(threads.bridge_threads() or before), matmul_by(_torch_matmul):
                 yield
     finally:

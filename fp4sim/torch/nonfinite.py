@@ -12,7 +12,8 @@ import torch
 
 __all__ = ["flush_warnings"]
 
-_FP4 = ("nvfp4", "mxfp4")                       # element E2M1: NaN encodes as +6 and does not propagate
+# elements without NaN (E2M1, FP6, INT8): a NaN encodes as +max and does not propagate
+_FP4 = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
 _WHAT = {"x": "the input", "w": "the weight", "dy": "the output gradient"}
 
 
@@ -57,8 +58,8 @@ def _warn_nan(layer, which, fp4):
         return
     layer._nonfinite_warned.update((which, n) for n in fp4)
     layer_name = getattr(layer, "_fp4sim_name", f"#{layer.layer_index}")
-    warnings.warn(f"layer {layer_name!r}: {_WHAT[which]} (operands {', '.join(fp4)}) holds NaN; E2M1 encodes "
-                  "NaN as +6 (CUDA's satfinite rule), so it does not reach the GEMM's output and training goes "
+    warnings.warn(f"layer {layer_name!r}: {_WHAT[which]} (operands {', '.join(fp4)}) holds NaN; E2M1 (and FP6, "
+                  "INT8) encode NaN as +max (CUDA's satfinite rule), so it does not reach the GEMM's output and training goes "
                   "on. Recipe(..., on_nonfinite='raise') stops at the first NaN or Inf (this warning comes once "
                   "per layer and operand)", RuntimeWarning, stacklevel=5)
 
