@@ -47,16 +47,19 @@ touches NaN, as in the reference.
 Tensor-core models (:mod:`fp4sim.tensorcore`: published, hardware-validated models of the instructions):
 
 - ``"tcgen05"``: Blackwell's block-scaled ``tcgen05.mma`` as MMA-Sim models it, for NVFP4 (alpha applied last,
-  as above), MXFP4 and MXFP8 (E4M3 and E5M2 may be mixed): the instructions in physical K order through the
+  as above), MXFP4, MXFP8 and MXFP6 (E4M3, E5M2, E2M3 and E3M2 may be mixed): the instructions in physical K order through the
   float32 accumulator. A second published model of the chip that makes NVFP4's ``k64_rtz``; the two disagree on
   operands whose block scales spread over many binades.
 - ``"hopper"`` (cuBLAS's slow accumulation: the chain restarts every 128 K elements, the restarts added in
-  float32), ``"hopper_fast_accum"`` (one chain over K), ``"ada"``, ``"ada_fast_accum"``, ``"b200_mma"`` (one
-  chain) and ``"ampere"`` (BF16 only), for FP8 per-tensor operands (E4M3 and E5M2 may be mixed; then
+  float32), ``"hopper_fast_accum"`` (one chain over K), ``"ada"``, ``"ada_fast_accum"``, ``"b200"`` (tcgen05,
+  MMA-Sim's model; one chain), ``"b200_mma"`` (one chain) and ``"ampere"`` (BF16 only), for FP8 per-tensor operands (E4M3 and E5M2 may be mixed; then
   ``RN32(acc · fl(s_a · s_b))``), FP8 blockwise operands (each 128-element block's chain from +0, promoted to
   float32 and scaled as the exact rule does: DeepSeek-V3's promotion) and BF16 operands (one chain over K; the
   ``_fast_accum`` names are FP8 settings and are refused). A model given operands of a format it does not
   cover raises ValueError; in emulated training (``Recipe(accumulate=...)``) those GEMMs take their exact rule.
+- ``"cdna3"``: AMD MI300's MFMA model (:mod:`fp4sim.tensorcore.cdna`) for the FNUZ per-tensor schemes
+  ``fp8_e4m3fnuz`` / ``fp8_e5m2fnuz`` (either mix; then ``RN32(acc · fl(s_a · s_b))``) and BF16: one chain of
+  instructions over K from +0.
 
 ``accumulate="fast"`` dequantizes both
 operands and does one float32 BLAS matmul: faster, but it rounds differently (the scales are folded into the
@@ -153,7 +156,7 @@ GROUPS = (16, 32, 64, 128)
 NVFP4_MODELS = ("exact_sum", "k64_rtz", "k64_rne") + tuple(
     f"k{g}_{r}" for g in GROUPS if g != 64 for r in ("rtz", "rne"))
 # the tensor-core models of fp4sim.tensorcore: FP8 (per-tensor and blockwise) and BF16 operands
-TENSOR_CORE = ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200_mma", "ampere")
+TENSOR_CORE = ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200", "b200_mma", "ampere")
 # AMD's CDNA3 (MI300) matrix cores: per-tensor FP8 FNUZ operands (either mix) and BF16
 CDNA3_KINDS = ("fp8_e4m3fnuz", "fp8_e5m2fnuz", "bf16")
 MODELS = ("te_reference",) + NVFP4_MODELS + ("tcgen05",) + TENSOR_CORE + ("cdna3",)

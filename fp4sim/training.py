@@ -189,10 +189,10 @@ class Recipe:
         without an RHT (the Fprop copy is not rotated).
     accumulate : the GEMMs' accumulation model, any name :func:`fp4sim.gemm` takes: ``"exact"`` / ``"te_reference"``
         (TE's reference rule), ``"fast"`` (dequantize + BLAS), an NVFP4 model such as ``"k64_rtz"`` (the native
-        Blackwell model, fitted through TE), ``"tcgen05"`` (MMA-Sim's Blackwell instructions: NVFP4, MXFP4, MXFP8)
-        or a chip's tensor-core model (``"hopper"``, ``"hopper_fast_accum"``, ``"ada"``, ``"ampere"``,
-        ``"b200_mma"``: FP8 and BF16 GEMMs as that chip computes them, so the FP8 and BF16 baselines train as
-        Hopper does) — each applies to the GEMMs of the formats it models; every other GEMM of the run then uses
+        Blackwell model, fitted through TE), ``"tcgen05"`` (MMA-Sim's Blackwell instructions: NVFP4, MXFP4, MXFP8,
+        MXFP6) or a chip's tensor-core model (``"hopper"``, ``"hopper_fast_accum"``, ``"ada"``, ``"ampere"``,
+        ``"b200"``, ``"b200_mma"``: FP8 and BF16 GEMMs as that chip computes them, so the FP8 and BF16 baselines
+        train as Hopper does; ``"cdna3"``: AMD MI300's FP8 FNUZ and BF16 GEMMs) — each applies to the GEMMs of the formats it models; every other GEMM of the run then uses
         its exact rule.
     accumulate_grid : ``grid`` of the kG models (None, or 1024: the accumulator rounded to multiples of 1/1024).
     backward_override : TransformerEngine's switch of the same name. None (default): the backward GEMMs quantize

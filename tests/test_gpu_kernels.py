@@ -364,12 +364,12 @@ def test_tensor_core_chains(dev):
                 ).astype(np.float32)
 
     x, w = spread(24, 512, 16, 10), spread(16, 512, 16, 10)
-    for acc in ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200_mma"):
+    for acc in ("hopper", "hopper_fast_accum", "ada", "ada_fast_accum", "b200", "b200_mma"):
         qa, qb = fs.quantize(x, "fp8_e4m3"), fs.quantize(w, "fp8_e5m2")
         same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
         qa, qb = fs.quantize(x, "fp8_blockwise"), fs.quantize(w, "fp8_blockwise")
         same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
-    for acc in ("hopper", "ada", "ampere", "b200_mma"):
+    for acc in ("hopper", "ada", "ampere", "b200", "b200_mma"):
         qa, qb = fs.quantize(x * np.float32(1e-37), "bf16"), fs.quantize(w, "bf16")     # subnormal results
         same_bits(fs.gemm(qa, qb, accumulate=acc, backend=dev.be), fs.gemm(qa, qb, accumulate=acc))
         qa, qb = fs.quantize(x, "bf16"), fs.quantize(w, "bf16")

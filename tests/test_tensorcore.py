@@ -478,6 +478,10 @@ def test_tcgen05_fp6_subnormal_blocks_equal_mmasim(fmt, monkeypatch):
                                  "tf32": "m16n8k8.f32.tf32.tf32.f32"}),
     ("ada", "MMA", "Ada Lovelace", {"bf16": "m16n8k16.f32.bf16.bf16.f32", "tf32": "m16n8k8.f32.tf32.tf32.f32",
                                     "e4m3": "m16n8k32.f32.e4m3.e5m2.f32"}),
+    ("b200", "TCGen05MMA", "Blackwell", {"bf16": "m64n8k16.kind::f16.f32.bf16.bf16",
+                                         "fp16": "m64n8k16.kind::f16.f32.f16.f16",
+                                         "tf32": "m64n8k8.kind::tf32.f32.tf32.tf32",
+                                         "e4m3": "m64n8k32.kind::f8f6f4.f32.e4m3.e5m2"}),
 ])
 def test_chip_models_equal_mmasim_instructions(model, cls, arch, shapes):
     """fp4sim's chip models, fed the same operands, equal MMA-Sim's wgmma / mma models (chains over K = 256)."""
@@ -497,6 +501,44 @@ def test_chip_models_equal_mmasim_instructions(model, cls, arch, shapes):
         step = tc.get_model(model).step(FAMILY.get(fmt, fmt))
         got = tc.chain(A.float().numpy(), B.float().numpy(), fmt, fb, step, C=c.numpy())
         assert got.tobytes() == want.tobytes(), (model, fmt)
+
+
+@pytest.mark.parametrize("fa,fb", [("e2m3", "e2m3"), ("e3m2", "e2m3"), ("e4m3", "e3m2"), ("e2m3", "e5m2")])
+def test_scaled_mm_takes_fp6_on_b200(fa, fb):
+    """fs.scaled_mm(model='b200') on OCP FP6 operands (ml_dtypes float6 arrays, alone or mixed with FP8): MMA-Sim's
+    tcgen05 kind::f8f6f4 chain over K, then the per-tensor epilogue; 'exact' takes them too, the other chips
+    refuse them naming the models that do."""
+    fp6 = {"e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn}
+    ml = {**fp6, "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+    rng = np.random.default_rng(45)
+    M, N, K = 64, 16, 256
+
+    def operand(f, rows):
+        F = fs.get_format(f)
+        x = np.clip(rng.standard_normal((rows, K)) * np.exp2(rng.integers(-8, 4, (rows, K))), -F.max, F.max)
+        x[:, :32] = np.tile([F.max, -F.max], 16)             # large products that cancel in pairs
+        return fs.encode(x.astype(np.float32), F)
+
+    ca, cb = operand(fa, M), operand(fb, N)
+    a, b = ca.view(ml[fa]), cb.view(ml[fb])
+    sa, sb = np.float32(0.75), np.float32(2.0 ** -5)
+    y = fs.scaled_mm(a, b.T, sa, sb, model="b200", out_dtype="float32", use_fast_accum=True)
+
+    def sim_operand(c, f):
+        t = torch.from_numpy(np.ascontiguousarray(c))
+        return t if f in fp6 else t.view(E4 if f == "e4m3" else E5)
+    op = _mmasim("TCGen05MMA", "Blackwell", f"m{M}n{N}k32.kind::f8f6f4.f32.{fa}.{fb}")
+    acc = op(sim_operand(ca, fa), sim_operand(cb, fb).T.contiguous(), torch.zeros(M, N)).numpy()
+    want = (acc.astype(np.float64) * np.float64(np.float32(sa * sb)) + 0.0).astype(np.float32)
+    assert y.tobytes() == want.tobytes()
+    ex = fs.scaled_mm(a, b.T, sa, sb, model="exact", out_dtype="float32")
+    ref = (a.astype(np.float64) @ b.astype(np.float64).T) * float(sa) * float(sb)
+    assert np.abs(ex - ref).max() <= 1e-6 * np.abs(ref).max()
+    with pytest.raises(TypeError, match="model='b200' or 'exact'"):
+        fs.scaled_mm(a, b.T, sa, sb, model="hopper", out_dtype="float32")
+    if fa in fp6:
+        with pytest.raises(ValueError, match="no FP6 output"):
+            fs.scaled_mm(a, b.T, sa, sb, model="b200", use_fast_accum=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -789,9 +831,9 @@ def test_device_check_script_runs_without_a_device(tmp_path):
 
 
 def test_fp8_witnesses_separate_every_pair_and_name_the_device(tmp_path):
-    """gemm-witnesses --format fp8: every pair of the seven candidates differs somewhere (each pair's first
+    """gemm-witnesses --format fp8: every pair of the eight candidates differs somewhere (each pair's first
     separating cell recomputed by an independent oracle: mmaemu for hopper / ada, the rational model for
-    b200_mma and exact, a float32 loop for dequant_f32); a device that computes mmaemu's Hopper is named, fast and
+    b200, b200_mma and exact, a float32 loop for dequant_f32); a device that computes mmaemu's Hopper is named, fast and
     slow accumulation apart."""
     import json
     import subprocess
@@ -816,8 +858,8 @@ def test_fp8_witnesses_separate_every_pair_and_name_the_device(tmp_path):
                                  use_fast_accum=fast, profile=model, splitk=1)[0, 0])
         av, bv = [Fraction(float(x)) for x in a[r].astype(np.float64)], [Fraction(float(x)) for x in b[c].astype(np.float64)]
         alpha = ref.rne32(Fraction(float(sa)) * Fraction(float(sb)))
-        if model == "b200_mma":
-            acc = ref.dot(av, bv, tc.get_model("b200_mma").step("fp8"), EMIN[_f(a)], EMIN[_f(b)])
+        if model in ("b200_mma", "b200"):
+            acc = ref.dot(av, bv, tc.get_model(model).step("fp8"), EMIN[_f(a)], EMIN[_f(b)])
         elif model == "exact":
             acc = Fraction(0)
             for k0 in range(0, len(av), 128):

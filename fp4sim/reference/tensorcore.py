@@ -42,13 +42,17 @@ def rne32(x) -> Fraction | float:
     return v if x > 0 else -v
 
 
-def step(a, b, c, nfma, frac, frac_out, min_exp, late, emin_a, emin_b):
-    """One block-FMA step of the products a_k · b_k (rationals, at most nfma of them) and the addend c."""
+def step(a, b, c, nfma, frac, frac_out, min_exp, late, emin_a, emin_b, c_emin=None):
+    """One block-FMA step of the products a_k · b_k (rationals, at most nfma of them) and the addend c (its
+    exponent clamped below at ``c_emin`` where given)."""
     if isinstance(c, float):                          # an infinite accumulator stays so
         return c
     prods = [(Fraction(x) * Fraction(y), max(ilog2(x), emin_a) + max(ilog2(y), emin_b))
              for x, y in zip(a, b) if x != 0 and y != 0]
-    E = max([min_exp] + [e for _, e in prods] + ([ilog2(c)] if (c != 0 and not late) else []))
+    ec = ilog2(c) if c != 0 else None
+    if ec is not None and c_emin is not None:
+        ec = max(ec, c_emin)
+    E = max([min_exp] + [e for _, e in prods] + ([ec] if (ec is not None and not late) else []))
     unit = _p2(E - frac)
     d = sum((_trunc(p, unit) for p, _ in prods), Fraction(0))
     if not late:
@@ -67,7 +71,7 @@ def dot(a, b, model_step, emin_a, emin_b, c=Fraction(0)):
     s = model_step
     for k0 in range(0, len(a), s.nfma):
         c = step(a[k0:k0 + s.nfma], b[k0:k0 + s.nfma], c, s.nfma, s.frac, s.frac_out, s.min_exp, s.late,
-                 emin_a, emin_b)
+                 emin_a, emin_b, s.c_emin)
     return c
 
 

@@ -96,6 +96,16 @@ MODELS = {
         {"bf16": BlockFMA(8, 24, 23, -132), "fp16": BlockFMA(8, 24, 23, -132), "tf32": BlockFMA(4, 24, 23, -132)},
         slow_chunk=None, split_tile=None, split_schemes=(),
         instruction="mma.sync", evidence="the toolbox's A100 vectors"),
+    "b200": TensorCoreModel(
+        "b200", "B200 (sm_100), tcgen05",
+        {_FP8: BlockFMA(32, 25, 23, -133, c_emin=-126), "bf16": BlockFMA(16, 25, 23, -133, c_emin=-126),
+         "fp16": BlockFMA(16, 25, 23, -133, c_emin=-126), "tf32": BlockFMA(8, 25, 23, -133, c_emin=-126)},
+        slow_chunk=None, split_tile=None, split_schemes=(),
+        instruction="tcgen05.mma kind::f8f6f4 (FP8 and FP6 operands in any mix), kind::f16, kind::tf32, without "
+                    "block scales: one chain over K (cuBLAS's K walk on B200 is not characterised)",
+        evidence="MMA-Sim 2.1.1's TCGen05MMA model (a fused sum of 32 bytes of products, 25 fraction bits, the "
+                 "addend read at exponent -126 at least, truncated to float32); not compared with B200 hardware "
+                 "here"),
     "b200_mma": TensorCoreModel(
         "b200_mma", "B200 (sm_100), mma.sync",
         {_FP8: BlockFMA(32, 25, 23, -133, late=True),
@@ -118,8 +128,8 @@ def get_model(name) -> TensorCoreModel:
 def family_of(dtype_name: str) -> str:
     """The format family of an input dtype name ('float8_e4m3fn' -> 'fp8', 'bfloat16' -> 'bf16', ...)."""
     n = str(dtype_name).replace("torch.", "")
-    if n in ("float8_e4m3fn", "float8_e5m2", "e4m3", "e5m2"):
-        return _FP8
+    if n in ("float8_e4m3fn", "float8_e5m2", "e4m3", "e5m2", "float6_e2m3fn", "float6_e3m2fn", "e2m3", "e3m2"):
+        return _FP8                               # (Blackwell's kind::f8f6f4 takes FP6 in the FP8 step)
     fam = {"bfloat16": "bf16", "float16": "fp16", "tf32": "tf32"}.get(n)
     if fam is None:
         raise ValueError(f"{n} inputs have no tensor-core model (FP8 E4M3 / E5M2, BF16, FP16 or TF32)")

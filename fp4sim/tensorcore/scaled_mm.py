@@ -7,13 +7,17 @@ import numpy as np
 from .accumulate import accumulate
 from .models import MODELS, get_model
 
-__all__ = ["scaled_mm", "FP8_OPERANDS", "FNUZ_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
+__all__ = ["scaled_mm", "FP8_OPERANDS", "FP6_OPERANDS", "FNUZ_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
            "epilogue"]
 
 # what scaled_mm and fp4sim.validate's compare_scaled_mm share: the FP8 operand dtypes (name -> (format, ml_dtypes
 # dtype, largest finite value)), the output dtypes (name -> NumPy / ml_dtypes dtype) and the readers below
 FP8_OPERANDS = {"float8_e4m3fn": ("e4m3", ml_dtypes.float8_e4m3fn, 448.0),
         "float8_e5m2": ("e5m2", ml_dtypes.float8_e5m2, 57344.0)}
+# OCP FP6 (ml_dtypes arrays; torch has no FP6 dtype), Blackwell's kind::f8f6f4 operands: model="b200" or "exact"
+FP6_OPERANDS = {"float6_e2m3fn": ("e2m3", ml_dtypes.float6_e2m3fn, 7.5),
+                "float6_e3m2fn": ("e3m2", ml_dtypes.float6_e3m2fn, 28.0)}
+FP6_MODELS = ("b200", "exact")
 # AMD's CDNA3 FP8 (torch.float8_e4m3fnuz / float8_e5m2fnuz on ROCm), for model="cdna3"
 FNUZ_OPERANDS = {"float8_e4m3fnuz": ("e4m3fnuz", ml_dtypes.float8_e4m3fnuz, 240.0),
                  "float8_e5m2fnuz": ("e5m2fnuz", ml_dtypes.float8_e5m2fnuz, 57344.0)}
@@ -33,10 +37,10 @@ def _dtype_name(dt) -> str:
     return {"float": "float32", "half": "float16", "<class 'numpy.float32'>": "float32"}.get(s, s)
 
 
-def fp8_operand(x, name: str, fnuz: bool = False):
+def fp8_operand(x, name: str, fnuz: bool = False, fp6: bool = False):
     """(float32 values, FP8 format, dtype name, is_torch) of an FP8 matrix (torch tensor or ml_dtypes array):
-    OCP's E4M3 / E5M2, or with ``fnuz`` AMD's E4M3FNUZ / E5M2FNUZ."""
-    table = FNUZ_OPERANDS if fnuz else FP8_OPERANDS
+    OCP's E4M3 / E5M2, or with ``fnuz`` AMD's E4M3FNUZ / E5M2FNUZ; ``fp6`` also takes OCP FP6 (ml_dtypes)."""
+    table = FNUZ_OPERANDS if fnuz else ({**FP8_OPERANDS, **FP6_OPERANDS} if fp6 else FP8_OPERANDS)
     want = ("float8_e4m3fnuz or float8_e5m2fnuz (model='cdna3' is AMD's MI300)" if fnuz
             else "float8_e4m3fn or float8_e5m2")
     other = FP8_OPERANDS if fnuz else FNUZ_OPERANDS
@@ -56,7 +60,9 @@ def fp8_operand(x, name: str, fnuz: bool = False):
     n = _dtype_name(a.dtype)
     if n not in table:
         hint = ("; FNUZ FP8 runs on AMD's matrix cores: model='cdna3'" if n in FNUZ_OPERANDS else
-                "; OCP FP8 runs on NVIDIA's models" if n in other else "")
+                "; OCP FP8 runs on NVIDIA's models" if n in other else
+                f"; FP6 runs on Blackwell's kind::f8f6f4: model={' or '.join(map(repr, FP6_MODELS))}"
+                if n in FP6_OPERANDS else "")
         raise TypeError(f"{name} has dtype {a.dtype}: scaled_mm takes FP8 operands (ml_dtypes {want} arrays, or "
                         f"torch float8 tensors){hint}")
     return a.astype(np.float32), table[n][0], n, False
@@ -139,8 +145,10 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     an array. out_dtype: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 (default: a's dtype, as torch);
     FP8 outputs saturate, after multiplication by ``scale_result`` if given.
 
-    model: ``"hopper"`` (H100 / H200, cuBLAS's FP8 GEMMs), ``"ada"`` (sm_89), ``"b200_mma"`` (B200 mma.sync; fast
-    accumulation only), ``"cdna3"`` (AMD MI300's MFMA model, :mod:`fp4sim.tensorcore.cdna`, on float8_e4m3fnuz /
+    model: ``"hopper"`` (H100 / H200, cuBLAS's FP8 GEMMs), ``"ada"`` (sm_89), ``"b200"`` (B200's tcgen05
+    ``kind::f8f6f4``, MMA-Sim's model: one chain over K, so use_fast_accum=True; the only NVIDIA model, with ``"exact"``, that takes OCP FP6
+    operands, given as ml_dtypes float6_e2m3fn / float6_e3m2fn arrays in any mix with FP8), ``"b200_mma"`` (B200
+    mma.sync; fast accumulation only), ``"cdna3"`` (AMD MI300's MFMA model, :mod:`fp4sim.tensorcore.cdna`, on float8_e4m3fnuz /
     float8_e5m2fnuz operands in any mix: one chain of instructions over K from +0, then this epilogue; hipBLASLt's
     own K walk and split-K are not characterised, and FP8 outputs are not modelled) or ``"exact"`` (fp4sim's exact rule: each 128-element block's exact inner product rounded to
     float32, the blocks added in float32, the scales applied once). use_fast_accum=False restarts the chain every
@@ -149,8 +157,8 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     picks for a shape is its heuristic and is not modelled. See docs/validation.md for the evidence behind each
     model."""
     cdna3 = model == "cdna3"
-    A, fa, na, ta = fp8_operand(a, "a", fnuz=cdna3)
-    Bk, fb, nb_, tb = fp8_operand(b, "b", fnuz=cdna3)
+    A, fa, na, ta = fp8_operand(a, "a", fnuz=cdna3, fp6=model in FP6_MODELS)
+    Bk, fb, nb_, tb = fp8_operand(b, "b", fnuz=cdna3, fp6=model in FP6_MODELS)
     if ta != tb:
         raise TypeError("a and b must both be torch tensors or both NumPy arrays")
     if A.ndim != 2 or Bk.ndim != 2:
@@ -168,6 +176,9 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     if cdna3 and (out_dtype is None or out_dtype_name(out_dtype, na) in FP8_OPERANDS):
         raise ValueError("model='cdna3': pass out_dtype float32, bfloat16 or float16 (an FP8 output of hipBLASLt's "
                          "epilogue is not modelled)")
+    if out_dtype is None and na in FP6_OPERANDS:
+        raise ValueError("a is FP6: pass out_dtype (float32, bfloat16, float16 or an FP8 dtype); there is no FP6 "
+                         "output")
     out = out_dtype_name(out_dtype, na)
     if fa == fb == "e4m3" and out == "float8_e5m2":
         raise ValueError("out_dtype=float8_e5m2 with two E4M3 operands: cuBLASLt refuses this combination "

@@ -26,7 +26,7 @@ WITNESS_DOC = """python -m fp4sim.validate gemm-witnesses --out DIR: write NVFP4
 accumulation models apart (K-block permutations, same-sign partials, group-width probes, the 1/1024 grid,
 bfloat16-midpoint cells), each with every model's expected output; run them on a device and check the outputs
 with python -m fp4sim.validate gemm --witnesses DIR --outputs OUTDIR. --format fp8: torch._scaled_mm's FP8 GEMMs
-against the tensor-core models (hopper, ada, b200_mma, fast and slow accumulation); --format bf16: a bfloat16
+against the tensor-core models (hopper, ada, b200, b200_mma, fast and slow accumulation); --format bf16: a bfloat16
 matmul against the 16-bit models (hopper, ampere, exact, float32_seq).
 """
 
@@ -243,7 +243,7 @@ def witnesses_main(argv) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8", "bf16"],
                     help="nvfp4 (default): the NVFP4 accumulation models; fp8: the tensor-core models of "
-                         "torch._scaled_mm (hopper, ada, b200_mma, exact, dequant_f32, fast and slow accumulation); "
+                         "torch._scaled_mm (hopper, ada, b200, b200_mma, exact, dequant_f32, fast and slow accumulation); "
                          "bf16: the 16-bit models of a bfloat16 matmul (hopper = b200_mma, ampere = ada, exact, "
                          "float32_seq)")
     a = ap.parse_args(argv)

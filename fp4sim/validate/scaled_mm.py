@@ -21,7 +21,8 @@ __all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES", "output_array"]
 
 # label -> (model, use_fast_accum)
 SCALED_MM_CANDIDATES = {"hopper": ("hopper", False), "hopper_fast_accum": ("hopper", True),
-                        "ada": ("ada", False), "ada_fast_accum": ("ada", True), "b200_mma": ("b200_mma", True),
+                        "ada": ("ada", False), "ada_fast_accum": ("ada", True), "b200": ("b200", True),
+                        "b200_mma": ("b200_mma", True),
                         "exact": ("exact", False), "dequant_f32": (None, None)}
 
 
