@@ -412,3 +412,45 @@ def test_analyze_takes_the_mx_formats():
     m, _, _ = scheme_metrics(exact, dataclasses.replace(SCHEMES_BY_LABEL["mxint8"], kwargs={"scale_mode": "floor"}),
                              "weight")
     assert m["mse"] == 0 and m["sqnr_db"] == np.inf
+
+
+# ------------------------------------------------------------------------------------------------- validate
+def test_validate_checks_mxfp6_mxint8_and_fnuz_kernel_outputs(tmp_path):
+    """fp4sim.validate on the new formats: MXFP6 codes one per byte or packed four to three bytes (the little-endian
+    order exact, the big-endian one named by the diagnosis); an MXINT8 kernel that rounds half away from zero (the
+    MX specification's reference rounding, computed here in float64 with NumPy) named as such; FNUZ FP8 per-tensor
+    codes given as an ml_dtypes array; the command line on a packed FP6 file."""
+    import subprocess
+    import sys
+    from fp4sim.layout import pack_fp6
+    from fp4sim.validate import compare
+    rng = np.random.default_rng(50)
+    x = (rng.standard_normal((8, 128)) * 3).astype(np.float32)
+    q = fs.quantize(x, "mxfp6_e2m3")
+    assert compare(x, q.codes, q.scales, "mxfp6_e2m3").verdict == "exact"
+    assert compare(x, pack_fp6(q.codes), q.scales, "mxfp6_e2m3").verdict == "exact"
+    rep = compare(x, pack_fp6(q.codes, "big"), q.scales, "mxfp6_e2m3")
+    assert rep.verdict == "mismatch" and "big-endian" in rep.diagnosis["best"]["label"]
+    assert rep.diagnosis["best"]["code_mismatches"] == 0
+    with pytest.raises(ValueError, match="packed four codes to three"):
+        compare(x, pack_fp6(q.codes)[:, :-3], q.scales, "mxfp6_e2m3")
+    # MXINT8 rounding half away from zero: exact ties on the 1/64 lattice of each block's scale
+    xi = (np.round(x * 64) / 64).astype(np.float64)
+    xi[:, ::7] += np.sign(xi[:, ::7]) / 128
+    xi = xi.astype(np.float32)
+    qi = fs.quantize(xi, "mxint8")
+    v = xi.astype(np.float64) / np.exp2(np.repeat(qi.scales.astype(np.int64) - 127, 32, axis=1))
+    k = np.clip(np.sign(v) * np.floor(np.abs(v) * 64 + 0.5), -127, 127).astype(np.int64)
+    rep = compare(xi, (k % 256).astype(np.uint8), qi.scales, "mxint8")
+    assert rep.verdict == "mismatch" and rep.code_mismatches > 0
+    assert "ties away from zero" in rep.diagnosis["best"]["label"] and rep.diagnosis["best"]["code_mismatches"] == 0
+    xf = (rng.standard_normal((4, 64)) * 30).astype(np.float32)
+    qf = fs.quantize(xf, "fp8_e4m3fnuz")
+    assert compare(xf, qf.codes.view(ml_dtypes.float8_e4m3fnuz), qf.scales, "fp8_e4m3fnuz").verdict == "exact"
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "c.npy", pack_fp6(q.codes))
+    np.save(tmp_path / "s.npy", q.scales)
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "--scheme", "mxfp6_e2m3", "--input",
+                        str(tmp_path / "x.npy"), "--codes", str(tmp_path / "c.npy"), "--scales",
+                        str(tmp_path / "s.npy")], capture_output=True, text=True)
+    assert r.returncode == 0 and "EXACT" in r.stdout and "0 of 1024 differ" in r.stdout, r.stdout + r.stderr

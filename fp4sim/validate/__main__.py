@@ -67,7 +67,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", required=True, help=f"one of {', '.join(SCHEMES)}")
     ap.add_argument("--input", required=True, help="the kernel's input (.npy/.npz/.safetensors/.pt[:NAME])")
-    ap.add_argument("--codes", required=True, help="the kernel's codes (FP4 packed two per byte)")
+    ap.add_argument("--codes", required=True, help="the kernel's codes (FP4 packed two per byte; FP6 one per byte or "
+                                                    "packed four to three bytes; INT8 as two's complement bytes)")
     ap.add_argument("--scales", help="the kernel's scale bytes (or float32 scales for FP8)")
     ap.add_argument("--global-amax", help="the kernel's NVFP4 tensor amax: a file holding one float, or a number")
     ap.add_argument("--tensor-scale",

@@ -13,9 +13,10 @@ import warnings
 
 import numpy as np
 
+from ..planning import is_fp4
 from ..quantize import quantize
 from ..schemes import NVFP4, FLAVORS, SCALE_MODES
-from .readout import codes_from_scaled, codes_unpacked, scaled, scales_per_row, x2_padded
+from .readout import codes_from_scaled, codes_unpacked, fp6_packed, scaled, scales_per_row, x2_padded
 
 __all__ = ["diagnose"]
 
@@ -81,8 +82,16 @@ def _diagnose(x, q, codes, scales, scale_layout, rounding, rbits, rbits_mapping,
             as_ = scales_per_row(scales, q, layout)
         except ValueError:
             continue
-        lab = ("low nibble first" if order == "low_first" else "high nibble first (swapped nibbles)") + \
-              (f", {layout} scales" + (" (not the layout given)" if layout != scale_layout else ""))
+        if fp6_packed(codes, q):
+            lab = ("FP6 packed little-endian" if order == "low_first"
+                   else "FP6 packed big-endian (torchao's former pack_uint6)")
+        elif not is_fp4(q.scheme):
+            if order != "low_first":
+                continue                              # one code per byte: no packing order to try
+            lab = "one code per byte"
+        else:
+            lab = "low nibble first" if order == "low_first" else "high nibble first (swapped nibbles)"
+        lab += f", {layout} scales" + (" (not the layout given)" if layout != scale_layout else "")
         readings.append((lab, ac, as_))
     sr = rounding == "sr"
     # with the kernel's bits given: each byte order and each SR rule (the midpoint rule reads TE's order)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..elements import encode
-from ..formats import E2M1, E4M3
-from ..layout import swizzled_size, unpack_fp4, unswizzle_scales
+from ..elements import decode, encode
+from ..formats import E2M1, E2M3, E3M2, E4M3
+from ..layout import swizzled_size, unpack_fp4, unpack_fp6, unswizzle_scales
 from ..planning import POW2_ENC, is_fp4, nvfp4_constants_rows
 from ..schemes import MX, NVFP4, BF16Cast
 
@@ -21,18 +21,31 @@ E2M1_MAGS = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 
 
 # ------------------------------------------------------------------------------------------ normalising
+_BYTE_DTYPES = tuple(np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu,
+                                            ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fnuz,
+                                            ml_dtypes.float8_e5m2fnuz, ml_dtypes.float6_e2m3fn,
+                                            ml_dtypes.float6_e3m2fn))
+
+
 def as_bytes(a, name):
     a = np.asarray(a)
-    if a.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu),
-                   np.dtype(ml_dtypes.float4_e2m1fn)):
+    if a.dtype in _BYTE_DTYPES:                    # ml_dtypes' one-byte floats: their codes
         a = a.view(np.uint8)
     if a.dtype != np.uint8:
         raise TypeError(f"{name} must hold raw bytes (uint8, or an ml_dtypes float8 array), not {a.dtype}")
     return a
 
 
+def fp6_packed(codes, q) -> bool:
+    """Whether ``codes`` holds an FP6 scheme's codes packed four to three bytes (by its size)."""
+    return (getattr(q.scheme, "elem", None) in (E2M3, E3M2) and np.asarray(codes).size * 4 == q.codes.size * 3
+            and q.codes.size > 0)
+
+
 def codes_unpacked(codes, q, nibble_order="low_first"):
-    """The kernel's codes as (rows, Kp) unpacked (FP4) or (rows, n) (FP8)."""
+    """The kernel's codes as (rows, Kp) unpacked (FP4; FP6 packed four to three bytes, ``nibble_order``
+    "low_first" reading compressed-tensors' little-endian order and "high_first" the big-endian one) or (rows, n)
+    (one code per byte)."""
     sch = q.scheme
     want = q.codes
     if isinstance(sch, BF16Cast):
@@ -42,8 +55,12 @@ def codes_unpacked(codes, q, nibble_order="low_first"):
         c = c.view(np.uint16)
     else:
         c = as_bytes(codes, "codes")
+    if fp6_packed(c, q):
+        return unpack_fp6(c.reshape(want.shape[0], -1), "little" if nibble_order == "low_first" else "big")
     if c.size != want.size:
         what = "packed FP4 codes, two per byte" if is_fp4(sch) else "codes, one per byte"
+        if getattr(sch, "elem", None) in (E2M3, E3M2):
+            what += f" (or {want.size * 3 // 4} bytes of FP6 packed four codes to three)"
         raise ValueError(f"codes has {c.size} entries; {sch.name} of an input of shape {q.shape} (axis {q.axis}) "
                          f"needs {want.size} {what}, shaped {want.shape}")
     c = c.reshape(-1, want.shape[-1])
@@ -111,6 +128,16 @@ def codes_from_scaled(y, xp, nanfac, sch, tie="even"):
         up = np.searchsorted(E2M1_MAGS, ay).astype(np.uint8)  # first magnitude >= |y|
         mag = up if tie == "away" else up - 1
         c = np.where(at_tie, mag | (np.signbit(y).astype(np.uint8) << 3), c).astype(np.uint8)
+    elif tie != "even":                             # any other element: exact midpoints of two neighbours
+        with np.errstate(invalid="ignore"):
+            ay = np.abs(y).astype(np.float32)
+            lo = decode(encode(ay, elem, "rz"), elem).astype(np.float64)
+            hi = decode(encode(ay, elem, "ru"), elem).astype(np.float64)
+            at_tie = (hi != lo) & (ay.astype(np.float64) == (lo + hi) / 2)
+        if at_tie.any():
+            alt = encode(y, elem, "rz") if tie == "zero" else np.where(np.signbit(y), encode(y, elem, "rd"),
+                                                                        encode(y, elem, "ru"))
+            c = np.where(at_tie, alt, c)
     if isinstance(sch, NVFP4):
         c = np.where(np.isnan(xp), 7, c)
         if sch.flavor == "torchao":
