@@ -970,3 +970,36 @@ def test_training_step_under_cdna3():
     y, qw, qx = fprop(x, w, r, return_qx=True)
     assert qx.scheme.name == "fp8_e4m3fnuz" and y.tobytes() == fs.gemm(qx, qw, accumulate="cdna3").tobytes()
     assert not np.array_equal(y, fs.gemm(qx, qw))
+
+
+def test_compare_scaled_mm_names_amd_and_fp6_models():
+    """validate.compare_scaled_mm on an MI300 kernel's output (MMA-Sim's MFMA chain, then the epilogue) names cdna3;
+    on a B200 kind::f8f6f4 FP6 output (MMA-Sim's tcgen05) names b200; an exact product names exact; each family
+    is offered its own candidates and a candidate of another family is refused."""
+    from mmasim.amd.sim import MFMA
+    from fp4sim.validate import compare_scaled_mm
+    rng = np.random.default_rng(46)
+    a = torch.from_numpy(np.abs(rng.standard_normal((16, 512)) * 3).astype(np.float32)).to(torch.float8_e4m3fnuz)
+    w = torch.from_numpy(np.abs(rng.standard_normal((32, 512))).astype(np.float32)).to(torch.float8_e5m2fnuz)
+    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
+    acc = MFMA("CDNA3", "f32_16x16x32_fp8_bf8")(a, w.t().contiguous(), torch.zeros(16, 32)).numpy()
+    rep = compare_scaled_mm(a, w.t(), sa, sb, torch.from_numpy((acc.astype(np.float64) * 0.125).astype(np.float32)))
+    assert rep.best == "cdna3" and "exact" not in rep.matches
+    A64, W64 = a.float().numpy().astype(np.float64), w.float().numpy().astype(np.float64)
+    exact = np.zeros((16, 32), np.float32)              # the exact rule: 128-element blocks, added in float32
+    for k0 in range(0, 512, 128):
+        exact = exact + (A64[:, k0:k0 + 128] @ W64[:, k0:k0 + 128].T).astype(np.float32)
+    exact = exact.astype(np.float64) * 0.125
+    rep = compare_scaled_mm(a, w.t(), sa, sb, torch.from_numpy(exact.astype(np.float32)))
+    assert rep.best == "exact" and "cdna3" not in rep.matches
+    with pytest.raises(ValueError, match="for AMD FNUZ operands choose from cdna3"):
+        compare_scaled_mm(a, w.t(), sa, sb, torch.from_numpy(acc), candidates=["hopper"])
+    # E4M3 x E2M3 (kind::f8f6f4 mixes them): products from 2^-12 to 3360, so the chain's truncations show
+    c8 = fs.encode((np.abs(rng.standard_normal((64, 256))) * np.exp2(rng.integers(-8, 8, (64, 256)))
+                    ).astype(np.float32), fs.E4M3)
+    d6 = fs.encode(np.abs(rng.standard_normal((16, 256))).astype(np.float32) * 4, fs.E2M3)
+    op = _mmasim("TCGen05MMA", "Blackwell", "m64n16k32.kind::f8f6f4.f32.e4m3.e2m3")
+    acc = op(torch.from_numpy(c8).view(E4), torch.from_numpy(np.ascontiguousarray(d6.T)), torch.zeros(64, 16)).numpy()
+    A6, B6 = c8.view(ml_dtypes.float8_e4m3fn), d6.view(ml_dtypes.float6_e2m3fn)
+    rep = compare_scaled_mm(A6, B6.T, np.float32(1.0), np.float32(1.0), acc)
+    assert rep.best == "b200" and "exact" not in rep.matches

@@ -7,7 +7,7 @@ import numpy as np
 from .accumulate import accumulate
 from .models import MODELS, get_model
 
-__all__ = ["scaled_mm", "FP8_OPERANDS", "FP6_OPERANDS", "FNUZ_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
+__all__ = ["scaled_mm", "operand_family", "FP8_OPERANDS", "FP6_OPERANDS", "FNUZ_OPERANDS", "OUT_DTYPES", "fp8_operand", "per_tensor_scale", "out_dtype_name",
            "epilogue"]
 
 # what scaled_mm and fp4sim.validate's compare_scaled_mm share: the FP8 operand dtypes (name -> (format, ml_dtypes
@@ -35,6 +35,12 @@ def _is_torch(x) -> bool:
 def _dtype_name(dt) -> str:
     s = str(dt).replace("torch.", "")
     return {"float": "float32", "half": "float16", "<class 'numpy.float32'>": "float32"}.get(s, s)
+
+
+def operand_family(x) -> str:
+    """"fnuz", "fp6" or "ocp" (anything else) from an operand's dtype."""
+    n = _dtype_name(x.dtype) if (_is_torch(x) or hasattr(x, "dtype")) else ""
+    return "fnuz" if n in FNUZ_OPERANDS else "fp6" if n in FP6_OPERANDS else "ocp"
 
 
 def fp8_operand(x, name: str, fnuz: bool = False, fp6: bool = False):
@@ -157,8 +163,9 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     picks for a shape is its heuristic and is not modelled. See docs/validation.md for the evidence behind each
     model."""
     cdna3 = model == "cdna3"
-    A, fa, na, ta = fp8_operand(a, "a", fnuz=cdna3, fp6=model in FP6_MODELS)
-    Bk, fb, nb_, tb = fp8_operand(b, "b", fnuz=cdna3, fp6=model in FP6_MODELS)
+    fnuz = cdna3 or (model == "exact" and operand_family(a) == "fnuz")     # the exact rule takes any operands
+    A, fa, na, ta = fp8_operand(a, "a", fnuz=fnuz, fp6=model in FP6_MODELS)
+    Bk, fb, nb_, tb = fp8_operand(b, "b", fnuz=fnuz, fp6=model in FP6_MODELS)
     if ta != tb:
         raise TypeError("a and b must both be torch tensors or both NumPy arrays")
     if A.ndim != 2 or Bk.ndim != 2:
@@ -173,8 +180,8 @@ def scaled_mm(a, b, scale_a, scale_b, *, out_dtype=None, use_fast_accum: bool = 
     if fa == "e5m2" and fb == "e5m2":
         raise ValueError("a and b are both float8_e5m2: torch._scaled_mm refuses E5M2 x E5M2; use E4M3 for one")
     sa, sb = per_tensor_scale(scale_a, "scale_a"), per_tensor_scale(scale_b, "scale_b")
-    if cdna3 and (out_dtype is None or out_dtype_name(out_dtype, na) in FP8_OPERANDS):
-        raise ValueError("model='cdna3': pass out_dtype float32, bfloat16 or float16 (an FP8 output of hipBLASLt's "
+    if fnuz and (out_dtype is None or out_dtype_name(out_dtype, na) in FP8_OPERANDS):
+        raise ValueError("FNUZ operands: pass out_dtype float32, bfloat16 or float16 (an FP8 output of hipBLASLt's "
                          "epilogue is not modelled)")
     if out_dtype is None and na in FP6_OPERANDS:
         raise ValueError("a is FP6: pass out_dtype (float32, bfloat16, float16 or an FP8 dtype); there is no FP6 "

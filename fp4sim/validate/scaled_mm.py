@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensorcore.scaled_mm import (FP8_OPERANDS, OUT_DTYPES, epilogue, fp8_operand, out_dtype_name, per_tensor_scale,
-                                    scaled_mm)
+from ..tensorcore.scaled_mm import (FP8_OPERANDS, OUT_DTYPES, epilogue, fp8_operand, operand_family, out_dtype_name,
+                                    per_tensor_scale, scaled_mm)
 from .gemm import GemmReport, model_report
 
-__all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES", "output_array"]
+__all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES", "FNUZ_CANDIDATES", "FP6_CANDIDATES", "output_array"]
 
 # label -> (model, use_fast_accum)
+# the candidates for AMD's FNUZ FP8 operands (MI300) and for OCP FP6 operands (Blackwell's kind::f8f6f4)
+FNUZ_CANDIDATES = {"cdna3": ("cdna3", False), "exact": ("exact", False), "dequant_f32": (None, None)}
+FP6_CANDIDATES = {"b200": ("b200", True), "exact": ("exact", False), "dequant_f32": (None, None)}
 SCALED_MM_CANDIDATES = {"hopper": ("hopper", False), "hopper_fast_accum": ("hopper", True),
                         "ada": ("ada", False), "ada_fast_accum": ("ada", True), "b200": ("b200", True),
                         "b200_mma": ("b200_mma", True),
@@ -73,15 +76,20 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
     a: (M, K) FP8, b: (K, N) FP8 (``torch._scaled_mm``'s arguments: torch float8 tensors or ml_dtypes arrays);
     scale_a, scale_b: the per-tensor float32 decode scales; out: the kernel's (M, N) output in its dtype (float32,
     bfloat16, float16, float8_e4m3fn, float8_e5m2), or its raw bits with ``out_dtype`` naming the dtype.
-    candidates: labels of ``SCALED_MM_CANDIDATES`` to try (default: all); split_k: the split the kernel used, for
+    candidates: labels of ``SCALED_MM_CANDIDATES`` to try (default: all; AMD's float8_e4m3fnuz / float8_e5m2fnuz
+    operands take ``FNUZ_CANDIDATES``: cdna3, exact, dequant_f32; OCP FP6 operands ``FP6_CANDIDATES``: b200, exact,
+    dequant_f32); split_k: the split the kernel used, for
     the models that know it (``fp4sim.tensorcore.scaled_mm``). Returns a GemmReport (``.best``: the first
     candidate that reproduces every element, None if none does)."""
-    names = list(candidates or SCALED_MM_CANDIDATES)
-    bad = [n for n in names if n not in SCALED_MM_CANDIDATES]
+    fam = operand_family(a) if operand_family(a) != "ocp" else operand_family(b)
+    table = {"fnuz": FNUZ_CANDIDATES, "fp6": FP6_CANDIDATES}.get(fam, SCALED_MM_CANDIDATES)
+    names = list(candidates or table)
+    bad = [n for n in names if n not in table]
     if bad:
-        raise ValueError(f"candidates {bad}: choose from {', '.join(SCALED_MM_CANDIDATES)}")
-    A, fa, na, _ = fp8_operand(a, "a")
-    Bk, fb, nb_, _ = fp8_operand(b, "b")
+        what = {"fnuz": "AMD FNUZ operands", "fp6": "FP6 operands"}.get(fam, "OCP FP8 operands")
+        raise ValueError(f"candidates {bad}: for {what} choose from {', '.join(table)}")
+    A, fa, na, _ = fp8_operand(a, "a", fnuz=fam == "fnuz", fp6=fam == "fp6")
+    Bk, fb, nb_, _ = fp8_operand(b, "b", fnuz=fam == "fnuz", fp6=fam == "fp6")
     o, dname = output_array(out, out_dtype)
     M, N = A.shape[0], Bk.shape[1] if Bk.ndim == 2 else 0
     if o.shape != (M, N):
@@ -93,7 +101,7 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
     ys = {}
     skipped = {}
     for n in names:
-        model, fast = SCALED_MM_CANDIDATES[n]
+        model, fast = table[n]
         if model is None:
             continue
         try:
@@ -101,7 +109,7 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
                               split_k=split_k if model != "exact" else 1)
         except ValueError as e:
             skipped[n] = str(e)
-    if skipped and len(skipped) == sum(SCALED_MM_CANDIDATES[n][0] is not None for n in names):
+    if skipped and len(skipped) == sum(table[n][0] is not None for n in names):
         # no tensor-core model can compute these operands: bad input (a shape torch refuses, E5M2 x E5M2, a
         # split no model's library uses), not a kernel that matches no model
         why = list(dict.fromkeys(skipped.values()))
