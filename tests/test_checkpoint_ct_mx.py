@@ -104,6 +104,38 @@ def test_the_mxfp8_rule_is_compressed_tensors_byte_for_byte(dtype):
         assert np.array_equal(s, os_) and np.array_equal(c, oc), dtype
 
 
+def ct_mx6_compress(w):
+    """compressed-tensors' own MXFP6 export of one weight: its MX scales (E2M3's rounding threshold), then
+    MXFP6PackedCompressor (E2M3 codes four to three bytes, E8M0 bytes)."""
+    h, scheme, comp = ct_parts("MXFP6A16", "mxfp6.base.MXFP6PackedCompressor")
+    R, K = w.shape
+    g = w.reshape(R, K // 32, 32)
+    scale, zp = h.calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+    return comp.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_mxfp6_rule_is_compressed_tensors_byte_for_byte(dtype):
+    """compressed-tensors' MXFP6 (mxfp6-pack-quantized): the block amax rounded up to the next power of two from a
+    significand of 1.9375 (E2M3's three mantissa bits), offset 2, E2M3 elements with the input's sign (-0 is
+    0x20: no +0 zero point here, unlike MXFP4 / MXFP8), packed four to three bytes little-endian."""
+    torch = torch_or_skip()
+    z = np.load(SAMPLE)
+    for w in (z[f"minilm.{Q}.weight"], z[f"minilm.{D}.weight"], _adversarial()):
+        t = torch.from_numpy(w).to(getattr(torch, dtype))
+        t = t[torch.isfinite(t).all(1) & (t.abs().amax(1) < 57344)]
+        sd = ct_mx6_compress(t)
+        c, s = compressed_tensors_mx_quantize(t.float().numpy(), dtype, bits=6)
+        assert np.array_equal(s, sd["weight_scale"].numpy()) and np.array_equal(c, sd["weight_packed"].numpy())
+    # the threshold is E2M3's: an all-1.75 block keeps 2^0 (byte 127 + 0 - 2 = 125; MXFP4's rule rounds it up to
+    # 126), and the scale bytes are fp4sim's mxfp6_e2m3 "even" mode's (torchao's rule, the same threshold)
+    x = _adversarial()
+    sd = ct_mx6_compress(torch.from_numpy(x))
+    row = int(np.flatnonzero((x == np.float32(1.75)).all(1))[0])
+    assert sd["weight_scale"].numpy()[row, 0] == 125 and compressed_tensors_mx_quantize(x[row:row + 1])[1][0, 0] == 126
+    assert np.array_equal(fs.quantize(x, "mxfp6_e2m3", scale_mode="even").scales, sd["weight_scale"].numpy())
+
+
 def test_float16_scales_below_its_range_are_stored_as_one():
     """In float16 a scale 2^(b - 127) below 2^-24 is 0, replaced by 1 (uint8 scales' "eps"): byte 127 and codes
     of magnitude zero (a negative value keeps its sign, code 8), where float32 keeps the block's values
@@ -127,8 +159,8 @@ def test_the_rule_refuses_what_it_cannot_reproduce():
                              (np.ones((1, 32), np.float32), "int8", "is not one of")):
         with pytest.raises(ValueError, match=phrase):
             compressed_tensors_mx_quantize(x, dtype)
-    with pytest.raises(ValueError, match="bits=6"):
-        compressed_tensors_mx_quantize(np.ones((1, 32), np.float32), "float32", bits=6)
+    with pytest.raises(ValueError, match="bits=5"):
+        compressed_tensors_mx_quantize(np.ones((1, 32), np.float32), "float32", bits=5)
 
 
 def _config(ignore=("lm_head",), fmt="mxfp4-pack-quantized", preset="MXFP4"):
@@ -283,11 +315,23 @@ def test_mxfp4_tensors_under_an_nvfp4_config_are_named(export):
                in f for f in rep.tensors[Q]["faults"]), rep.summary()
 
 
+def _read_as_decompressed(d, mode, comp, scheme, entries, w):
+    """The folder ``d`` reads as a compressed-tensors ``mode`` checkpoint of Q and D whose Q weight has the values
+    of the library's own decompressor (``entries``: Q's stored tensors), through the reader and analyze's loader."""
+    from fp4sim.analyze.inputs import discover, load
+    from fp4sim.checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
+    ck = read_compressed_tensors_mx(d)
+    assert ck.format == f"compressed-tensors {mode}" and set(ck.weights) == {Q, D}
+    theirs = comp.decompress(entries, scheme)["weight"].float().numpy()
+    assert ck.weights[Q].shape == tuple(w[Q].shape) and np.array_equal(ck.weights[Q].values(), theirs)
+    sources, problems, _ = discover([str(d)])
+    assert not problems and np.array_equal(load({s.name: s for s in sources}[f"{Q}.weight"]), theirs)
+
+
 def test_an_mxfp8_export_validates_and_its_faults_are_named(export):
     """compressed-tensors' mxfp8-quantized folder (F8_E4M3 elements, E8M0 bytes per 32), written by its own
     MXFP8 compressor: consistent, its rule named in bfloat16; scale bytes one binade high named; packed FP4 codes
     under the MXFP8 config named."""
-    from fp4sim.checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
     from fp4sim.validate.checkpoint import check_checkpoint
     base, ref, out, w = export
     h, scheme, comp = ct_parts("MXFP8", "mxfp8.base.MXFP8QuantizationCompressor")
@@ -299,14 +343,7 @@ def test_an_mxfp8_export_validates_and_its_faults_are_named(export):
         for k, v in comp.compress({"weight": w[m], "weight_scale": scale, "weight_zero_point": zp}, scheme).items():
             t8[f"{m}.{k}"] = v
     d = write_ct_mx(base / "fp8", t8, fmt="mxfp8-quantized", preset="MXFP8")
-    ck = read_compressed_tensors_mx(d)
-    assert ck.format == "compressed-tensors mxfp8" and set(ck.weights) == {Q, D}
-    theirs = comp.decompress({"weight": t8[f"{Q}.weight"], "weight_scale": t8[f"{Q}.weight_scale"]},
-                             scheme)["weight"].float().numpy()
-    assert np.array_equal(ck.weights[Q].values(), theirs)
-    from fp4sim.analyze.inputs import discover, load
-    sources, problems, _ = discover([str(d)])
-    assert not problems and np.array_equal(load({s.name: s for s in sources}[f"{Q}.weight"]), theirs)
+    _read_as_decompressed(d, "mxfp8", comp, scheme, {k: t8[f"{Q}.{k}"] for k in ("weight", "weight_scale")}, w)
     rep = check_checkpoint(d, ref)
     assert rep.ok and rep.format == "compressed-tensors mxfp8", rep.summary()
     assert all(t["rule"] == "compressed-tensors' MXFP8 rule (in bfloat16)" for t in rep.tensors.values()), rep.summary()
@@ -320,3 +357,38 @@ def test_an_mxfp8_export_validates_and_its_faults_are_named(export):
     mixed[f"{Q}.weight_packed"] = out[f"{Q}.weight_packed"]
     rep = check_checkpoint(write_ct_mx(base / "fp8mixed", mixed, fmt="mxfp8-quantized", preset="MXFP8"))
     assert not rep.ok and any("packed FP4 codes" in f for f in rep.tensors[Q]["faults"]), rep.summary()
+
+
+def test_an_mxfp6_export_validates_and_its_faults_are_named(export):
+    """compressed-tensors' mxfp6-pack-quantized folder (E2M3 codes four to three bytes, E8M0 bytes per 32), written
+    by its own MXFP6 compressor: read as compressed-tensors decompresses it, analysed, consistent with its rule
+    named in bfloat16; codes packed big-endian named; scale bytes one binade low named; MXFP4's packed codes under
+    the MXFP6 config named by their size."""
+    from fp4sim.layout import pack_fp6, unpack_fp6
+    from fp4sim.validate.checkpoint import check_checkpoint
+    base, ref, out, w = export
+    h, scheme, comp = ct_parts("MXFP6A16", "mxfp6.base.MXFP6PackedCompressor")
+    t6 = {"lm_head.weight": w["lm_head"]}
+    for m in (Q, D):
+        for k, v in ct_mx6_compress(w[m]).items():
+            t6[f"{m}.{k}"] = v
+    d = write_ct_mx(base / "fp6", t6, fmt="mxfp6-pack-quantized", preset="MXFP6A16")
+    _read_as_decompressed(d, "mxfp6", comp, scheme, {k: t6[f"{Q}.{k}"] for k in ("weight_packed", "weight_scale")},
+                          w)
+    rep = check_checkpoint(d, ref)
+    assert rep.ok and rep.format == "compressed-tensors mxfp6", rep.summary()
+    assert all(t["rule"] == "compressed-tensors' MXFP6 rule (in bfloat16)" for t in rep.tensors.values()), rep.summary()
+    big = dict(t6)
+    big[f"{Q}.weight_packed"] = __import__("torch").from_numpy(pack_fp6(unpack_fp6(t6[f"{Q}.weight_packed"].numpy()),
+                                                                        "big"))
+    rep = check_checkpoint(write_ct_mx(base / "fp6big", big, fmt="mxfp6-pack-quantized", preset="MXFP6A16"), ref)
+    assert not rep.ok and rep.tensors[D]["ok"]
+    assert any("packed big-endian" in f for f in rep.tensors[Q]["faults"]), rep.summary()
+    low = dict(t6)
+    low[f"{Q}.weight_scale"] = low[f"{Q}.weight_scale"] - 1
+    rep = check_checkpoint(write_ct_mx(base / "fp6bias", low, fmt="mxfp6-pack-quantized", preset="MXFP6A16"), ref)
+    assert any("one binade low" in f for f in rep.tensors[Q]["faults"]), rep.summary()
+    mixed = dict(t6)
+    mixed[f"{Q}.weight_packed"] = out[f"{Q}.weight_packed"]
+    rep = check_checkpoint(write_ct_mx(base / "fp6mixed", mixed, fmt="mxfp6-pack-quantized", preset="MXFP6A16"))
+    assert not rep.ok and any("mxfp4-pack-quantized" in f for f in rep.tensors[Q]["faults"]), rep.summary()

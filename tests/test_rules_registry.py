@@ -33,6 +33,13 @@ def _e2m1(codes):
 
 def _oracle_values(key, b):
     """The values a rule's bytes stand for, by the formula its docs give, decoded with ml_dtypes."""
+    if key == "compressed-tensors-mxfp6":                  # E2M3 packed four to three bytes: the library's unpacker
+        torch = import_or_missing("torch")
+        h = import_or_missing("compressed_tensors.compressors.mxfp6.helpers")
+        R, nb = b.codes.shape
+        e2m3 = h.unpack_fp6_from_uint8(torch.from_numpy(b.codes), R, nb * 4 // 3, torch.float32).numpy()
+        s = b.scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+        return e2m3.astype(np.float64) * np.repeat(s, e2m3.shape[1] // s.shape[1], axis=1)
     if key in ("mlx-mxfp8", "compressed-tensors-mxfp8"):    # E4M3 element bytes, not packed FP4
         e4m3 = b.codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
         s = b.scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
@@ -61,7 +68,8 @@ def test_every_rules_values_are_its_bytes_read_independently(key):
     x = _query()[:64, :128]
     opts = {"amax": np.float32(np.abs(x).max() * 1.5)} if key.endswith("-fused") else {}
     b = R.rule(key)(x, **opts)
-    assert b.codes.dtype == np.uint8 and b.codes.shape == ((64, 128) if key.endswith("mxfp8") else (64, 64))
+    assert b.codes.dtype == np.uint8 and b.codes.shape == ((64, 128) if key.endswith("mxfp8") else
+                                                           (64, 96) if key.endswith("mxfp6") else (64, 64))
     assert b.scales.dtype == np.uint8 and b.scales.shape == (64, 128 // R.rule(key).block)
     want = _oracle_values(key, b)
     got = R.rule(key).decode(b)

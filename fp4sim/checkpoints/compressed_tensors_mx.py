@@ -1,11 +1,14 @@
-"""compressed-tensors' MX checkpoints (``quantization_config.format: "mxfp4-pack-quantized"`` or
-``"mxfp8-quantized"``, as llm-compressor writes them), read into fp4sim's conventions.
+"""compressed-tensors' MX checkpoints (``quantization_config.format: "mxfp4-pack-quantized"``,
+``"mxfp6-pack-quantized"`` or ``"mxfp8-quantized"``, as llm-compressor writes them), read into fp4sim's
+conventions.
 
 Per quantized linear ``NAME``: ``NAME.weight_packed`` U8 (out, in / 2), element 2i in the low nibble of byte i
 (fp4sim's packing, as for its NVFP4 format), and ``NAME.weight_scale`` U8 (out, in / 32), the E8M0 exponent
 bytes (value = E2M1 x 2^(e - 127)); no global scale. The config's ``ignore`` lists the modules left in high
 precision. compressed-tensors' own decompressor reads a scale as ``2^(e - 127)`` in bfloat16. MXFP8 stores
-``NAME.weight`` F8_E4M3 (out, in), one E4M3 byte per element, beside the same ``NAME.weight_scale``.
+``NAME.weight`` F8_E4M3 (out, in), one E4M3 byte per element, beside the same ``NAME.weight_scale``; MXFP6 stores
+``NAME.weight_packed`` U8 (out, 3 in / 4): E2M3 codes c0..c3 as the 24-bit word c0 | c1 << 6 | c2 << 12 | c3 << 18,
+low byte first.
 
 A folder whose config names this format while its tensors hold another (a ``weight_global_scale`` beside the
 codes, E4M3 scale bytes, one scale per 16 elements: NVFP4's) is read with each such weight listed in ``broken``
@@ -23,10 +26,10 @@ from .mlx import MLXWeight
 from .records import LAYOUTS
 
 __all__ = ["FORMAT", "FORMATS", "is_compressed_tensors_mx", "read_compressed_tensors_mx", "MXCheckpoint",
-           "MXFP8Weight"]
+           "MXFP8Weight", "MXFP6Weight"]
 
 FORMAT = "mxfp4-pack-quantized"
-FORMATS = {FORMAT: "mxfp4", "mxfp8-quantized": "mxfp8"}      # compressed-tensors' format -> the MX mode
+FORMATS = {FORMAT: "mxfp4", "mxfp8-quantized": "mxfp8", "mxfp6-pack-quantized": "mxfp6"}   # format -> the MX mode
 
 
 def _mode(qc: dict) -> str | None:
@@ -70,19 +73,51 @@ class MXFP8Weight(MLXWeight):
     ``NAME.weight_scale``."""
 
 
-def _problem(files, m) -> str | None:
-    """Why module ``m``'s entries do not make an MXFP4 weight, or None."""
+class MXFP6Weight(MLXWeight):
+    """One compressed-tensors MXFP6 weight (mode "mxfp6"): ``codes`` E2M3 packed four to three bytes, (out, 3 in /
+    4), compressed-tensors' little-endian order (:func:`fp4sim.layout.unpack_fp6`); ``scales`` E8M0 bytes per 32;
+    read from ``NAME.weight_packed`` and ``NAME.weight_scale``."""
+
+
+def _packed_problem(files, m, fmt: str, config: str) -> str | None:
+    """What packed codes ``m.weight_packed`` (MXFP4 or MXFP6: ``fmt``) lack beside them, or hold that belongs
+    to NVFP4 (a tensor scale, E4M3 scale bytes), under a config naming ``config``; None if neither."""
     kc, ks = f"{m}.weight_packed", f"{m}.weight_scale"
     if ks not in files:
         return f"{kc} has no {ks} beside it (the E8M0 scales of its blocks)"
     if f"{m}.weight_global_scale" in files:
         return (f"{m}.weight_global_scale is there: a tensor scale beside the codes is NVFP4's "
-                "(nvfp4-pack-quantized), not MXFP4's, under a config that names mxfp4-pack-quantized")
+                f"(nvfp4-pack-quantized), not {fmt}'s, under a config that names {config}")
+    if str(entry_dtype(files[ks], ks)) == "F8_E4M3":
+        return (f"{ks} is F8_E4M3: E4M3 block scales are NVFP4's, not {fmt}'s E8M0 exponent bytes (U8), under a "
+                f"config that names {config}")
+    return None
+
+
+def _problem6(files, m) -> str | None:
+    """Why module ``m``'s entries do not make an MXFP6 weight, or None."""
+    kc, ks = f"{m}.weight_packed", f"{m}.weight_scale"
+    why = _packed_problem(files, m, "MXFP6", "mxfp6-pack-quantized")
+    if why:
+        return why
     cs, ss = entry_shape(files[kc], kc), entry_shape(files[ks], ks)
-    sd = str(entry_dtype(files[ks], ks))
-    if sd == "F8_E4M3":
-        return (f"{ks} is F8_E4M3: E4M3 block scales are NVFP4's, not MXFP4's E8M0 exponent bytes (U8), under a "
-                "config that names mxfp4-pack-quantized")
+    if len(cs) != 2 or len(ss) != 2 or cs[0] != ss[0] or 4 * cs[1] != 3 * 32 * ss[1]:
+        per = ""
+        if len(cs) == 2 == len(ss) and ss[1]:
+            per = (f" (one scale per {2 * cs[1] // ss[1]} elements if these were packed FP4: mxfp4-pack-quantized)"
+                   if 2 * cs[1] == 32 * ss[1] else f" ({cs[1]} bytes for {32 * ss[1]} elements)")
+        return (f"{kc} has shape {cs} and {ks} {ss}{per}; MXFP6 stores codes four to three bytes (out, 3 in / 4) "
+                "beside one E8M0 byte per 32 elements (out, in / 32)")
+    return not_bytes(files, (kc, ks))
+
+
+def _problem(files, m) -> str | None:
+    """Why module ``m``'s entries do not make an MXFP4 weight, or None."""
+    kc, ks = f"{m}.weight_packed", f"{m}.weight_scale"
+    why = _packed_problem(files, m, "MXFP4", FORMAT)
+    if why:
+        return why
+    cs, ss = entry_shape(files[kc], kc), entry_shape(files[ks], ks)
     if len(cs) != 2 or len(ss) != 2 or cs[0] != ss[0] or 2 * cs[1] != 32 * ss[1]:
         per = f" (one scale per {2 * cs[1] // ss[1]} elements)" if len(cs) == 2 == len(ss) and ss[1] else ""
         return (f"{kc} has shape {cs} and {ks} {ss}{per}; MXFP4 stores codes (out, in / 2) beside one E8M0 byte "
@@ -116,8 +151,10 @@ def read_compressed_tensors_mx(path, strict: bool = True) -> MXCheckpoint:
     entries do not make a weight of its format (listed in ``broken`` with ``strict=False``, the others read)."""
     d, qc, files = open_folder(path, _config, "config.json has no quantization_config with format "
                                               + " or ".join(map(repr, FORMATS)))
-    fp8 = _mode(qc) == "mxfp8"
+    mode = _mode(qc)
+    fp8 = mode == "mxfp8"
     anchor = ".weight_scale" if fp8 else ".weight_packed"      # the entry every quantized module of the format has
+    problem = {"mxfp8": _problem8, "mxfp6": _problem6}.get(mode, _problem)
     weights, broken, used = {}, {}, set()
     for key in sorted(files):
         if not key.endswith(anchor):
@@ -125,22 +162,27 @@ def read_compressed_tensors_mx(path, strict: bool = True) -> MXCheckpoint:
         m = key[: -len(anchor)]
         used.update(k for k in (f"{m}.weight_packed", f"{m}.weight_scale", f"{m}.weight_global_scale")
                     + ((f"{m}.weight",) if fp8 else ()) if k in files)
-        why = (_problem8 if fp8 else _problem)(files, m)
+        why = problem(files, m)
         if why is None:
-            weights[m] = _record(files, m, fp8)
+            weights[m] = _record(files, m, mode)
         elif strict:
             raise ValueError(f"{d}: {why}")
         else:
             broken[m] = why
     other = {n: (f, str(entry_dtype(f, n)), entry_shape(f, n)) for n, f in files.items() if n not in used}
-    return MXCheckpoint(d, weights, list(qc.get("ignore") or []), other, qc, broken,
-                        "compressed-tensors " + ("mxfp8" if fp8 else "mxfp4"))
+    return MXCheckpoint(d, weights, list(qc.get("ignore") or []), other, qc, broken, "compressed-tensors " + mode)
 
 
-def _record(files, m, fp8):
-    """The weight record of module ``m``: an MXFP8 one (``NAME.weight`` E4M3 bytes), or an MXFP4 one."""
+def _record(files, m, mode):
+    """The weight record of module ``m``: an MXFP8 one (``NAME.weight`` E4M3 bytes), an MXFP6 one (packed E2M3), or
+    an MXFP4 one."""
     ks = f"{m}.weight_scale"
-    if fp8:
+    if mode == "mxfp6":
+        kc = f"{m}.weight_packed"
+        R, nb = entry_shape(files[kc], kc)
+        return MXFP6Weight(m, "mxfp6", (R, nb * 4 // 3), {"codes": (files[kc], kc), "scales": (files[ks], ks)},
+                           LAYOUTS["compressed-tensors mxfp6"])
+    if mode == "mxfp8":
         R, K = entry_shape(files[f"{m}.weight"], f"{m}.weight")
         return MXFP8Weight(m, "mxfp8", (R, K), {"codes": (files[f"{m}.weight"], f"{m}.weight"),
                                                 "scales": (files[ks], ks)}, LAYOUTS["compressed-tensors mxfp8"])

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FAULTS", "LayoutFault", "undo_mxfp4", "undo_nvfp4", "undo_mxfp8", "undo_gguf", "faults_table"]
+__all__ = ["FAULTS", "LayoutFault", "undo_mxfp4", "undo_nvfp4", "undo_mxfp8", "undo_mxfp6", "undo_gguf",
+           "faults_table"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ FAULTS: dict = {f.key: f for f in [
                 "halves belong", ("gguf",), _REF),
     LayoutFault("scale-bias", "the scale bytes are one binade high or low (E8M0 with bias 128; an E4M3 exponent "
                 "field off by one)", ("modelopt", "compressed-tensors", "gpt-oss", "compressed-tensors mxfp4",
-                                     "compressed-tensors mxfp8", "mlx", "gguf"), _REF),
+                                     "compressed-tensors mxfp8", "compressed-tensors mxfp6", "mlx", "gguf"), _REF),
+    LayoutFault("fp6-big-endian", "the FP6 codes packed big-endian (c0 in the top bits of the first byte, "
+                "torchao's former pack_uint6) where compressed-tensors' little-endian order belongs",
+                ("compressed-tensors mxfp6",), _REF),
     LayoutFault("half-factor", "ggml's UE4M3 0.5 factor left out or applied twice (NVFP4 scale bytes one binade "
                 "off)", ("gguf",), _REF),
     LayoutFault("transposed-blocks", "the blocks (or the block-scale matrix) written transposed",
@@ -56,8 +60,8 @@ FAULTS: dict = {f.key: f for f in [
                                       "gguf"), "from the bytes alone"),
     LayoutFault("another-format", "tensors of another format than the config names (NVFP4's global scale or E4M3 "
                 "scales under an MXFP4 config; MXFP4's E8M0 bytes under an NVFP4 one)",
-                ("compressed-tensors", "compressed-tensors mxfp4", "compressed-tensors mxfp8"),
-                "from the tensors' names, dtypes and shapes"),
+                ("compressed-tensors", "compressed-tensors mxfp4", "compressed-tensors mxfp8",
+                 "compressed-tensors mxfp6"), "from the tensors' names, dtypes and shapes"),
     LayoutFault("unknown-mode", "a mode fp4sim does not read as a float format (MLX's affine integer mode, a mode "
                 "it does not know), said with the mode", ("mlx",), "from the config and the tensors' names"),
     LayoutFault("truncated-data", "the file ends before a tensor's data does (any tensor type)", ("gguf",),
@@ -115,6 +119,15 @@ def undo_mxfp8(codes, scales) -> list:
              (s - 1).clip(0, 255).astype(np.uint8)),
             ("scale-bias", "the scale bytes are one binade low (E8M0 read with bias 128)", codes,
              (s + 1).clip(0, 255).astype(np.uint8))]
+
+
+def undo_mxfp6(codes, scales) -> list:
+    """[(fault key, what it is, codes, scales)]: an MXFP6 weight's bytes (E2M3 codes packed four to three bytes,
+    E8M0 scales per 32) read as big-endian packing, and with the E8M0 bias undone both ways."""
+    from ..layout import pack_fp6, unpack_fp6
+    return [("fp6-big-endian", "the FP6 codes are packed big-endian (torchao's former pack_uint6), not "
+             "compressed-tensors' little-endian order", pack_fp6(unpack_fp6(codes, "big")), scales)] + [
+        (k, what, codes, s) for k, what, _, s in undo_mxfp8(codes, scales)]
 
 
 def undo_gguf(t, rows: int) -> list:

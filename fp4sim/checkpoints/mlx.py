@@ -91,14 +91,15 @@ class MLXWeight:
     def decode(self, codes, s) -> np.ndarray:
         """float32 (rows, in) of ``codes`` and scales ``s``: rows of :attr:`codes` and :attr:`scales` (a piece of the
         weight) as :meth:`values` reads them."""
-        from ..formats import E2M1, E4M3
-        from ..layout import unpack_fp4
+        from ..formats import E2M1, E2M3, E4M3
+        from ..layout import unpack_fp4, unpack_fp6
         if self.mode == "nvfp4":
             f = E4M3.values[s].astype(np.float32)
         else:
             f = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1), np.minimum(s, 254).astype(np.int32)
                                                                  - 127)).astype(np.float32)
-        v = (E4M3.values[codes] if self.mode == "mxfp8" else E2M1.values[unpack_fp4(codes)]).astype(np.float32)
+        v = (E4M3.values[codes] if self.mode == "mxfp8" else E2M3.values[unpack_fp6(codes)] if self.mode == "mxfp6"
+             else E2M1.values[unpack_fp4(codes)]).astype(np.float32)
         with np.errstate(over="ignore"):
             return (v * np.repeat(f, v.shape[1] // f.shape[1], axis=1)).astype(np.float32)
 

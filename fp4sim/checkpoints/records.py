@@ -33,6 +33,8 @@ LAYOUTS = {l.format: l for l in [
     Layout("gpt-oss", "MXFP4", 32, "E8M0", None, "pairs", "e2m1 · 2^(e - 127)"),
     Layout("compressed-tensors mxfp4", "MXFP4", 32, "E8M0", None, "pairs", "e2m1 · 2^(e - 127)"),
     Layout("compressed-tensors mxfp8", "MXFP8", 32, "E8M0", None, "one E4M3 byte per element", "e4m3 · 2^(e - 127)"),
+    Layout("compressed-tensors mxfp6", "MXFP6", 32, "E8M0", None,
+           "E2M3 codes four to three bytes (c0 | c1 << 6 | c2 << 12 | c3 << 18, low byte first)", "e2m3 · 2^(e - 127)"),
     Layout("mlx mxfp4", "MXFP4", 32, "E8M0", None, "pairs (uint32 words, lowest bits first)", "e2m1 · 2^(e - 127)"),
     Layout("mlx nvfp4", "NVFP4", 16, "E4M3", None, "pairs (uint32 words, lowest bits first)", "e2m1 · E4M3(s)"),
     Layout("mlx mxfp8", "MXFP8", 32, "E8M0", None, "one E4M3 byte per element", "e4m3 · 2^(e - 127)"),

@@ -235,48 +235,55 @@ def compressed_tensors_quantize(x, dtype: str | None = None, amax=None):
 
 
 
-_MX_OFFSET = {4: 2, 8: 8}          # floor(log2 of the element's largest value): E2M1 6 -> 2, E4M3 448 -> 8
+_MX_OFFSET = {4: 2, 6: 2, 8: 8}    # floor(log2 of the element's largest value): E2M1 6, E2M3 7.5 -> 2, E4M3 448 -> 8
+_MX_ELEM_MANTISSA = {4: 1, 6: 3, 8: 1}   # the element mantissa width round_to_power_2 takes (E4M3's: E2M1's)
 
 
-def _power_of_two_at_or_above_three_quarters(a, dt):
-    """compressed-tensors' ``round_to_power_2`` with E2M1's mantissa width, on the bits of ``a`` in dtype ``dt``:
-    1 << (mantissa - 2) added to the bit pattern, the mantissa masked off — the power of two of ``a``'s binade,
-    or the next one where ``a``'s significand is 1.75 or more (for a subnormal: 0, or the smallest normal)."""
+def _power_of_two_at_or_above_three_quarters(a, dt, elem_mantissa: int = 1):
+    """compressed-tensors' ``round_to_power_2`` with an element mantissa width (E2M1's 1 by default), on the bits
+    of ``a`` in dtype ``dt``: 1 << (mantissa - elem_mantissa - 1) added to the bit pattern, the mantissa masked off
+    — the power of two of ``a``'s binade, or the next one where ``a``'s significand is 1.75 or more (E2M3's 3 bits:
+    1.9375 or more; for a subnormal: 0, or the smallest normal)."""
     import ml_dtypes
     bits = {np.float32: (np.uint32, 23, 8), ml_dtypes.bfloat16: (np.uint16, 7, 8), np.float16: (np.uint16, 10, 5)}
     ut, mant, expo = bits[dt]
     x = np.asarray(a, dt).view(ut).astype(np.int64)
     mask = ((1 << (expo + 1)) - 1) << mant
-    return ((x + (1 << (mant - 2))) & mask).astype(ut).view(dt)
+    return ((x + (1 << (mant - elem_mantissa - 1))) & mask).astype(ut).view(dt)
 
 
 def compressed_tensors_mx_quantize(x, dtype: str | None = None, bits: int = 4) -> tuple:
     """compressed-tensors' MX weight quantizers (``calculate_qparams`` with its MX scales, then the compressor),
     byte for byte: ``(codes, scales)`` for a 2-D weight ``x`` (in a multiple of 32) — with ``bits=4``
-    (``mxfp4-pack-quantized``) packed E2M1 codes (uint8 (out, in / 2), fp4sim's packing), with ``bits=8``
-    (``mxfp8-quantized``) one E4M3 byte per element (uint8 (out, in)) — and E8M0 exponent bytes (uint8 (out,
+    (``mxfp4-pack-quantized``) packed E2M1 codes (uint8 (out, in / 2), fp4sim's packing), with ``bits=6``
+    (``mxfp6-pack-quantized``) E2M3 codes packed four to three bytes (uint8 (out, 3 in / 4),
+    :func:`fp4sim.layout.pack_fp6`'s little-endian order), with ``bits=8`` (``mxfp8-quantized``) one E4M3 byte
+    per element (uint8 (out, in)) — and E8M0 exponent bytes (uint8 (out,
     in / 32)), each operation in the weight's dtype ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``;
     default: the dtype of ``x``):
 
     - the block's largest magnitude rounded to a power of two ``p``: its binade's, or the next binade's where
-      the significand is 1.75 or more (the bits of the dtype with 1 << (mantissa - 2) added, the mantissa masked
-      off; a subnormal amax gives 0 or the smallest normal);
-    - the exponent byte ``b = clamp(127 + floor(log2 p) - k, 0, 255)``, k = 2 (E2M1's 6) or 8 (E4M3's 448),
+      the significand is 1.75 or more (1.9375 for E2M3: the bits of the dtype with 1 << (mantissa - m - 1)
+      added, m the element's mantissa width, the mantissa masked off; a subnormal amax gives 0 or the smallest
+      normal);
+    - the exponent byte ``b = clamp(127 + floor(log2 p) - k, 0, 255)``, k = 2 (E2M1's 6, E2M3's 7.5) or 8 (E4M3's
+      448),
       (log2 0 = -inf gives 0), and the scale
       ``s = 2^(b - 127)`` rounded to the dtype — in float16 a scale below 2^-24 is 0 and becomes 1 (its "eps"
       for uint8 scales), so such a block stores byte 127 and all-zero codes;
-    - each element ``E2M1_rne(clamp(fl_dtype(x / s), -6, 6))`` (or ``E4M3_rne(clamp(..., -448, 448))``), an
+    - each element ``E2M1_rne(clamp(fl_dtype(x / s), -6, 6))`` (or E2M3's with 7.5, E4M3's with 448), an
       exact zero (of either sign) code 0 (its zero point, +0, is added) and a negative value that rounds to zero
-      the negative zero code;
+      the negative zero code — MXFP6 copies the sign instead (cast_to_fp6's copysign), so -0.0 is 0x20 there;
     - the stored byte ``127 + floor(log2 s)``.
 
     For a weight of bfloat16 or float32 values these are fp4sim's ``mxfp4`` with ``scale_mode="even"`` except
     that -0 is code 0; a float16 weight differs where its scales leave float16's range. ValueError for NaN / Inf,
     or a block whose scale overflows the dtype (the rule stores no defined byte for it)."""
     from ..elements import encode
-    from ..layout import pack_fp4
+    from ..layout import pack_fp4, pack_fp6
     if bits not in _MX_OFFSET:
-        raise ValueError(f"bits={bits!r}: compressed-tensors' MX formats here are 4 (MXFP4) and 8 (MXFP8)")
+        raise ValueError(f"bits={bits!r}: compressed-tensors' MX formats here are 4 (MXFP4), 6 (MXFP6) and 8 "
+                         "(MXFP8)")
     a = np.asarray(x)
     if a.ndim != 2 or a.shape[1] % 32:
         raise ValueError(f"x: a 2-D weight (out, in) with in a multiple of 32 is needed, not shape {a.shape}")
@@ -287,7 +294,7 @@ def compressed_tensors_mx_quantize(x, dtype: str | None = None, bits: int = 4) -
             raise ValueError(f"x holds NaN or Inf (in {name}): compressed-tensors' MX rule has no scale for them")
         R, K = xd.shape
         amax = np.abs(xd.astype(np.float32)).reshape(R, K // 32, 32).max(-1).astype(dt)
-        p = _power_of_two_at_or_above_three_quarters(amax, dt).astype(np.float32)
+        p = _power_of_two_at_or_above_three_quarters(amax, dt, _MX_ELEM_MANTISSA[bits]).astype(np.float32)
         e = np.float32(127) + np.floor(np.log2(p)) - np.float32(_MX_OFFSET[bits])
         b = np.clip(e, 0, 255).astype(np.int64)
         s = np.ldexp(np.float32(1), b - 127).astype(np.float32).astype(dt).astype(np.float32)
@@ -296,10 +303,13 @@ def compressed_tensors_mx_quantize(x, dtype: str | None = None, bits: int = 4) -
                              f"{name}'s range, for which compressed-tensors stores no defined byte")
         s = np.where(s == 0, np.float32(1), s)
         y = (xd.astype(np.float32).reshape(R, K // 32, 32) / s[:, :, None]).astype(dt).astype(np.float32)
-        top, fmt = (6, "E2M1") if bits == 4 else (448, "E4M3")
-        codes = np.where(y == 0, np.uint8(0), encode(np.clip(y, -top, top), fmt)).reshape(R, K).astype(np.uint8)
+        top, fmt = {4: (6, "E2M1"), 6: (7.5, "E2M3"), 8: (448, "E4M3")}[bits]
+        codes = encode(np.clip(y, -top, top), fmt)
+        if bits != 6:                         # MXFP4 / MXFP8 add the +0 zero point; MXFP6 copies the sign (-0: 0x20)
+            codes = np.where(y == 0, np.uint8(0), codes)
+        codes = codes.reshape(R, K).astype(np.uint8)
         sb = (np.float32(127) + np.floor(np.log2(s))).astype(np.uint8)
-    return (pack_fp4(codes) if bits == 4 else codes), sb
+    return {4: pack_fp4, 6: pack_fp6, 8: lambda c: c}[bits](codes), sb
 
 
 
@@ -443,6 +453,15 @@ def _decode_mxfp8(b: RuleBytes) -> np.ndarray:
                          axis=1)
 
 
+def _decode_mxfp6(b: RuleBytes) -> np.ndarray:
+    """E2M3 codes packed four to three bytes (little-endian) times 2^(e - 127)."""
+    from ..formats import E2M3
+    from ..layout import unpack_fp6
+    v = E2M3.values[unpack_fp6(b.codes)].astype(np.float64)
+    return v * np.repeat(np.ldexp(np.float64(1), b.scales.astype(np.int64) - 127), v.shape[1] // b.scales.shape[1],
+                         axis=1)
+
+
 def _decode_qt(b: RuleBytes) -> np.ndarray:
     from ..quantize import dequantize
     return np.asarray(dequantize(b.qt), np.float64)
@@ -542,6 +561,12 @@ RULES: dict = {r.key: r for r in [
                  "compressed-tensors 0.20.1's calculate_qparams (MX scales) and MXFP8QuantizationCompressor, run by "
                  "the tests on real weights and adversarial blocks in float32, bfloat16 and float16", ("dtype",),
                  lambda x, dtype="float32": RuleBytes(*compressed_tensors_mx_quantize(x, dtype, 8)), _decode_mxfp8),
+    ExporterRule("compressed-tensors-mxfp6", "compressed-tensors' MXFP6 rule", None, "MXFP6", 32, "E8M0", None,
+                 ("compressed-tensors mxfp6",),
+                 "compressed-tensors 0.20.1's calculate_qparams (MX scales, E2M3's 3-bit rounding threshold) and "
+                 "MXFP6PackedCompressor, run by the tests on real weights and adversarial blocks in float32, bfloat16 "
+                 "and float16", ("dtype",),
+                 lambda x, dtype="float32": RuleBytes(*compressed_tensors_mx_quantize(x, dtype, 6)), _decode_mxfp6),
     *[ExporterRule(f"mlx-{m}", f"MLX's {m} rule", None, m.upper(), 16 if m == "nvfp4" else 32,
                    "E4M3" if m == "nvfp4" else "E8M0", None, (f"mlx {m}",),
                    f"MLX 0.32.4's mx.quantize(w, mode='{m}') on the CPU, run by the tests on real weights and "
@@ -626,7 +651,8 @@ def title_of(item) -> str:
 
 
 def rules_for(fmt: str, family: str) -> list:
-    """The keys of the rules whose bytes a ``fmt`` checkpoint's ``family`` tensors ("MXFP4", "NVFP4") may hold
+    """The keys of the rules whose bytes a ``fmt`` checkpoint's ``family`` tensors ("MXFP4", "NVFP4", "MXFP8",
+    "MXFP6") may hold
     ("gguf", "gpt-oss", "modelopt", "compressed-tensors"), in the registry's order."""
     return [k for k, r in RULES.items() if r.family == family and fmt in r.writes and not k.endswith("-fused")]
 

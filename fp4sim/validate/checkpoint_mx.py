@@ -18,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..analyze.inputs import reference_sources, reference_weight
-from ..checkpoints.faults import undo_gguf, undo_mxfp4, undo_mxfp8, undo_nvfp4
+from ..checkpoints.faults import undo_gguf, undo_mxfp4, undo_mxfp6, undo_mxfp8, undo_nvfp4
 from ..checkpoints.gguf import other_fp4_bytes, read_gguf, to_gguf_blocks
 from ..checkpoints.gpt_oss import read_gpt_oss, reference_orientations
 from ..checkpoints.mlx import read_mlx
 from ..checkpoints.compressed_tensors_mx import read_compressed_tensors_mx
 from ..checkpoints.rules import (COST_RULES, Requantized, candidates, reproducing, rule, rule_costs, rules_for,
                                  title_of)
-from ..layout import unpack_fp4
+from ..layout import unpack_fp4, unpack_fp6
 from .checkpoint_ref import CheckpointReport, count_compared, excluded_findings
 
 __all__ = ["check_gpt_oss", "check_compressed_tensors_mx", "check_mlx", "check_gguf"]
@@ -118,8 +118,9 @@ def check_gpt_oss(path, reference=None):
 
 def check_compressed_tensors_mx(path, reference=None):
     """The :class:`~fp4sim.validate.checkpoint.CheckpointReport` of a compressed-tensors MX folder
-    (``mxfp4-pack-quantized`` or ``mxfp8-quantized``, :mod:`fp4sim.checkpoints.compressed_tensors_mx`): per weight
-    the checks of a gpt-oss one (E8M0 bytes 255, all-zero FP4 blocks under a non-zero scale; NaN FP8 elements);
+    (``mxfp4-pack-quantized``, ``mxfp6-pack-quantized`` or ``mxfp8-quantized``,
+    :mod:`fp4sim.checkpoints.compressed_tensors_mx`): per weight the checks of a gpt-oss one (E8M0 bytes 255,
+    all-zero FP4 / FP6 blocks under a non-zero scale; NaN FP8 elements);
     with ``reference``, compressed-tensors' own rule
     in each dtype the reference is exact in, then fp4sim's MX scale modes and ggml's quantizer, or the fault
     whose undoing makes one reproduce the bytes; the modules of ``ignore`` present in high precision and none
@@ -172,7 +173,7 @@ def _check_bytes(w, t):
         if n:
             t["faults"].append(f"{n} E4M3 element bytes are NaN (0x7F / 0xFF)")
         return
-    zero = _zero_blocks(w.codes, s, w.layout.block)
+    zero = _zero_blocks(w.codes, s, w.layout.block, family == "MXFP6")
     if zero:
         t["notes"].append(f"{zero} blocks hold only zeros under a non-zero scale byte")
 
@@ -181,14 +182,15 @@ PIECE_ELEMS = 1 << 22
 """Values per piece where a weight's codes are unpacked to check them (memory: a few bytes per value of one piece)."""
 
 
-def _zero_blocks(codes, s, g: int) -> int:
+def _zero_blocks(codes, s, g: int, fp6: bool = False) -> int:
     """Blocks of ``g`` values whose codes are all zero magnitudes under a non-zero scale byte ``s``, the packed
-    ``codes`` unpacked a piece of rows at a time."""
+    ``codes`` (FP4, or ``fp6``: E2M3 four to three bytes) unpacked a piece of rows at a time."""
     step = max(1, PIECE_ELEMS // max(2 * codes.shape[1], 1))
     zero = 0
     for r0 in range(0, codes.shape[0], step):
-        c, sp = unpack_fp4(codes[r0:r0 + step]), s[r0:r0 + step]
-        zero += int((((c & 7) == 0).reshape(sp.shape[0], sp.shape[1], g).all(-1) & (sp > 0)).sum())
+        sp = s[r0:r0 + step]
+        mag = (unpack_fp6(codes[r0:r0 + step]) & 0x1F) if fp6 else (unpack_fp4(codes[r0:r0 + step]) & 7)
+        zero += int(((mag == 0).reshape(sp.shape[0], sp.shape[1], g).all(-1) & (sp > 0)).sum())
     return zero
 
 
@@ -197,6 +199,8 @@ def _undo(w) -> list:
     family = w.layout.family
     if family == "MXFP8":
         return undo_mxfp8(w.codes, w.scales)
+    if family == "MXFP6":
+        return undo_mxfp6(w.codes, w.scales)
     return undo_nvfp4(w.codes, w.scales) if family == "NVFP4" else undo_mxfp4(w)
 
 
@@ -217,7 +221,7 @@ def _check_mx_folder(ck, path, reference, label, expected, none_found, keys, non
     for name, w in ck.weights.items():
         t = {"ok": True, "faults": [], "notes": [], "shape": list(w.shape), "global_amax": None,
              "shared_scale": [], "exact": None, "rule": None, "rules": [], "compared": False}
-        fp8 = w.layout.family == "MXFP8"
+        fp8 = w.layout.family in ("MXFP8", "MXFP6")     # (the costs below are the FP4 rules')
         try:
             _check(w, expected, t)
         except ValueError as e:                     # a shard cut short, offsets that do not fit its file
