@@ -531,6 +531,12 @@ def test_scaled_mm_takes_fp6_on_b200(fa, fb):
     acc = op(sim_operand(ca, fa), sim_operand(cb, fb).T.contiguous(), torch.zeros(M, N)).numpy()
     want = (acc.astype(np.float64) * np.float64(np.float32(sa * sb)) + 0.0).astype(np.float32)
     assert y.tobytes() == want.tobytes()
+    # MMA-Sim models RTX Blackwell's (sm_120) mma.sync kind::f8f6f4 with the same step: one chain from C
+    C = torch.from_numpy(rng.standard_normal((16, 8)).astype(np.float32))
+    mma = _mmasim("MMA", "RTX Blackwell", f"m16n8k32.kind::f8f6f4.f32.{fa}.{fb}.f32")
+    got = tc.chain(fs.decode(ca[:16], fs.get_format(fa)), fs.decode(cb[:8], fs.get_format(fb)), fa, fb,
+                   tc.get_model("b200").step("fp8"), C=C.numpy())
+    assert got.tobytes() == mma(sim_operand(ca[:16], fa), sim_operand(cb[:8], fb).T.contiguous(), C).numpy().tobytes()
     ex = fs.scaled_mm(a, b.T, sa, sb, model="exact", out_dtype="float32")
     ref = (a.astype(np.float64) @ b.astype(np.float64).T) * float(sa) * float(sb)
     assert np.abs(ex - ref).max() <= 1e-6 * np.abs(ref).max()
