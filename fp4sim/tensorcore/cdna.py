@@ -1,7 +1,7 @@
 """AMD's CDNA3 matrix cores (MI300: ``v_mfma_f32_*`` instructions) as MMA-Sim 2.1 models them (Microsoft's
 MMA-Sim, PyPI ``mmasim``, ``mmasim.amd.MFMA``; facts, not code).
 
-Every operand is read as s·2^e with 1 <= |s| < 2, or as a subnormal at its format's smallest normal exponent
+Every operand is read as s·2^e with 1 <= ``|s|`` < 2, or as a subnormal at its format's smallest normal exponent
 (E4M3FNUZ -7, E5M2FNUZ -15, FP16 -14, BF16 and the float32 accumulator -126). One instruction step takes ``L``
 products and the incoming float32 accumulator c:
 
