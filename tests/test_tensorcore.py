@@ -1009,3 +1009,42 @@ def test_compare_scaled_mm_names_amd_and_fp6_models():
     A6, B6 = c8.view(ml_dtypes.float8_e4m3fn), d6.view(ml_dtypes.float6_e2m3fn)
     rep = compare_scaled_mm(A6, B6.T, np.float32(1.0), np.float32(1.0), acc)
     assert rep.best == "b200" and "exact" not in rep.matches
+
+
+@pytest.mark.parametrize("fmt,family,label", [("fp8-fnuz", "fnuz", "cdna3"), ("fp6", "fp6", "b200")])
+def test_fnuz_and_fp6_witnesses_separate_their_models_and_name_the_device(tmp_path, fmt, family, label):
+    """gemm-witnesses --format fp8-fnuz / fp6: every pair of the family's candidates differs somewhere; outputs
+    made by MMA-Sim's own model of the chip (mmasim.amd.MFMA on CDNA3; tcgen05 kind::f8f6f4 on Blackwell), then
+    the per-tensor epilogue, are named as that model by the check."""
+    import json
+    import subprocess
+    import sys
+    from fp4sim.validate.scaled_mm import FAMILY_CANDIDATES, read_fp8_witness
+    wd = tmp_path / "w"
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "gemm-witnesses", "--format", fmt, "--out", str(wd)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    man = json.loads((wd / "manifest.json").read_text())
+    assert man["models"] == list(FAMILY_CANDIDATES[family])
+    assert min(man["separating_cells"].values()) > 0
+    od = tmp_path / "out"
+    od.mkdir()
+    for name, entry in man["witnesses"].items():
+        a, b, sa, sb, _ = read_fp8_witness(wd / name, entry)
+        M, N, K = a.shape[0], b.shape[0], a.shape[1]
+        ca, cb = torch.from_numpy(a.view(np.uint8).copy()), torch.from_numpy(b.view(np.uint8).copy())
+        if family == "fnuz":
+            from mmasim.amd.sim import MFMA
+            dt = {"e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz}
+            A, B = ca.view(dt[entry["a_format"]]), cb.view(dt[entry["b_format"]])
+            suffix = {"e4m3fnuz": "fp8", "e5m2fnuz": "bf8"}
+            op = MFMA("CDNA3", f"f32_16x16x32_{suffix[entry['a_format']]}_{suffix[entry['b_format']]}")
+            acc = op(A, B.t().contiguous(), torch.zeros(M, N)).numpy()
+        else:
+            op = _mmasim("TCGen05MMA", "Blackwell", f"m64n{N}k32.kind::f8f6f4.f32.e4m3.e2m3")   # (any M)
+            acc = op(ca.view(E4), cb.T.contiguous(), torch.zeros(M, N)).numpy()
+        y = (acc.astype(np.float64) * np.float64(np.float32(sa * sb)) + 0.0).astype(np.float32)
+        np.save(od / f"{name}.npy", y)
+    r = subprocess.run([sys.executable, "-m", "fp4sim.validate", "gemm", "--witnesses", str(wd), "--outputs", str(od),
+                        "--expect", label], capture_output=True, text=True)
+    assert r.returncode == 0 and label in r.stdout, r.stdout + r.stderr

@@ -84,16 +84,18 @@ def gemm_main(argv) -> int:
         if a.json:
             check_writable(a.json, "--json", inputs=input_paths(a, outputs=("json",)))
         from .matmul16 import MATMUL_CANDIDATES
-        from .scaled_mm import SCALED_MM_CANDIDATES
-        if a.expect and not any(a.expect in c for c in (CANDIDATES, SCALED_MM_CANDIDATES, MATMUL_CANDIDATES)):
+        from .scaled_mm import FNUZ_CANDIDATES, FP6_CANDIDATES, SCALED_MM_CANDIDATES
+        if a.expect and not any(a.expect in c for c in (CANDIDATES, SCALED_MM_CANDIDATES, FNUZ_CANDIDATES,
+                                                        FP6_CANDIDATES, MATMUL_CANDIDATES)):
             raise ValueError(f"--expect {a.expect!r}: one of {', '.join(CANDIDATES)} (NVFP4), "
-                             f"{', '.join(SCALED_MM_CANDIDATES)} (FP8) or {', '.join(MATMUL_CANDIDATES)} (BF16)")
+                             f"{', '.join(SCALED_MM_CANDIDATES)} (FP8), cdna3 (FNUZ FP8), b200 (FP6) or "
+                             f"{', '.join(MATMUL_CANDIDATES)} (BF16)")
         if a.witnesses or a.outputs:
             if not (a.witnesses and a.outputs):
                 raise ValueError("--witnesses and --outputs go together (the witness folder and the device's outputs)")
             man = Path(a.witnesses) / "manifest.json"
             fmt = json.loads(man.read_text()).get("format", "nvfp4") if man.is_file() else "nvfp4"
-            if fmt == "fp8":
+            if fmt in ("fp8", "fp8-fnuz", "fp6"):
                 from .scaled_mm import check_fp8_witnesses
                 res = check_fp8_witnesses(a.witnesses, a.outputs, a.out_dtype)
             elif fmt == "bf16":
@@ -241,11 +243,12 @@ def witnesses_main(argv) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the folder to write (created; an existing one must be empty)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8", "bf16"],
+    ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8", "fp8-fnuz", "fp6", "bf16"],
                     help="nvfp4 (default): the NVFP4 accumulation models; fp8: the tensor-core models of "
                          "torch._scaled_mm (hopper, ada, b200, b200_mma, exact, dequant_f32, fast and slow accumulation); "
-                         "bf16: the 16-bit models of a bfloat16 matmul (hopper = b200_mma, ampere = ada, exact, "
-                         "float32_seq)")
+                         "fp8-fnuz: AMD MI300's FNUZ FP8 (cdna3, exact, dequant_f32); fp6: E4M3 x E2M3 on Blackwell's "
+                         "kind::f8f6f4 (b200, exact, dequant_f32); bf16: the 16-bit models of a bfloat16 matmul "
+                         "(hopper = b200_mma, ampere = ada, exact, float32_seq)")
     a = ap.parse_args(argv)
     try:
         if a.format == "bf16":
@@ -256,10 +259,10 @@ def witnesses_main(argv) -> int:
                   f"{min(man['separating_cells'].values())} cells (float32; bfloat16: "
                   f"{min(man['separating_cells_bf16'].values())})")
             return 0
-        if a.format == "fp8":
-            from .scaled_mm import write_fp8_witnesses
-            man = write_fp8_witnesses(a.out, a.seed)
-            say(f"wrote {len(man['witnesses'])} FP8 witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
+        if a.format in ("fp8", "fp8-fnuz", "fp6"):
+            from .scaled_mm import _FORMAT_OF, write_fp8_witnesses
+            man = write_fp8_witnesses(a.out, a.seed, _FORMAT_OF[a.format])
+            say(f"wrote {len(man['witnesses'])} {a.format} witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
                   f"pair of the {len(man['models'])} models differs in at least {min(man['separating_cells'].values())}"
                   " cells (float32)")
             return 0

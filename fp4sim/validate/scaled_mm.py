@@ -156,45 +156,69 @@ Each folder holds one FP8 GEMM as torch._scaled_mm computes it, y = (A . B^T) * 
 Run the GEMM on the device (float32 output; once with use_fast_accum=False, once with True), save each output as
 OUTDIR/NAME.npy and check with
   python -m fp4sim.validate gemm --witnesses THIS_FOLDER --outputs OUTDIR
+A set written with --format fp8-fnuz holds AMD's E4M3FNUZ / E5M2FNUZ bytes (torch.float8_e4m3fnuz /
+float8_e5m2fnuz on an MI300); one written with --format fp6 holds E4M3 rows A against E2M3 rows B, one FP6 code per
+byte in the low six bits (Blackwell's kind::f8f6f4; torch has no FP6 dtype: run your kernel on the bytes).
 """
 
 
-def _fp8_witness_operands(seed: int = 0):
+# the operand dtypes of each witness family: (first format's dtype, second's)
+def _family_dtypes(family: str):
+    import ml_dtypes
+    return {"ocp": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2),
+            "fnuz": (ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz),
+            "fp6": (ml_dtypes.float8_e4m3fn, ml_dtypes.float6_e2m3fn)}[family]
+
+
+FAMILY_CANDIDATES = {"ocp": SCALED_MM_CANDIDATES, "fnuz": FNUZ_CANDIDATES, "fp6": FP6_CANDIDATES}
+_FORMAT_OF = {"fp8": "ocp", "fp8-fnuz": "fnuz", "fp6": "fp6"}      # gemm-witnesses --format -> operand family
+
+
+def _fp8_witness_operands(seed: int = 0, family: str = "ocp"):
     import ml_dtypes
     rng = np.random.default_rng(seed)
-    e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+    e4, e5 = _family_dtypes(family)
+    # FP6: B is always FP6 (E2M3) against E4M3 rows: FP6 x FP6 products sit on a 2^-6 grid that float32 holds
+    # exactly at these sizes, so no model would differ from another on them
+    eb_ = e5 if family == "fp6" else e4
 
     def q(x, dt):
-        return np.clip(x, -448 if dt is e4 else -57344, 448 if dt is e4 else 57344).astype(dt)
+        top = float(ml_dtypes.finfo(dt).max)
+        return np.clip(x, -top, top).astype(dt)
     out = {}
     a, b = np.abs(rng.standard_normal((32, 1024))), np.abs(rng.standard_normal((32, 1024)))
-    out["positive_k1024"] = ("positive E4M3 operands, K = 1024: the running sum grows, so 13-bit truncation, "
-                             "the 128-element restarts and 16 against 32 products per step all show",
-                             q(a * 4, e4), q(b * 4, e4))
+    out["positive_k1024"] = ("positive operands of the first format, K = 1024: the running sum grows, so the "
+                             "steps' truncation, the 128-element restarts and the products per step all show",
+                             q(a * 4, e4), q(b * 4, eb_))
     ea, eb = rng.integers(-9, 9, (32, 512)), rng.integers(-12, 12, (32, 512))
     a = rng.choice([-1, 1], (32, 512)) * (1 + rng.integers(0, 8, (32, 512)) / 8) * np.exp2(ea)
     b = rng.choice([-1, 1], (32, 512)) * (1 + rng.integers(0, 4, (32, 512)) / 4) * np.exp2(eb)
-    out["spread_e4m3_e5m2"] = ("E4M3 x E5M2 operands whose exponents spread over both formats' ranges: the "
-                               "alignment to each step's largest product", q(a, e4), q(b, e5))
+    out["spread_e4m3_e5m2"] = ("operands of the two formats (E4M3 x E5M2, or E4M3 x E2M3) whose exponents "
+                               "spread over both formats' ranges: the alignment to each step's largest product",
+                               q(a, e4), q(b, e5))
     a = rng.choice([-448.0, 448.0, -0.0625, 0.0625, 2.0 ** -6], (32, 256))
     a[:, 1::2] = -a[:, ::2]
     a[:, 5::16] = rng.standard_normal((32, 16))
     b = np.repeat(rng.choice([-1.0, 1.0, 0.0078125], (32, 128)), 2, axis=1)
     out["cancellation"] = ("large products cancelling in pairs beside small survivors: the truncation below "
-                           "each step's largest exponent", q(a, e4), q(b, e4))
+                           "each step's largest exponent", q(a, e4), q(b, eb_))
     return out
 
 
-def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
+def write_fp8_witnesses(out_dir, seed: int = 0, family: str = "ocp") -> dict:
     """Write the FP8 witness folders, their expected outputs and manifest.json under ``out_dir`` (new or empty);
-    return the manifest."""
+    return the manifest. ``family``: "ocp" (E4M3 / E5M2: the NVIDIA models), "fnuz" (E4M3FNUZ / E5M2FNUZ: AMD's
+    cdna3) or "fp6" (E4M3 rows against E2M3 columns: Blackwell's b200)."""
     import json
 
     from .gemm import fresh_dir, record_witness
+    if family not in FAMILY_CANDIDATES:
+        raise ValueError(f"family={family!r}: use one of {', '.join(FAMILY_CANDIDATES)}")
     out_dir = fresh_dir(out_dir)
     sa, sb = np.float32(0.5), np.float32(0.25)
-    man = {"format": "fp8", "models": list(SCALED_MM_CANDIDATES), "seed": seed, "witnesses": {}}
-    for name, (purpose, a, b) in _fp8_witness_operands(seed).items():
+    fmt = {v: k for k, v in _FORMAT_OF.items()}[family]
+    man = {"format": fmt, "models": list(FAMILY_CANDIDATES[family]), "seed": seed, "witnesses": {}}
+    for name, (purpose, a, b) in _fp8_witness_operands(seed, family).items():
         d = out_dir / name
         (d / "expected").mkdir(parents=True)
         np.save(d / "a.npy", a.view(np.uint8))
@@ -210,13 +234,17 @@ def write_fp8_witnesses(out_dir, seed: int = 0) -> dict:
 
 
 def _fmt(x) -> str:
-    return FP8_OPERANDS[str(x.dtype)][0] if str(x.dtype) in FP8_OPERANDS else str(x.dtype)
+    from ..tensorcore.scaled_mm import FNUZ_OPERANDS, FP6_OPERANDS
+    table = {**FP8_OPERANDS, **FNUZ_OPERANDS, **FP6_OPERANDS}
+    return table[str(x.dtype)][0] if str(x.dtype) in table else str(x.dtype)
 
 
 def fp8_outputs(a, b, sa, sb) -> dict:
-    """{label: float32 (M, N) output} of every candidate for FP8 operands a (M, K), b (N, K) (ml_dtypes)."""
+    """{label: float32 (M, N) output} of every candidate for FP8 (or FNUZ / FP6) operands a (M, K), b (N, K)
+    (ml_dtypes): the candidates of the operands' family."""
     out = {}
-    for n, (model, fast) in SCALED_MM_CANDIDATES.items():
+    fam = operand_family(a) if operand_family(a) != "ocp" else operand_family(b)
+    for n, (model, fast) in FAMILY_CANDIDATES[fam].items():
         if model is None:
             A, Bt = a.astype(np.float32), b.astype(np.float32)
             out[n] = _to_out(_dequant_f32(A, Bt, sa, sb)[0], "float32")
@@ -230,7 +258,8 @@ def read_fp8_witness(d, manifest_entry):
     import ml_dtypes
     from pathlib import Path
     d = Path(d)
-    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+          "e5m2fnuz": ml_dtypes.float8_e5m2fnuz, "e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn}
     a = np.load(d / "a.npy").view(dt[manifest_entry["a_format"]])
     b = np.load(d / "b.npy").view(dt[manifest_entry["b_format"]])
     exp = {p.stem: np.load(p) for p in sorted((d / "expected").glob("*.npy"))}
