@@ -260,8 +260,8 @@ def witnesses_main(argv) -> int:
                   f"{min(man['separating_cells_bf16'].values())})")
             return 0
         if a.format in ("fp8", "fp8-fnuz", "fp6"):
-            from .scaled_mm import _FORMAT_OF, write_fp8_witnesses
-            man = write_fp8_witnesses(a.out, a.seed, _FORMAT_OF[a.format])
+            from .scaled_mm import WITNESS_FAMILIES, write_fp8_witnesses
+            man = write_fp8_witnesses(a.out, a.seed, WITNESS_FAMILIES[a.format])
             say(f"wrote {len(man['witnesses'])} {a.format} witnesses to {a.out} ({', '.join(man['witnesses'])}); every "
                   f"pair of the {len(man['models'])} models differs in at least {min(man['separating_cells'].values())}"
                   " cells (float32)")

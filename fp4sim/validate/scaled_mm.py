@@ -17,7 +17,8 @@ from ..tensorcore.scaled_mm import (FP8_OPERANDS, OUT_DTYPES, epilogue, fp8_oper
                                     per_tensor_scale, scaled_mm)
 from .gemm import GemmReport, model_report
 
-__all__ = ["compare_scaled_mm", "SCALED_MM_CANDIDATES", "FNUZ_CANDIDATES", "FP6_CANDIDATES", "output_array"]
+__all__ = ["compare_scaled_mm", "pair_family", "WITNESS_FAMILIES", "SCALED_MM_CANDIDATES", "FNUZ_CANDIDATES",
+           "FP6_CANDIDATES", "output_array"]
 
 # label -> (model, use_fast_accum)
 # the candidates for AMD's FNUZ FP8 operands (MI300) and for OCP FP6 operands (Blackwell's kind::f8f6f4)
@@ -69,6 +70,13 @@ def output_array(o, want_dtype):
     return o, name
 
 
+def pair_family(a, b) -> str:
+    """The operand family of a GEMM (``tensorcore.scaled_mm.operand_family``): a's, or b's where a is OCP FP8 (an
+    E4M3 operand beside an FP6 one is a kind::f8f6f4 GEMM)."""
+    fam = operand_family(a)
+    return fam if fam != "ocp" else operand_family(b)
+
+
 def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates=None, split_k=1,
                       max_mismatches: int = 10) -> GemmReport:
     """Which model reproduces ``out``, a kernel's ``a @ b · scale_a · scale_b`` of FP8 operands.
@@ -81,7 +89,7 @@ def compare_scaled_mm(a, b, scale_a, scale_b, out, *, out_dtype=None, candidates
     dequant_f32); split_k: the split the kernel used, for
     the models that know it (``fp4sim.tensorcore.scaled_mm``). Returns a GemmReport (``.best``: the first
     candidate that reproduces every element, None if none does)."""
-    fam = operand_family(a) if operand_family(a) != "ocp" else operand_family(b)
+    fam = pair_family(a, b)
     table = {"fnuz": FNUZ_CANDIDATES, "fp6": FP6_CANDIDATES}.get(fam, SCALED_MM_CANDIDATES)
     names = list(candidates or table)
     bad = [n for n in names if n not in table]
@@ -171,7 +179,7 @@ def _family_dtypes(family: str):
 
 
 FAMILY_CANDIDATES = {"ocp": SCALED_MM_CANDIDATES, "fnuz": FNUZ_CANDIDATES, "fp6": FP6_CANDIDATES}
-_FORMAT_OF = {"fp8": "ocp", "fp8-fnuz": "fnuz", "fp6": "fp6"}      # gemm-witnesses --format -> operand family
+WITNESS_FAMILIES = {"fp8": "ocp", "fp8-fnuz": "fnuz", "fp6": "fp6"}   # gemm-witnesses --format -> operand family
 
 
 def _fp8_witness_operands(seed: int = 0, family: str = "ocp"):
@@ -216,7 +224,7 @@ def write_fp8_witnesses(out_dir, seed: int = 0, family: str = "ocp") -> dict:
         raise ValueError(f"family={family!r}: use one of {', '.join(FAMILY_CANDIDATES)}")
     out_dir = fresh_dir(out_dir)
     sa, sb = np.float32(0.5), np.float32(0.25)
-    fmt = {v: k for k, v in _FORMAT_OF.items()}[family]
+    fmt = {v: k for k, v in WITNESS_FAMILIES.items()}[family]
     man = {"format": fmt, "models": list(FAMILY_CANDIDATES[family]), "seed": seed, "witnesses": {}}
     for name, (purpose, a, b) in _fp8_witness_operands(seed, family).items():
         d = out_dir / name
@@ -243,7 +251,7 @@ def fp8_outputs(a, b, sa, sb) -> dict:
     """{label: float32 (M, N) output} of every candidate for FP8 (or FNUZ / FP6) operands a (M, K), b (N, K)
     (ml_dtypes): the candidates of the operands' family."""
     out = {}
-    fam = operand_family(a) if operand_family(a) != "ocp" else operand_family(b)
+    fam = pair_family(a, b)
     for n, (model, fast) in FAMILY_CANDIDATES[fam].items():
         if model is None:
             A, Bt = a.astype(np.float32), b.astype(np.float32)
